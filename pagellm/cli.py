@@ -1,0 +1,130 @@
+"""Command line: pagellm generate | serve | bench."""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", dest="model_opt", default=None,
+                   help="HF model folder or .gguf file (default: SmolLM2-135M-Instruct GGUF)")
+    g.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16", "auto"])
+    g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--kv-cache-memory", default=None, help="KV budget, e.g. 2GiB or 500MB")
+    g.add_argument("--kv-cache-fraction", type=float, default=None,
+                   help="KV budget as a fraction of available memory")
+    g.add_argument("--max-num-seqs", type=int, default=128)
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--tensor-parallel-size", type=int, default=1)
+    g.add_argument("--speculative-method", choices=["ngram", "draft_model"], default=None)
+    g.add_argument("--speculative-model", default=None, help="draft model path")
+    g.add_argument("--num-speculative-tokens", type=int, default=4)
+    g.add_argument("--speculative-draft-dtype", default=None,
+                   help="dtype of the draft (e.g. the target's own weights in bfloat16)")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    spec = None
+    if args.speculative_method:
+        spec = {"method": args.speculative_method, "model": args.speculative_model,
+                "num_speculative_tokens": args.num_speculative_tokens,
+                "draft_dtype": args.speculative_draft_dtype}
+    return dict(
+        model=getattr(args, "model", None) or args.model_opt, dtype=args.dtype,
+        device=args.device, block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
+        kv_cache_fraction=args.kv_cache_fraction, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+        enable_prefix_caching=not args.no_prefix_caching, seed=args.seed,
+        tensor_parallel_size=args.tensor_parallel_size, speculative_config=spec)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from pagellm import LLM, SamplingParams
+
+    llm = LLM(**engine_kwargs(args))
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                            top_p=args.top_p, top_k=args.top_k, seed=args.sample_seed,
+                            stop=args.stop or None)
+    if args.chat:
+        outs = llm.chat([{"role": "user", "content": p} for p in args.prompt][:1], params,
+                        use_tqdm=False)
+    else:
+        outs = llm.generate(args.prompt, params, use_tqdm=False)
+    for out in outs:
+        o = out.outputs[0]
+        print(o.text if args.chat else (out.prompt or "") + o.text)
+        m = out.metrics
+        tpot = m.time_per_output_token
+        print(f"[{len(o.token_ids)} tokens, finish_reason={o.finish_reason}, "
+              f"ttft={m.time_to_first_token * 1000:.0f} ms"
+              + (f", {1 / tpot:.1f} tok/s" if tpot else "") + "]", file=sys.stderr)
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from pagellm.server.api_server import serve
+
+    return serve(args, engine_kwargs(args))
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    parser = argparse.ArgumentParser(prog="pagellm")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text for one or more prompts")
+    gen.add_argument("prompt", nargs="+")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--sample-seed", type=int, default=None, help="per-request sampling seed")
+    gen.add_argument("--stop", action="append", default=[])
+    gen.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    add_engine_args(gen)
+    gen.set_defaults(func=cmd_generate)
+
+    srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    srv.add_argument("model", nargs="?", default=None)
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--api-key", default=None)
+    srv.add_argument("--served-model-name", default=None)
+    srv.add_argument("--max-waiting", type=int, default=1024,
+                     help="queued requests beyond which new ones get 503")
+    srv.add_argument("--drain-timeout", type=float, default=30.0,
+                     help="seconds SIGTERM waits for running requests")
+    add_engine_args(srv)
+    srv.set_defaults(func=cmd_serve)
+
+    bench = sub.add_parser("bench", help="benchmarks (see benchmarks/README.md)")
+    bench.add_argument("kind")
+    bench.add_argument("rest", nargs=argparse.REMAINDER)
+    bench.set_defaults(func=lambda a: _bench(a))
+
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def _bench(args: argparse.Namespace) -> int:
+    try:
+        from benchmarks.__main__ import main as bench_main
+    except ImportError:
+        print("error: run `pagellm bench` from a pagellm source checkout (benchmarks/ folder)",
+              file=sys.stderr)
+        return 2
+    return bench_main([args.kind, *args.rest])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

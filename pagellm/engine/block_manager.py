@@ -1,0 +1,204 @@
+"""The KV block pool: free queue, reference counts, hash-chained prefix cache, LRU eviction.
+
+Every block is in exactly one of two places: referenced by >= 1 block tables (ref_cnt > 0), or in
+the free queue (ref_cnt == 0). A free block may still hold a cached full block of tokens; it stays
+findable by its hash until it is popped from the free queue for new tokens (least recently freed
+first), at which point its stale hash entry is dropped.
+
+Prefix cache: the hash of full block i is hash((hash of block i-1, its tokens, cache salt)).
+A hit is confirmed by comparing the tokens and the parent block, so a hash collision can cost
+a cache miss but never serves wrong KV.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from pagellm.sequence import Sequence
+
+
+@dataclass
+class KVBlock:
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: int | None = None
+    token_ids: tuple[int, ...] | None = None  # contents, kept to confirm hash hits
+    parent: tuple[int, int] | None = None  # (block_id, generation) of the previous block
+    generation: int = 0  # bumped whenever the block is reused for other tokens
+
+
+def hash_block(parent_hash: int | None, token_ids: tuple[int, ...], salt: str | None) -> int:
+    return hash((parent_hash, token_ids, salt))
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        assert num_blocks > 0 and block_size > 0
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.cached: dict[int, int] = {}  # block hash -> block id
+        # Per-sequence bookkeeping: hashes of its full blocks, and how many of its table's
+        # blocks are registered in the cache.
+        self._seq_hashes: dict[int, list[int]] = {}
+        self._seq_num_cached: dict[int, int] = {}
+        self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
+        self.prefix_hits = 0  # of those, tokens served from it
+
+    # ---- queries -------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_queue)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self.free_queue)
+
+    @property
+    def usage(self) -> float:
+        return self.num_used_blocks / self.num_blocks
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # ---- prefix cache --------------------------------------------------------------------
+    def _block_hashes(self, seq: Sequence) -> list[int]:
+        """Hashes of the sequence's full blocks of real (non-speculative) tokens, extended lazily."""
+        hashes = self._seq_hashes.setdefault(seq.seq_id, [])
+        num_full = seq.num_tokens // self.block_size
+        bs = self.block_size
+        while len(hashes) < num_full:
+            i = len(hashes)
+            tokens = tuple(seq.tokens_slice(i * bs, (i + 1) * bs))
+            hashes.append(hash_block(hashes[-1] if hashes else None, tokens, seq.cache_salt))
+        return hashes
+
+    def find_cached_prefix(self, seq: Sequence) -> list[int]:
+        """Block ids of the longest cached prefix of a new sequence's tokens.
+
+        At most (num_tokens - 1) tokens are served, so that the last token is always computed
+        and yields the logits for the next one (a fully cached prompt still runs a forward).
+        """
+        if not self.enable_prefix_caching:
+            return []
+        hashes = self._block_hashes(seq)
+        max_blocks = (seq.num_tokens - 1) // self.block_size
+        hit: list[int] = []
+        parent: tuple[int, int] | None = None
+        for i, h in enumerate(hashes[:max_blocks]):
+            block_id = self.cached.get(h)
+            if block_id is None:
+                break
+            block = self.blocks[block_id]
+            tokens = tuple(seq.tokens_slice(i * self.block_size, (i + 1) * self.block_size))
+            if block.token_ids != tokens or block.parent != parent:
+                break  # hash collision: a miss, never wrong KV
+            hit.append(block_id)
+            parent = (block_id, block.generation)
+        self.prefix_queries += seq.num_tokens
+        self.prefix_hits += len(hit) * self.block_size
+        return hit
+
+    def _register_full_blocks(self, seq: Sequence, num_computed_after: int) -> None:
+        """Put the sequence's newly full blocks of real tokens into the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = min(num_computed_after, seq.num_tokens) // self.block_size
+        start = self._seq_num_cached.get(seq.seq_id, 0)
+        if num_full <= start:
+            return
+        hashes = self._block_hashes(seq)
+        bs = self.block_size
+        for i in range(start, num_full):
+            block = self.blocks[seq.block_table[i]]
+            if block.block_hash is None and hashes[i] not in self.cached:
+                block.block_hash = hashes[i]
+                block.token_ids = tuple(seq.tokens_slice(i * bs, (i + 1) * bs))
+                prev = self.blocks[seq.block_table[i - 1]] if i > 0 else None
+                block.parent = (prev.block_id, prev.generation) if prev else None
+                self.cached[hashes[i]] = block.block_id
+        self._seq_num_cached[seq.seq_id] = num_full
+
+    # ---- allocation ----------------------------------------------------------------------
+    def _pop_free_block(self) -> KVBlock:
+        block_id, _ = self.free_queue.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.block_hash is not None:  # evict: its old contents are about to be overwritten
+            if self.cached.get(block.block_hash) == block_id:
+                del self.cached[block.block_hash]
+            block.block_hash = None
+            block.token_ids = None
+            block.parent = None
+            block.generation += 1
+        block.ref_cnt = 1
+        return block
+
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int,
+                       cached_blocks: list[int] | None = None) -> bool:
+        """Make seq's block table cover num_computed_tokens + num_new_tokens tokens.
+
+        cached_blocks: prefix-cache hits for a sequence being admitted (its table is empty).
+        Returns False, changing nothing, when the pool cannot supply the blocks.
+        """
+        cached_blocks = cached_blocks or []
+        total = seq.num_computed_tokens + len(cached_blocks) * self.block_size + num_new_tokens
+        num_new_blocks = self.blocks_needed(total) - len(seq.block_table) - len(cached_blocks)
+        # Cache hits that sit in the free queue are taken out of it, so they count too.
+        num_free_hits = sum(1 for b in cached_blocks if self.blocks[b].ref_cnt == 0)
+        if max(num_new_blocks, 0) + num_free_hits > self.num_free_blocks:
+            return False
+        for block_id in cached_blocks:
+            block = self.blocks[block_id]
+            if block.ref_cnt == 0:
+                del self.free_queue[block_id]
+            block.ref_cnt += 1
+            seq.block_table.append(block_id)
+        if cached_blocks:
+            self._seq_num_cached[seq.seq_id] = len(cached_blocks)
+            seq.num_computed_tokens += len(cached_blocks) * self.block_size
+            seq.num_cached_tokens = len(cached_blocks) * self.block_size
+        for _ in range(max(num_new_blocks, 0)):
+            seq.block_table.append(self._pop_free_block().block_id)
+        self._register_full_blocks(seq, total)
+        return True
+
+    def free(self, seq: Sequence) -> None:
+        """Return all of seq's blocks. Tail first, so that eviction takes a prefix's end first."""
+        for block_id in reversed(seq.block_table):
+            self._release(block_id)
+        seq.block_table = []
+        self._seq_num_cached.pop(seq.seq_id, None)
+
+    def forget(self, seq: Sequence) -> None:
+        """The sequence is gone for good: drop its hash list too."""
+        self.free(seq)
+        self._seq_hashes.pop(seq.seq_id, None)
+
+    def truncate(self, seq: Sequence, num_tokens: int) -> None:
+        """Roll the table back to cover only num_tokens (rejected speculative tokens)."""
+        keep = self.blocks_needed(num_tokens)
+        while len(seq.block_table) > keep:
+            self._release(seq.block_table.pop())
+        cached = self._seq_num_cached.get(seq.seq_id, 0)
+        self._seq_num_cached[seq.seq_id] = min(cached, keep)
+
+    def _release(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        assert block.ref_cnt > 0, f"double free of block {block_id}"
+        block.ref_cnt -= 1
+        if block.ref_cnt == 0:
+            self.free_queue[block_id] = None
+
+    def check_invariants(self, tables: list[list[int]]) -> None:
+        """Every block free or referenced; ref counts equal the number of tables holding it."""
+        counts = [0] * self.num_blocks
+        for table in tables:
+            for b in table:
+                counts[b] += 1
+        for block in self.blocks:
+            assert block.ref_cnt == counts[block.block_id], (block, counts[block.block_id])
+            assert (block.ref_cnt == 0) == (block.block_id in self.free_queue), block
+        for h, b in self.cached.items():
+            assert self.blocks[b].block_hash == h

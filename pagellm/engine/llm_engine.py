@@ -1,0 +1,256 @@
+"""LLMEngine: add_request / abort_request / step. Single-threaded; the async server drives it."""
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from pagellm.config import EngineConfig
+from pagellm.engine.block_manager import BlockManager
+from pagellm.engine.detokenizer import append_text, find_stop_string
+from pagellm.engine.model_runner import ModelRunner
+from pagellm.engine.scheduler import Scheduler, SchedulerOutput
+from pagellm.engine.memory import num_kv_blocks, resolve_device, resolve_dtype
+from pagellm.models.loader import load_model_files
+from pagellm.models.registry import build_model
+from pagellm.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from pagellm.sampling.sampler import SamplingRow, sample
+from pagellm.sampling_params import SamplingParams
+from pagellm.sequence import Sequence, SequenceStatus
+
+logger = logging.getLogger("pagellm")
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+    arrival_time: float
+
+    @property
+    def finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        files = load_model_files(config.model)
+        self.model_path = files.path
+        self.tokenizer = files.tokenizer
+        self.hf_config = files.config
+        self.max_model_len = min(config.max_model_len or 10**9,
+                                 _context_length(files.config))
+        self.model = build_model(files, self.dtype, self.device, self.max_model_len)
+        self.eos_token_id = _eos_id(files)
+        self.vocab_size = files.config.vocab_size
+        cc = config.cache
+        self.num_blocks, budget = num_kv_blocks(files.config, cc, self.dtype, self.device)
+        logger.info("KV cache: %d blocks of %d tokens (%.1f MiB, %s, %d tokens)", self.num_blocks,
+                    cc.block_size, budget / 2**20, self.dtype, self.num_blocks * cc.block_size)
+        self.block_manager = BlockManager(self.num_blocks, cc.block_size, cc.enable_prefix_caching)
+        sc = config.scheduler
+        self.scheduler = Scheduler(self.block_manager, sc.max_num_seqs, sc.max_num_batched_tokens)
+        self.runner = ModelRunner(self.model, self.num_blocks, cc.block_size, self.dtype, self.device)
+        self.requests: dict[str, Request] = {}
+        self._seq_ids = itertools.count()
+        self._rng = torch.Generator().manual_seed(config.seed)
+        self.num_prompt_tokens = 0  # counters for metrics
+        self.num_generation_tokens = 0
+
+    # ---- requests --------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                    arrival_time: float | None = None, cache_salt: str | None = None) -> None:
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        prompt_text, ids = self._tokenize(prompt)
+        self._check_prompt(ids)
+        arrival = arrival_time if arrival_time is not None else time.monotonic()
+        seqs = [Sequence(next(self._seq_ids), request_id, i, ids, params, self.eos_token_id,
+                         arrival_time=arrival, cache_salt=cache_salt) for i in range(params.n)]
+        self.requests[request_id] = Request(request_id, prompt_text, ids, params, seqs, arrival)
+        self.num_prompt_tokens += len(ids)
+        for seq in seqs:
+            self.scheduler.add(seq)
+
+    def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("prompt: this engine has no tokenizer; pass token ids")
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            prompt = prompt["prompt_token_ids"]
+        if isinstance(prompt, dict) and "prompt" in prompt:
+            return self._tokenize(prompt["prompt"])
+        if not isinstance(prompt, (list, tuple)) or not all(isinstance(t, int) for t in prompt):
+            raise ValueError("prompt must be a string or a list of token ids")
+        return None, list(prompt)
+
+    def _check_prompt(self, ids: list[int]) -> None:
+        if not ids:
+            raise ValueError("prompt must not be empty")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids out of range [0, {self.vocab_size}): {bad[:5]}")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens, which leaves no room to generate "
+                             f"within max_model_len {self.max_model_len}")
+        capacity = self.num_blocks * self.config.cache.block_size
+        if len(ids) >= capacity:
+            raise ValueError(f"prompt has {len(ids)} tokens but the KV cache holds only "
+                             f"{capacity}; raise kv_cache_memory")
+
+    def abort_request(self, request_id: str) -> None:
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return
+        for seq in req.seqs:
+            if not seq.is_finished:
+                self._finish(seq, "abort")
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    # ---- the step --------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        out = self.scheduler.schedule()
+        if not out.seqs:
+            self._fail_unschedulable()
+            return self._collect_outputs(set())
+        rows, owners = self._logit_rows(out)
+        logits = self.runner.execute(out, rows)
+        for seq, n in zip(out.seqs, out.num_tokens):
+            seq.num_computed_tokens += n
+        touched = self._process_samples(owners, logits)
+        return self._collect_outputs(touched)
+
+    def _logit_rows(self, out: SchedulerOutput) -> tuple[list[int], list[Sequence]]:
+        """Rows of the flat batch whose logits are sampled: the last token of every sequence
+        that has caught up with its tokens (a mid-prompt chunk samples nothing)."""
+        rows, owners, offset = [], [], 0
+        for seq, n in zip(out.seqs, out.num_tokens):
+            offset += n
+            if seq.num_computed_tokens + n >= seq.num_tokens:
+                rows.append(offset - 1)
+                owners.append(seq)
+        return rows, owners
+
+    def _process_samples(self, owners: list[Sequence], logits: torch.Tensor) -> set[str]:
+        rows = [SamplingRow(s.params, s.prompt_token_ids, s.output_token_ids,
+                            s.generator or self._rng, self.eos_token_id) for s in owners]
+        result = sample(logits, rows) if owners else None
+        now = time.monotonic()
+        touched = set()
+        for i, seq in enumerate(owners):
+            self._append_token(seq, result.token_ids[i], result.logprobs[i], now)
+            touched.add(seq.request_id)
+        return touched
+
+    def _append_token(self, seq: Sequence, token: int, logprob, now: float) -> None:
+        seq.output_token_ids.append(token)
+        self.num_generation_tokens += 1
+        if logprob is not None:
+            lp, top = logprob
+            seq.logprobs.append({token: lp, **{t: v for t, v in top.items() if t != token}})
+            seq.cumulative_logprob += lp
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        seq.token_times.append(now)
+        delta = append_text(self.tokenizer, seq) if self.tokenizer is not None else ""
+        reason, stop_reason = self._stop_check(seq, token, len(delta))
+        if reason is not None:
+            seq.stop_reason = stop_reason
+            self._finish(seq, reason)
+
+    def _stop_check(self, seq: Sequence, token: int, delta_len: int):
+        p = seq.params
+        if seq.num_output_tokens >= p.min_tokens:
+            if token == self.eos_token_id and not p.ignore_eos:
+                return "stop", None
+            if token in p.stop_token_ids:
+                return "stop", token
+            s = find_stop_string(seq, delta_len)
+            if s is not None:
+                return "stop", s
+        if p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens:
+            return "length", None
+        if seq.num_tokens >= self.max_model_len:
+            return "length", None
+        return None, None
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        seq.finish_time = time.monotonic()
+        self.scheduler.remove(seq)
+
+    def _fail_unschedulable(self) -> None:
+        """Nothing could run: the head of the queue needs more blocks than the whole pool.
+        It ends with finish_reason 'length' rather than blocking every request behind it."""
+        if self.scheduler.waiting and not self.scheduler.running:
+            seq = self.scheduler.waiting[0]
+            logger.warning("request %s needs more KV than the pool holds; stopping it",
+                           seq.request_id)
+            self._finish(seq, "length")
+
+    def _collect_outputs(self, touched: set[str]) -> list[RequestOutput]:
+        outputs = []
+        for rid in list(self.requests):
+            req = self.requests[rid]
+            if rid in touched or req.finished:
+                outputs.append(self.make_output(req))
+                if req.finished:
+                    del self.requests[rid]
+        return outputs
+
+    def make_output(self, req: Request) -> RequestOutput:
+        comps = [CompletionOutput(
+            index=s.index, text=s.text, token_ids=list(s.output_token_ids),
+            finish_reason=s.finish_reason, stop_reason=s.stop_reason,
+            cumulative_logprob=s.cumulative_logprob if s.params.logprobs is not None else None,
+            logprobs=list(s.logprobs) if s.params.logprobs is not None else None)
+            for s in req.seqs]
+        first = [s.first_token_time for s in req.seqs if s.first_token_time is not None]
+        fin = [s.finish_time for s in req.seqs if s.finish_time is not None]
+        metrics = RequestMetrics(
+            arrival_time=req.arrival_time, first_token_time=min(first) if first else None,
+            finished_time=max(fin) if req.finished and fin else None,
+            num_cached_tokens=req.seqs[0].num_cached_tokens,
+            num_preemptions=sum(s.num_preemptions for s in req.seqs),
+            token_times=list(req.seqs[0].token_times))
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, comps,
+                             req.finished, metrics, req.seqs[0].num_cached_tokens)
+
+
+def _context_length(config) -> int:
+    n = getattr(config, "max_position_embeddings", None) or 2048
+    window = getattr(config, "sliding_window", None)
+    if window and getattr(config, "use_sliding_window", True):
+        # Attention here is full-context; capping at the window keeps it exact.
+        n = min(n, window)
+    return n
+
+
+def _eos_id(files) -> int | None:
+    eos = getattr(files.config, "eos_token_id", None)
+    if files.tokenizer is not None and files.tokenizer.eos_token_id is not None:
+        eos = files.tokenizer.eos_token_id
+    if isinstance(eos, list):
+        eos = eos[0] if eos else None
+    return eos

@@ -1,0 +1,72 @@
+"""Builds a step's tensors (tokens, positions, slot_mapping, block tables), runs the model,
+and returns logits for the rows the engine wants to sample.
+
+The KV pool is allocated once here: per layer K and V of shape
+[num_blocks, block_size, num_kv_heads, head_dim], bound to the attention layers.
+"""
+from __future__ import annotations
+
+import torch
+
+from pagellm.attention.base import AttentionMetadata
+from pagellm.engine.scheduler import SchedulerOutput
+
+
+def kv_bytes_per_block(config, block_size: int, dtype: torch.dtype, tp_size: int = 1) -> int:
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv_heads = config.num_key_value_heads // tp_size
+    elem = torch.tensor([], dtype=dtype).element_size()
+    return 2 * config.num_hidden_layers * block_size * kv_heads * head_dim * elem
+
+
+class ModelRunner:
+    def __init__(self, model, num_blocks: int, block_size: int, dtype: torch.dtype,
+                 device: torch.device):
+        self.model = model
+        self.block_size = block_size
+        self.device = device
+        cfg = model.config
+        attn = model.layers[0].self_attn
+        shape = (num_blocks, block_size, attn.num_kv_heads, attn.head_dim)
+        # torch.empty: pages are committed as blocks are first written, not all at start.
+        self.kv_caches = [(torch.empty(shape, dtype=dtype, device=device),
+                           torch.empty(shape, dtype=dtype, device=device))
+                          for _ in range(cfg.num_hidden_layers)]
+        for layer, (k, v) in zip(model.layers, self.kv_caches):
+            layer.self_attn.k_cache, layer.self_attn.v_cache = k, v
+
+    def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        input_ids: list[int] = []
+        positions: list[int] = []
+        query_lens, seq_lens = [], []
+        for seq, n in zip(out.seqs, out.num_tokens):
+            start = seq.num_computed_tokens
+            input_ids.extend(seq.tokens_slice(start, start + n))
+            positions.extend(range(start, start + n))
+            query_lens.append(n)
+            seq_lens.append(start + n)
+        max_blocks = max(len(s.block_table) for s in out.seqs)
+        tables = torch.zeros(len(out.seqs), max_blocks, dtype=torch.int32)
+        for i, seq in enumerate(out.seqs):
+            tables[i, : len(seq.block_table)] = torch.tensor(seq.block_table, dtype=torch.int32)
+        pos = torch.tensor(positions, dtype=torch.long)
+        seq_index = torch.repeat_interleave(torch.arange(len(out.seqs)), torch.tensor(query_lens))
+        block_ids = tables[seq_index, pos // self.block_size].long()
+        slot_mapping = block_ids * self.block_size + pos % self.block_size
+        qsl = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
+        qsl[1:] = torch.cumsum(torch.tensor(query_lens), 0)
+        dev = self.device
+        md = AttentionMetadata(
+            slot_mapping=slot_mapping.to(dev), query_start_loc=qsl.to(dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            block_tables=tables.to(dev), query_lens_cpu=query_lens, seq_lens_cpu=seq_lens)
+        return torch.tensor(input_ids, device=dev), pos.to(dev), md
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput, logit_rows: list[int]) -> torch.Tensor:
+        """Run the step; return float32 logits [len(logit_rows), vocab] on the CPU for the given
+        rows of the flat token batch."""
+        input_ids, positions, md = self.prepare(out)
+        hidden = self.model(input_ids, positions, md)
+        rows = torch.tensor(logit_rows, dtype=torch.long, device=hidden.device)
+        return self.model.compute_logits(hidden.index_select(0, rows)).cpu()

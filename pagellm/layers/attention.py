@@ -1,0 +1,51 @@
+"""Self-attention over the paged KV cache: project, rotate, write K/V by slot, attend, project."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pagellm import parallel
+from pagellm.attention.base import AttentionBackend, AttentionMetadata
+from pagellm.layers.linear import ColumnParallelLinear, RowParallelLinear
+from pagellm.layers.rotary import RotaryEmbedding
+
+
+class PagedSelfAttention(nn.Module):
+    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                 bias: bool, rotary: RotaryEmbedding, backend: AttentionBackend):
+        super().__init__()
+        tp = parallel.tp_size()
+        assert num_heads % tp == 0 and num_kv_heads % tp == 0, (
+            f"tensor_parallel_size {tp} must divide num_heads {num_heads} and "
+            f"num_kv_heads {num_kv_heads}")
+        self.num_heads = num_heads // tp
+        self.num_kv_heads = num_kv_heads // tp
+        self.head_dim = head_dim
+        self.scale = head_dim ** -0.5
+        self.qkv_proj = ColumnParallelLinear(
+            hidden_size, (num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim),
+            bias=bias)
+        self.o_proj = RowParallelLinear(num_heads * head_dim, hidden_size)
+        self.rotary = rotary
+        self.backend = backend
+        # Bound by the model runner to this layer's slice of the KV pool.
+        self.k_cache: torch.Tensor | None = None  # [num_blocks, block_size, kv_heads, head_dim]
+        self.v_cache: torch.Tensor | None = None
+
+    def forward(
+        self,
+        positions: torch.Tensor,  # [num_tokens]
+        x: torch.Tensor,  # [num_tokens, hidden]
+        md: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, hidden]
+        n = x.shape[0]
+        qkv = self.qkv_proj(x)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(n, self.num_heads, self.head_dim)
+        k = k.view(n, self.num_kv_heads, self.head_dim)
+        v = v.view(n, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary(positions, q, k)
+        self.backend.write_kv(k, v, self.k_cache, self.v_cache, md.slot_mapping)
+        o = self.backend.forward(q, self.k_cache, self.v_cache, md, self.scale)
+        return self.o_proj(o.reshape(n, q_size))

@@ -1,0 +1,47 @@
+"""Rotary position embedding (the rotate-half layout of Hugging Face Llama checkpoints).
+
+Frequencies come from transformers' rope initialisers, so llama3/linear/yarn scaling in a
+config give the same angles as the reference implementation.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def _inv_freq(config, head_dim: int) -> tuple[torch.Tensor, float]:
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type != "default":
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
+        return inv_freq.float(), float(scaling)
+    theta = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)), 1.0
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, config, head_dim: int, max_position: int):
+        super().__init__()
+        inv_freq, scaling = _inv_freq(config, head_dim)
+        t = torch.arange(max_position, dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq)  # [max_position, head_dim / 2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", emb.cos() * scaling, persistent=False)
+        self.register_buffer("sin", emb.sin() * scaling, persistent=False)
+
+    def forward(
+        self,
+        positions: torch.Tensor,  # [num_tokens]
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [num_tokens, 1, head_dim]
+        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

@@ -1,0 +1,87 @@
+"""The offline API: LLM(...).generate(prompts, sampling_params) and .chat(messages)."""
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence as Seq
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from pagellm.config import (CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig,
+                            parse_bytes)
+from pagellm.engine.llm_engine import LLMEngine
+from pagellm.outputs import RequestOutput
+from pagellm.sampling_params import SamplingParams
+
+Prompt = str | list[int] | dict[str, Any]
+
+
+class LLM:
+    def __init__(self, model: str | None = None, *, dtype: str = "bfloat16", block_size: int = 16,
+                 kv_cache_memory: int | str | None = None, kv_cache_fraction: float | None = None,
+                 max_num_seqs: int = 128, max_num_batched_tokens: int = 2048,
+                 max_model_len: int | None = None, enable_prefix_caching: bool = True,
+                 speculative_config: dict | SpeculativeConfig | None = None, seed: int = 0,
+                 device: str = "auto", tensor_parallel_size: int = 1):
+        config = EngineConfig(
+            model=model, dtype=dtype, device=device, max_model_len=max_model_len, seed=seed,
+            tensor_parallel_size=tensor_parallel_size,
+            cache=CacheConfig(
+                block_size=block_size,
+                kv_cache_memory=None if kv_cache_memory is None else parse_bytes(
+                    kv_cache_memory, "kv_cache_memory"),
+                kv_cache_fraction=kv_cache_fraction, enable_prefix_caching=enable_prefix_caching),
+            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
+                                      max_num_batched_tokens=max_num_batched_tokens),
+            speculative=SpeculativeConfig.from_dict(speculative_config))
+        self.engine = LLMEngine(config)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | Seq[Prompt],
+                 sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        if isinstance(prompts, (str, dict)) or (
+                isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = sampling_params or SamplingParams()
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"sampling_params: got {len(params)} for {len(prompts)} prompts")
+        ids = []
+        try:
+            for prompt, p in zip(prompts, params):
+                rid = f"offline-{next(self._ids)}"
+                self.engine.add_request(rid, prompt, p)
+                ids.append(rid)
+        except ValueError:
+            for rid in ids:
+                self.engine.abort_request(rid)
+            raise
+        return self._run(ids, use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        wanted = set(ids)
+        with tqdm(total=len(ids), desc="generate", unit="req", disable=not use_tqdm) as bar:
+            while wanted - finished.keys():
+                for out in self.engine.step():
+                    if out.finished and out.request_id in wanted:
+                        finished[out.request_id] = out
+                        bar.update(1)
+        return [finished[rid] for rid in ids]
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
+             add_generation_prompt: bool = True) -> list[RequestOutput]:
+        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.apply_chat_template(c, add_generation_prompt) for c in convs]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        from pagellm.server.chat_template import render_chat
+
+        return render_chat(self.engine.tokenizer, messages, add_generation_prompt)

@@ -1,0 +1,114 @@
+"""Llama-architecture decoder (Llama 2/3, Mistral, SmolLM, Qwen2): one class, flat token batches.
+
+Input is the step's flat batch of new tokens from every scheduled sequence; the paged KV cache
+and AttentionMetadata say where each token's context lives. q|k|v and gate|up are fused.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagellm import parallel
+from pagellm.attention.base import AttentionBackend, AttentionMetadata
+from pagellm.layers.attention import PagedSelfAttention
+from pagellm.layers.linear import ColumnParallelLinear, RowParallelLinear
+from pagellm.layers.norm import RMSNorm
+from pagellm.layers.rotary import RotaryEmbedding
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool):
+        super().__init__()
+        self.gate_up_proj = ColumnParallelLinear(hidden_size, (intermediate_size,) * 2, bias=bias)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config, rotary: RotaryEmbedding, backend: AttentionBackend, qkv_bias: bool):
+        super().__init__()
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = PagedSelfAttention(
+            config.hidden_size, config.num_attention_heads, config.num_key_value_heads, head_dim,
+            qkv_bias, rotary, backend)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config.hidden_size, config.intermediate_size,
+                       bool(getattr(config, "mlp_bias", False)))
+
+    def forward(self, positions, x, md):
+        x = x + self.self_attn(positions, self.input_layernorm(x), md)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    # checkpoint projection name -> (fused module attribute, part index)
+    _FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+              "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
+    def __init__(self, config, backend: AttentionBackend, max_position: int):
+        super().__init__()
+        self.config = config
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        qkv_bias = bool(getattr(config, "attention_bias", False)) or config.model_type == "qwen2"
+        self.rotary = RotaryEmbedding(config, head_dim, max_position)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            [DecoderLayer(config, self.rotary, backend, qkv_bias)
+             for _ in range(config.num_hidden_layers)])
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.lm_head = None if self.tie_word_embeddings else nn.Linear(
+            config.hidden_size, config.vocab_size, bias=False)
+        self.requires_grad_(False)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens]
+        positions: torch.Tensor,  # [num_tokens]
+        md: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, hidden]
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(positions, x, md)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[num_rows, hidden] -> [num_rows, vocab] float32."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load Hugging Face-named tensors; q|k|v and gate|up go into their fused slices."""
+        params = dict(self.named_parameters())
+        loaded = set()
+        for name, tensor in weights:
+            if "rotary_emb" in name:
+                continue
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue  # tied: the embedding is the head
+            name = name.removeprefix("model.")
+            parts = name.split(".")
+            if len(parts) >= 4 and parts[-2] in self._FUSED:
+                fused, shard = self._FUSED[parts[-2]]
+                module = self.get_submodule(".".join(parts[:-2] + [fused]))
+                module.load(parts[-1], tensor, shard)
+                loaded.add(".".join(parts[:-2] + [fused, parts[-1]]))
+            elif parts[-2:-1] and parts[-2] in ("o_proj", "down_proj"):
+                self.get_submodule(".".join(parts[:-1])).load(parts[-1], tensor)
+                loaded.add(name)
+            elif name in params:
+                if params[name].shape != tensor.shape:
+                    raise ValueError(f"weight {name}: shape {tuple(tensor.shape)} does not match "
+                                     f"the config's {tuple(params[name].shape)}")
+                params[name].data.copy_(tensor)
+                loaded.add(name)
+        missing = set(params) - loaded
+        if missing:
+            raise ValueError(f"checkpoint is missing weights: {sorted(missing)[:5]}")

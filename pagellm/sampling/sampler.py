@@ -1,0 +1,134 @@
+"""Turns logits into tokens: penalties, min_tokens, temperature, top-k/top-p/min-p, seeded draws.
+
+One row of logits per position to sample. `processed_logits` is shared with the speculative
+rejection sampler so that the target's p and the draft's q see the same transformations.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagellm.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingRow:
+    params: SamplingParams
+    prompt_ids: list[int]
+    output_ids: list[int]  # tokens generated before this position
+    generator: torch.Generator | None
+    eos_token_id: int | None
+
+
+@dataclass
+class SampleResult:
+    token_ids: list[int]
+    # Per row: (logprob of the sampled token, {token: logprob} of the top-N), or None.
+    logprobs: list[tuple[float, dict[int, float]] | None]
+
+
+def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    vocab = logits.shape[-1]
+    for i, row in enumerate(rows):
+        p = row.params
+        if not p.needs_penalties:
+            continue
+        out = torch.tensor(row.output_ids, dtype=torch.long)
+        counts = torch.zeros(vocab).index_add_(0, out, torch.ones(len(out))) if len(out) else None
+        if p.repetition_penalty != 1.0:
+            seen = torch.zeros(vocab, dtype=torch.bool)
+            seen[torch.tensor(row.prompt_ids, dtype=torch.long)] = True
+            if counts is not None:
+                seen |= counts > 0
+            l = logits[i]
+            penalized = torch.where(l > 0, l / p.repetition_penalty, l * p.repetition_penalty)
+            logits[i] = torch.where(seen, penalized, l)
+        if counts is not None:
+            logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
+
+
+def _apply_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    for i, row in enumerate(rows):
+        if len(row.output_ids) < row.params.min_tokens:
+            banned = list(row.params.stop_token_ids)
+            if row.eos_token_id is not None:
+                banned.append(row.eos_token_id)
+            if banned:
+                logits[i, banned] = float("-inf")
+
+
+def _apply_top_k_top_p_min_p(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    """Mask, in place, tokens outside top-k, outside the top-p nucleus, or below min_p * p_max."""
+    top_k = [r.params.top_k for r in rows]
+    top_p = [r.params.top_p for r in rows]
+    min_p = [r.params.min_p for r in rows]
+    vocab = logits.shape[-1]
+    if any(0 < k < vocab for k in top_k) or any(p < 1.0 for p in top_p):
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        k = torch.tensor([k if 0 < k < vocab else vocab for k in top_k]).unsqueeze(1)
+        ranks = torch.arange(vocab).unsqueeze(0)
+        remove = ranks >= k
+        probs = sorted_logits.masked_fill(remove, float("-inf")).softmax(dim=-1)
+        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+        mass_before = probs.cumsum(dim=-1) - probs
+        remove |= mass_before >= torch.tensor(top_p).unsqueeze(1)
+        sorted_logits.masked_fill_(remove, float("-inf"))
+        logits.scatter_(1, order, sorted_logits)
+    if any(p > 0 for p in min_p):
+        probs = logits.softmax(dim=-1)
+        threshold = probs.max(dim=-1, keepdim=True).values * torch.tensor(min_p).unsqueeze(1)
+        logits.masked_fill_(probs < threshold, float("-inf"))
+
+
+def processed_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """[num_rows, vocab] raw logits -> logits after penalties, min_tokens, temperature and
+    truncation. Greedy rows are left at temperature 1 (their argmax is what counts)."""
+    logits = logits.float().clone()
+    _apply_penalties(logits, rows)
+    _apply_min_tokens(logits, rows)
+    sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
+    if sampled:
+        idx = torch.tensor(sampled)
+        temps = torch.tensor([rows[i].params.temperature for i in sampled]).unsqueeze(1)
+        sub = logits[idx] / temps
+        _apply_top_k_top_p_min_p(sub, [rows[i] for i in sampled])
+        logits[idx] = sub
+    return logits
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """One draw from a [vocab] distribution: argmax(p / E) with E ~ Exp(1) (Gumbel-max form)."""
+    noise = torch.empty_like(probs).exponential_(generator=generator)
+    return int((probs / noise).argmax())
+
+
+def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SampleResult:
+    """logits: [num_rows, vocab] float32 from the model."""
+    want_logprobs = any(r.params.logprobs is not None for r in rows)
+    raw_logprobs = torch.log_softmax(logits.float(), dim=-1) if want_logprobs else None
+    proc = processed_logits(logits, rows)
+    greedy_ids = proc.argmax(dim=-1).tolist()
+    token_ids = []
+    for i, row in enumerate(rows):
+        if row.params.greedy:
+            token_ids.append(greedy_ids[i])
+        else:
+            token_ids.append(draw(proc[i].softmax(dim=-1), row.generator))
+    logprobs = [None] * len(rows)
+    if raw_logprobs is not None:
+        for i, row in enumerate(rows):
+            logprobs[i] = token_logprobs(raw_logprobs[i], token_ids[i], row.params.logprobs)
+    return SampleResult(token_ids, logprobs)
+
+
+def token_logprobs(row_logprobs: torch.Tensor, token_id: int,
+                   num_top: int | None) -> tuple[float, dict[int, float]] | None:
+    """[vocab] log-probabilities -> (sampled token's, top-N dict)."""
+    if num_top is None:
+        return None
+    top: dict[int, float] = {}
+    if num_top > 0:
+        values, ids = row_logprobs.topk(num_top)
+        top = dict(zip(ids.tolist(), values.tolist()))
+    return float(row_logprobs[token_id]), top

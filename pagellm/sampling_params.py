@@ -1,0 +1,75 @@
+"""SamplingParams with vLLM's names; every invalid value raises ValueError naming the field."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    max_tokens: int | None = 16  # None -> up to the model's context length
+    min_tokens: int = 0
+    logprobs: int | None = None  # top-N logprobs of each generated token
+    prompt_logprobs: int | None = None  # accepted for compatibility; not computed
+    skip_special_tokens: bool = True
+    stop_strings: list[str] = field(init=False, repr=False)
+
+    def __post_init__(self):
+        self.stop_strings = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        self._validate()
+
+    def _validate(self) -> None:
+        def check(cond: bool, name: str, msg: str) -> None:
+            if not cond:
+                raise ValueError(f"{name} {msg}, got {getattr(self, name)!r}")
+
+        num = (int, float)
+        check(isinstance(self.n, int) and self.n >= 1, "n", "must be an integer >= 1")
+        check(isinstance(self.temperature, num) and self.temperature >= 0, "temperature",
+              "must be >= 0")
+        check(isinstance(self.top_p, num) and 0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
+        check(isinstance(self.top_k, int) and self.top_k >= 0, "top_k",
+              "must be -1, 0 (off) or a positive integer")
+        check(isinstance(self.min_p, num) and 0 <= self.min_p <= 1, "min_p", "must be in [0, 1]")
+        check(self.seed is None or isinstance(self.seed, int), "seed", "must be an integer")
+        check(isinstance(self.presence_penalty, num) and -2 <= self.presence_penalty <= 2,
+              "presence_penalty", "must be in [-2, 2]")
+        check(isinstance(self.frequency_penalty, num) and -2 <= self.frequency_penalty <= 2,
+              "frequency_penalty", "must be in [-2, 2]")
+        check(isinstance(self.repetition_penalty, num) and self.repetition_penalty > 0,
+              "repetition_penalty", "must be > 0")
+        check(self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
+              "max_tokens", "must be an integer >= 1")
+        check(isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens", "must be >= 0")
+        check(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
+              "must be <= max_tokens")
+        check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
+              "logprobs", "must be an integer in [0, 20]")
+        check(all(isinstance(s, str) and s for s in self.stop_strings), "stop",
+              "must be a non-empty string or a list of non-empty strings")
+        check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
+              "must be a list of non-negative integers")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5
+
+    @property
+    def needs_penalties(self) -> bool:
+        return (self.presence_penalty != 0 or self.frequency_penalty != 0
+                or self.repetition_penalty != 1.0)

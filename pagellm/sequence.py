@@ -1,0 +1,115 @@
+"""Sequence: one stream of tokens being generated, and the count of those already in the KV cache.
+
+The engine's single invariant: each step a sequence computes `num_tokens_to_compute` more tokens
+so that `num_computed_tokens` catches up with `len(token_ids)` (plus any speculative tokens).
+Prefill, chunked prefill, decode and recompute after preemption are all that.
+"""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from pagellm.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    seq_id: int
+    request_id: str
+    index: int  # which of the request's n samples
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_id: int | None
+    arrival_time: float = field(default_factory=time.monotonic)
+    cache_salt: str | None = None
+
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    stop_reason: int | str | None = None
+    num_preemptions: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache on admission
+
+    # Speculative tokens proposed for verification this step (not yet part of token_ids).
+    spec_token_ids: list[int] = field(default_factory=list)
+
+    # Text and logprobs of the output, filled by the engine's output processing.
+    text: str = ""
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+    cumulative_logprob: float = 0.0
+    generator: torch.Generator | None = None  # per-sequence RNG when the request has a seed
+
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finish_time: float | None = None
+    token_times: list[float] = field(default_factory=list)
+
+    # Detokenizer state: text of output_token_ids[prefix_offset:read_offset] is already in `text`.
+    prefix_offset: int = 0
+    read_offset: int = 0
+
+    def __post_init__(self):
+        if self.params.seed is not None:
+            self.generator = torch.Generator().manual_seed(self.params.seed + 7919 * self.index)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens_to_compute(self) -> int:
+        """Tokens whose KV is still missing, speculative proposals included."""
+        return self.num_tokens + len(self.spec_token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    @property
+    def last_token_id(self) -> int:
+        return self.token_ids[-1]
+
+    def token_at(self, i: int) -> int:
+        """Token at position i, speculative tail included."""
+        n_prompt = len(self.prompt_token_ids)
+        if i < n_prompt:
+            return self.prompt_token_ids[i]
+        i -= n_prompt
+        if i < len(self.output_token_ids):
+            return self.output_token_ids[i]
+        return self.spec_token_ids[i - len(self.output_token_ids)]
+
+    def tokens_slice(self, start: int, end: int) -> list[int]:
+        """Tokens at positions [start, end), speculative tail included."""
+        return (self.prompt_token_ids + self.output_token_ids + self.spec_token_ids)[start:end]
+
+    def reset_for_recompute(self) -> None:
+        """Preempted: its KV is gone; it will recompute prompt and outputs from scratch."""
+        self.num_computed_tokens = 0
+        self.block_table = []
+        self.spec_token_ids = []
+        self.status = SequenceStatus.WAITING
+        self.num_preemptions += 1

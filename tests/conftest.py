@@ -1,0 +1,68 @@
+"""Shared fixtures: tiny random models written to disk, and the leak check after every test."""
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+
+from pagellm.engine import llm_engine
+
+_ENGINES: list[weakref.ref] = []
+_original_init = llm_engine.LLMEngine.__init__
+
+
+def _tracking_init(self, *args, **kwargs):
+    _original_init(self, *args, **kwargs)
+    _ENGINES.append(weakref.ref(self))
+
+
+llm_engine.LLMEngine.__init__ = _tracking_init
+
+
+def assert_no_leaks(engine) -> None:
+    """Every block is back in the pool (free or reusable-cached) and no request is left."""
+    bm = engine.block_manager
+    assert not engine.requests, f"requests left: {list(engine.requests)}"
+    assert bm.num_free_blocks == bm.num_blocks, (
+        f"leaked {bm.num_blocks - bm.num_free_blocks} of {bm.num_blocks} blocks")
+    assert all(b.ref_cnt == 0 for b in bm.blocks)
+
+
+@pytest.fixture(autouse=True)
+def leak_check():
+    _ENGINES.clear()
+    yield
+    for ref in _ENGINES:
+        engine = ref()
+        if engine is not None:
+            assert_no_leaks(engine)
+    _ENGINES.clear()
+    gc.collect()
+
+
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=256, max_position_embeddings=256)
+
+
+def make_tiny_model(path, arch: str = "llama", **overrides):
+    """Write a tiny random model of the given architecture to `path`; return the HF model."""
+    import transformers
+
+    cfg_cls, model_cls = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+    }[arch]
+    kwargs = {**TINY, "eos_token_id": 2, "bos_token_id": 1, **overrides}
+    torch.manual_seed(0)
+    model = model_cls(cfg_cls(**kwargs)).eval().float()
+    model.save_pretrained(path)
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_llama")
+    return str(path), make_tiny_model(path, "llama")
