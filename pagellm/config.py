@@ -64,7 +64,10 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 4
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
-    draft_dtype: str | None = None  # e.g. the default model's own weights in bfloat16
+    draft_dtype: str | None = None  # None -> the target's dtype
+    # Keep only the first N layers of the draft (a cheaper form of the target's own weights
+    # when no smaller sibling exists). None -> all layers.
+    draft_num_layers: int | None = None
     adaptive: bool = True
 
     def __post_init__(self):
@@ -74,6 +77,8 @@ class SpeculativeConfig:
         if not 1 <= self.num_speculative_tokens <= 16:
             raise ValueError("speculative_config.num_speculative_tokens must be in [1, 16], "
                              f"got {self.num_speculative_tokens}")
+        if self.draft_num_layers is not None and self.draft_num_layers < 1:
+            raise ValueError("speculative_config.draft_num_layers must be >= 1")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError("speculative_config: need 1 <= prompt_lookup_min <= prompt_lookup_max")
 

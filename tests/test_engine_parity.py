@@ -60,7 +60,7 @@ def test_decode_logprobs_match_transformers(tiny):
     dict(block_size=16),
     dict(block_size=1),
     dict(block_size=4, max_num_batched_tokens=5),  # chunked prefill of every prompt
-    dict(block_size=2, kv_cache_memory=512 * 32, max_num_batched_tokens=64),
+    dict(block_size=2, kv_cache_memory=1024 * 32, max_num_batched_tokens=64),
 ], ids=["bs16", "bs1", "chunked", "preempt"])
 def test_greedy_batch_matches_transformers(tiny, engine_kwargs):
     path, hf = tiny

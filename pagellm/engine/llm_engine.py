@@ -54,6 +54,14 @@ class LLMEngine:
         self.vocab_size = files.config.vocab_size
         cc = config.cache
         self.num_blocks, budget = num_kv_blocks(files.config, cc, self.dtype, self.device)
+        self.spec = None
+        if config.speculative is not None:
+            from pagellm.spec_decode.setup import build_spec_decoder
+
+            self.spec, self.num_blocks = build_spec_decoder(
+                config.speculative, target_files=files, target_model=self.model,
+                target_dtype=self.dtype, device=self.device, max_model_len=self.max_model_len,
+                eos_token_id=self.eos_token_id, kv_budget=budget, block_size=cc.block_size)
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB, %s, %d tokens)", self.num_blocks,
                     cc.block_size, budget / 2**20, self.dtype, self.num_blocks * cc.block_size)
         self.block_manager = BlockManager(self.num_blocks, cc.block_size, cc.enable_prefix_caching)
@@ -129,38 +137,68 @@ class LLMEngine:
 
     # ---- the step --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        if self.spec is not None:
+            self.spec.propose(self.scheduler.running)
         out = self.scheduler.schedule()
+        for seq in out.preempted:
+            if self.spec is not None:
+                self.spec.release(seq)
         if not out.seqs:
             self._fail_unschedulable()
             return self._collect_outputs(set())
         rows, owners = self._logit_rows(out)
+        start = time.perf_counter()
         logits = self.runner.execute(out, rows)
+        if self.spec is not None:
+            self.spec.observe_step(out.total_tokens, time.perf_counter() - start)
         for seq, n in zip(out.seqs, out.num_tokens):
             seq.num_computed_tokens += n
         touched = self._process_samples(owners, logits)
         return self._collect_outputs(touched)
 
-    def _logit_rows(self, out: SchedulerOutput) -> tuple[list[int], list[Sequence]]:
-        """Rows of the flat batch whose logits are sampled: the last token of every sequence
-        that has caught up with its tokens (a mid-prompt chunk samples nothing)."""
+    def _logit_rows(self, out: SchedulerOutput) -> tuple[list[int], list[tuple[Sequence, int]]]:
+        """Rows of the flat batch whose logits are needed: for every sequence that catches up
+        with its tokens, its last real token and each speculative proposal (a mid-prompt chunk
+        needs none). Returns the rows and (sequence, number of its rows) in order."""
         rows, owners, offset = [], [], 0
         for seq, n in zip(out.seqs, out.num_tokens):
             offset += n
             if seq.num_computed_tokens + n >= seq.num_tokens:
-                rows.append(offset - 1)
-                owners.append(seq)
+                k = len(seq.spec_token_ids)
+                rows.extend(range(offset - k - 1, offset))
+                owners.append((seq, k + 1))
         return rows, owners
 
-    def _process_samples(self, owners: list[Sequence], logits: torch.Tensor) -> set[str]:
-        rows = [SamplingRow(s.params, s.prompt_token_ids, s.output_token_ids,
-                            s.generator or self._rng, self.eos_token_id) for s in owners]
-        result = sample(logits, rows) if owners else None
+    def _process_samples(self, owners: list[tuple[Sequence, int]], logits: torch.Tensor) -> set[str]:
+        plain, plain_rows, spec, spec_logits = [], [], [], []
+        offset = 0
+        for seq, n in owners:
+            if n == 1:
+                plain.append(seq)
+                plain_rows.append(offset)
+            else:
+                spec.append(seq)
+                spec_logits.append(logits[offset:offset + n])
+            offset += n
         now = time.monotonic()
-        touched = set()
-        for i, seq in enumerate(owners):
-            self._append_token(seq, result.token_ids[i], result.logprobs[i], now)
-            touched.add(seq.request_id)
-        return touched
+        if plain:
+            rows = [SamplingRow(s.params, s.prompt_token_ids, s.output_token_ids,
+                                s.generator or self._rng, self.eos_token_id) for s in plain]
+            result = sample(logits[plain_rows], rows)
+            for i, seq in enumerate(plain):
+                self._append_token(seq, result.token_ids[i], result.logprobs[i], now)
+        if spec:
+            for seq, verified in zip(spec, self.spec.verify(spec, spec_logits, self._rng)):
+                for token, lp in zip(verified.token_ids, verified.logprobs):
+                    self._append_token(seq, token, lp, now)
+                    if seq.is_finished:
+                        break
+                if not seq.is_finished:
+                    # KV is valid up to the last accepted proposal; the rest is rolled back.
+                    seq.num_computed_tokens = seq.num_tokens - 1
+                    self.block_manager.truncate(seq, seq.num_computed_tokens)
+                    self.spec.after_verify(seq)
+        return {seq.request_id for seq, _ in owners}
 
     def _append_token(self, seq: Sequence, token: int, logprob, now: float) -> None:
         seq.output_token_ids.append(token)
@@ -195,6 +233,8 @@ class LLMEngine:
         return None, None
 
     def _finish(self, seq: Sequence, reason: str) -> None:
+        if self.spec is not None:
+            self.spec.release(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.finish_time = time.monotonic()

@@ -69,6 +69,10 @@ class Scheduler:
             if num <= 0:
                 i += 1
                 continue
+            if seq.spec_token_ids and num < seq.num_tokens_to_compute:
+                # Out of budget for all proposals: verify only those that fit.
+                fit = num - (seq.num_tokens - seq.num_computed_tokens)
+                seq.spec_token_ids = seq.spec_token_ids[: max(fit, 0)]
             while not self.block_manager.allocate_slots(seq, num):
                 victim = self.running.pop()  # newest first
                 self._preempt(victim, out)

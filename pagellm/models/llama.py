@@ -95,6 +95,8 @@ class LlamaForCausalLM(nn.Module):
                 continue  # tied: the embedding is the head
             name = name.removeprefix("model.")
             parts = name.split(".")
+            if parts[0] == "layers" and int(parts[1]) >= len(self.layers):
+                continue  # a draft built from the first layers of a deeper checkpoint
             if len(parts) >= 4 and parts[-2] in self._FUSED:
                 fused, shard = self._FUSED[parts[-2]]
                 module = self.get_submodule(".".join(parts[:-2] + [fused]))

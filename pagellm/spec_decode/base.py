@@ -1,0 +1,32 @@
+"""Proposer interface: guess the next tokens of running sequences cheaply."""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from pagellm.sequence import Sequence
+
+
+@dataclass
+class Proposal:
+    token_ids: list[int]  # up to k proposed tokens (may be empty)
+    probs: torch.Tensor | None  # [len(token_ids), vocab] draft distribution q, None = one-hot
+
+
+class Proposer(ABC):
+    @abstractmethod
+    def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> list[Proposal]:
+        """Propose up to num_tokens[i] tokens to follow each sequence's current tokens."""
+
+    def on_verified(self, seq: Sequence) -> None:
+        """The target verified seq's proposals; seq.num_computed_tokens is its new valid length."""
+
+    def release(self, seq: Sequence) -> None:
+        """seq finished or was preempted: drop any state kept for it."""
+
+    @property
+    def has_cost(self) -> bool:
+        """Whether proposing costs model forward passes (the adaptive controller times them)."""
+        return False

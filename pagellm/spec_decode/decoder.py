@@ -1,0 +1,152 @@
+"""Speculative decoding inside the engine step: propose before scheduling, verify after the
+target's forward pass, and keep the statistics.
+
+The target scores each sequence's last real token plus its k proposals in one pass, giving
+k + 1 rows of logits. The rejection sampler turns them into 1..k+1 emitted tokens, distributed
+exactly as the target alone would emit them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from pagellm.sampling.rejection import rejection_sample
+from pagellm.sampling.sampler import SamplingRow, processed_logits, token_logprobs
+from pagellm.sequence import Sequence
+from pagellm.spec_decode.adaptive import AdaptiveK
+from pagellm.spec_decode.base import Proposer
+
+
+@dataclass
+class SpecStats:
+    max_k: int
+    num_drafts: int = 0  # sequence-steps that carried proposals
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    def __post_init__(self):
+        self.accepted_per_position = [0] * self.max_k
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens emitted per verified draft: accepted ones plus the target's own."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+    def as_dict(self) -> dict:
+        return {"num_drafts": self.num_drafts, "num_draft_tokens": self.num_draft_tokens,
+                "num_accepted_tokens": self.num_accepted_tokens,
+                "acceptance_rate": self.acceptance_rate,
+                "mean_acceptance_length": self.mean_acceptance_length,
+                "accepted_per_position": list(self.accepted_per_position)}
+
+
+@dataclass
+class Verified:
+    token_ids: list[int]
+    logprobs: list[tuple[float, dict[int, float]] | None]
+
+
+class SpecDecoder:
+    def __init__(self, proposer: Proposer, max_k: int, adaptive: bool, max_model_len: int,
+                 eos_token_id: int | None):
+        self.proposer = proposer
+        self.max_k = max_k
+        self.controller = AdaptiveK(max_k, enabled=adaptive)
+        self.max_model_len = max_model_len
+        self.eos_token_id = eos_token_id
+        self.stats = SpecStats(max_k)
+        self._q: dict[int, torch.Tensor | None] = {}
+
+    def propose(self, running: list[Sequence]) -> None:
+        """Attach proposals to every running sequence that is decoding (only its last token
+        lacks KV). Proposal counts respect max_tokens and the context length."""
+        decoding = [s for s in running if s.num_tokens_to_compute == 1]
+        ks = self.controller.choose(decoding)
+        for i, seq in enumerate(decoding):
+            room = self.max_model_len - seq.num_tokens - 1
+            if seq.params.max_tokens is not None:
+                room = min(room, seq.params.max_tokens - seq.num_output_tokens - 1)
+            ks[i] = max(0, min(ks[i], room))
+        proposals = self.proposer.propose(decoding, ks)
+        if self.proposer.has_cost:
+            rounds = getattr(self.proposer, "last_rounds", 0)
+            self.controller.observe_draft(rounds, getattr(self.proposer, "last_seconds", 0.0))
+        for seq, prop in zip(decoding, proposals):
+            seq.spec_token_ids = list(prop.token_ids)
+            if prop.token_ids:
+                self._q[seq.seq_id] = prop.probs
+
+    def observe_step(self, num_tokens: int, seconds: float) -> None:
+        self.controller.observe_step(num_tokens, seconds)
+
+    def verify(self, seqs: list[Sequence], logits: list[torch.Tensor],
+               rng: torch.Generator) -> list[Verified]:
+        """logits[i]: [1 + len(seqs[i].spec_token_ids), vocab] target logits of sequence i."""
+        k = max(len(s.spec_token_ids) for s in seqs)
+        vocab = logits[0].shape[-1]
+        batch = len(seqs)
+        p = torch.zeros(batch, k + 1, vocab)
+        q = torch.zeros(batch, k, vocab) if k else None
+        draft_ids = torch.zeros(batch, k, dtype=torch.long)
+        uniforms = torch.empty(batch, k)
+        noise = torch.empty(batch, vocab)
+        for b, (seq, rows_logits) in enumerate(zip(seqs, logits)):
+            spec = seq.spec_token_ids
+            rows = [SamplingRow(seq.params, seq.prompt_token_ids, seq.output_token_ids + spec[:j],
+                                seq.generator or rng, self.eos_token_id) for j in range(len(spec) + 1)]
+            proc = processed_logits(rows_logits, rows)
+            if seq.params.greedy:  # one-hot of the argmax: accept iff proposal == argmax
+                p[b, : len(spec) + 1].scatter_(1, proc.argmax(-1, keepdim=True), 1.0)
+            else:
+                p[b, : len(spec) + 1] = proc.softmax(dim=-1)
+            draft_ids[b, : len(spec)] = torch.tensor(spec, dtype=torch.long)
+            q_seq = self._q.pop(seq.seq_id, None)
+            if q is not None and spec:
+                if q_seq is None:  # one-hot proposals (n-gram, or greedy drafts)
+                    q[b, torch.arange(len(spec)), draft_ids[b, : len(spec)]] = 1.0
+                else:
+                    q[b, : len(spec)] = q_seq[: len(spec)]
+            gen = seq.generator or rng
+            uniforms[b].uniform_(generator=gen)
+            noise[b].exponential_(generator=gen)
+        num_draft = torch.tensor([len(s.spec_token_ids) for s in seqs])
+        accepted, final = rejection_sample(p, draft_ids, num_draft, q, uniforms, noise)
+        results = []
+        for b, seq in enumerate(seqs):
+            a = int(accepted[b])
+            tokens = seq.spec_token_ids[:a] + [int(final[b])]
+            results.append(Verified(tokens, self._logprobs(seq, logits[b], tokens)))
+            self._record(seq, len(seq.spec_token_ids), a)
+        return results
+
+    def _logprobs(self, seq: Sequence, rows_logits: torch.Tensor, tokens: list[int]):
+        if seq.params.logprobs is None:
+            return [None] * len(tokens)
+        lp = torch.log_softmax(rows_logits[: len(tokens)].float(), dim=-1)
+        return [token_logprobs(lp[j], t, seq.params.logprobs) for j, t in enumerate(tokens)]
+
+    def _record(self, seq: Sequence, num_draft: int, num_accepted: int) -> None:
+        if num_draft == 0:
+            return
+        self.stats.num_drafts += 1
+        self.stats.num_draft_tokens += num_draft
+        self.stats.num_accepted_tokens += num_accepted
+        for j in range(num_accepted):
+            self.stats.accepted_per_position[j] += 1
+        self.controller.observe_acceptance(seq, num_draft, num_accepted)
+
+    def after_verify(self, seq: Sequence) -> None:
+        seq.spec_token_ids = []
+        self.proposer.on_verified(seq)
+
+    def release(self, seq: Sequence) -> None:
+        seq.spec_token_ids = []
+        self._q.pop(seq.seq_id, None)
+        self.proposer.release(seq)
+        self.controller.forget(seq)

@@ -1,0 +1,72 @@
+"""Builds the speculative decoder from SpeculativeConfig, checking the draft against the target."""
+from __future__ import annotations
+
+import copy
+import logging
+
+import torch
+
+from pagellm.config import SpeculativeConfig
+from pagellm.engine.memory import resolve_dtype
+from pagellm.engine.model_runner import kv_bytes_per_block
+from pagellm.models.loader import load_model_files
+from pagellm.models.registry import build_model
+from pagellm.spec_decode.decoder import SpecDecoder
+from pagellm.spec_decode.draft_model import DraftModelProposer
+from pagellm.spec_decode.ngram import NgramProposer
+
+logger = logging.getLogger("pagellm")
+
+
+def load_draft(spec: SpeculativeConfig, target_files, target_dtype: torch.dtype,
+               device: torch.device, max_model_len: int):
+    """Load the draft model (default: the target's own files, in a cheaper form) and refuse one
+    whose vocabulary or tokenizer differs from the target's."""
+    files = load_model_files(spec.model) if spec.model else target_files
+    if files.config.vocab_size != target_files.config.vocab_size:
+        raise ValueError(f"speculative_config.model: draft vocab size {files.config.vocab_size} "
+                         f"differs from the target's {target_files.config.vocab_size}")
+    t_tok, d_tok = target_files.tokenizer, files.tokenizer
+    if t_tok is not None and d_tok is not None and t_tok.get_vocab() != d_tok.get_vocab():
+        raise ValueError("speculative_config.model: the draft's tokenizer differs from the "
+                         "target's; speculative decoding needs the same tokenizer")
+    if spec.draft_num_layers is not None:
+        config = copy.deepcopy(files.config)
+        config.num_hidden_layers = min(spec.draft_num_layers, config.num_hidden_layers)
+        files = type(files)(config=config, tokenizer=files.tokenizer, weights=files.weights,
+                            path=files.path)
+    dtype = resolve_dtype(spec.draft_dtype, device) if spec.draft_dtype else target_dtype
+    return files, build_model(files, dtype, device, max_model_len), dtype
+
+
+def weight_bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def build_spec_decoder(spec: SpeculativeConfig, *, target_files, target_model, target_dtype,
+                       device, max_model_len, eos_token_id, kv_budget: int, block_size: int):
+    """(SpecDecoder, number of target KV blocks). The KV budget is split so that target and
+    draft caches hold the same number of tokens."""
+    t_block = kv_bytes_per_block(target_files.config, block_size, target_dtype)
+    if spec.method == "ngram":
+        num_blocks = kv_budget // t_block
+        proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+        logger.info("speculative decoding: n-gram lookup, k=%d", spec.num_speculative_tokens)
+    else:
+        files, draft, dtype = load_draft(spec, target_files, target_dtype, device, max_model_len)
+        d_block = kv_bytes_per_block(files.config, block_size, dtype)
+        num_blocks = kv_budget // (t_block + d_block)
+        proposer = DraftModelProposer(draft, num_blocks, block_size, dtype, device,
+                                      eos_token_id, max_model_len)
+        mib = 2**20
+        logger.info(
+            "speculative decoding: draft %s (%d layers, %s), k=%d. Memory: target weights "
+            "%.0f MiB + KV %.0f MiB; draft weights %.0f MiB + KV %.0f MiB",
+            files.path, files.config.num_hidden_layers, dtype, spec.num_speculative_tokens,
+            weight_bytes(target_model) / mib, num_blocks * t_block / mib,
+            weight_bytes(draft) / mib, num_blocks * d_block / mib)
+    if num_blocks < 1:
+        raise ValueError("kv_cache_memory is too small for target and draft caches")
+    decoder = SpecDecoder(proposer, spec.num_speculative_tokens, spec.adaptive, max_model_len,
+                          eos_token_id)
+    return decoder, int(num_blocks)
