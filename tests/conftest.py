@@ -28,6 +28,9 @@ def assert_no_leaks(engine) -> None:
     assert bm.num_free_blocks == bm.num_blocks, (
         f"leaked {bm.num_blocks - bm.num_free_blocks} of {bm.num_blocks} blocks")
     assert all(b.ref_cnt == 0 for b in bm.blocks)
+    draft_bm = getattr(getattr(engine.spec, "proposer", None), "block_manager", None)
+    if draft_bm is not None:
+        assert draft_bm.num_free_blocks == draft_bm.num_blocks, "draft cache leaked blocks"
 
 
 @pytest.fixture(autouse=True)

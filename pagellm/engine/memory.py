@@ -5,7 +5,7 @@ import torch
 
 from pagellm.config import CacheConfig
 
-DEFAULT_KV_CACHE_BYTES = 4 * 2**30  # like vLLM's CPU default (VLLM_CPU_KVCACHE_SPACE=4)
+DEFAULT_KV_CACHE_BYTES = 2 * 2**30  # the whole pool is committed (zeroed) at start
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -41,7 +41,7 @@ def kv_budget_bytes(cache: CacheConfig, device: torch.device) -> int:
         return int(available_memory(device) * cache.kv_cache_fraction)
     if device.type == "cuda":
         return int(available_memory(device) * 0.85)
-    return min(DEFAULT_KV_CACHE_BYTES, available_memory(device) // 2)
+    return min(DEFAULT_KV_CACHE_BYTES, available_memory(device) // 4)
 
 
 def num_kv_blocks(config, cache: CacheConfig, dtype: torch.dtype, device: torch.device,

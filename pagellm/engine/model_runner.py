@@ -28,9 +28,10 @@ class ModelRunner:
         cfg = model.config
         attn = model.layers[0].self_attn
         shape = (num_blocks, block_size, attn.num_kv_heads, attn.head_dim)
-        # torch.empty: pages are committed as blocks are first written, not all at start.
-        self.kv_caches = [(torch.empty(shape, dtype=dtype, device=device),
-                           torch.empty(shape, dtype=dtype, device=device))
+        # Zeroed, not empty: attention multiplies masked-out (probability 0) slots by their
+        # values, and 0 * NaN from uninitialised memory would poison the output.
+        self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=device),
+                           torch.zeros(shape, dtype=dtype, device=device))
                           for _ in range(cfg.num_hidden_layers)]
         for layer, (k, v) in zip(model.layers, self.kv_caches):
             layer.self_attn.k_cache, layer.self_attn.v_cache = k, v

@@ -1,0 +1,178 @@
+"""Speculative decoding: the rejection sampler's maths, and the engine's output never changing."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagellm import LLM, SamplingParams
+from pagellm.sampling.rejection import rejection_sample, rejection_sample_reference
+from pagellm.sequence import Sequence
+from pagellm.spec_decode.adaptive import AdaptiveK, expected_tokens
+from tests.conftest import make_tiny_model
+
+
+def _random_case(batch, k, vocab, one_hot_q, seed):
+    g = torch.Generator().manual_seed(seed)
+    p = torch.softmax(torch.randn(batch, k + 1, vocab, generator=g) * 2, -1)
+    q = None if one_hot_q else torch.softmax(torch.randn(batch, k, vocab, generator=g) * 2, -1)
+    if q is None:
+        draft = torch.randint(0, vocab, (batch, k), generator=g)
+    else:
+        draft = torch.stack([torch.multinomial(q[b], 1, generator=g).squeeze(-1)
+                             for b in range(batch)])
+    num_draft = torch.randint(0, k + 1, (batch,), generator=g)
+    uniforms = torch.rand(batch, k, generator=g)
+    noise = torch.empty(batch, vocab).exponential_(generator=g)
+    return p, draft, num_draft, q, uniforms, noise
+
+
+@pytest.mark.parametrize("one_hot_q", [False, True])
+def test_batched_equals_reference(one_hot_q):
+    for seed in range(5):
+        case = _random_case(batch=64, k=4, vocab=12, one_hot_q=one_hot_q, seed=seed)
+        got = rejection_sample(*case)
+        want = rejection_sample_reference(*case)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def _emitted_histograms(p_row, q_row, n, vocab, one_hot_q, seed):
+    """Repeat one (p, q) case n times with fresh randomness; histograms of the first and
+    second emitted token. p is the same at every position, so each emitted token ~ p."""
+    g = torch.Generator().manual_seed(seed)
+    k = 2
+    p = p_row.expand(n, k + 1, vocab).contiguous()
+    if one_hot_q:
+        draft = torch.multinomial(q_row, n * k, replacement=True, generator=g).view(n, k)
+        q = None
+    else:
+        q = q_row.expand(n, k, vocab).contiguous()
+        draft = torch.multinomial(q_row, n * k, replacement=True, generator=g).view(n, k)
+    uniforms = torch.rand(n, k, generator=g)
+    noise = torch.empty(n, vocab).exponential_(generator=g)
+    acc, final = rejection_sample(p, draft, torch.full((n,), k), q, uniforms, noise)
+    first = torch.where(acc > 0, draft[:, 0], final)
+    second_rows = acc >= 1
+    second = torch.where(acc[second_rows] > 1, draft[second_rows, 1], final[second_rows])
+    return ((torch.bincount(first, minlength=vocab).float() / n, n),
+            (torch.bincount(second, minlength=vocab).float() / max(len(second), 1), len(second)))
+
+
+@pytest.mark.parametrize("one_hot_q", [False, True])
+def test_emitted_tokens_follow_target_distribution(one_hot_q):
+    vocab = 8
+    g = torch.Generator().manual_seed(3)
+    p = torch.softmax(torch.randn(vocab, generator=g) * 1.5, -1)
+    # The draft guesses from a quite different distribution (for one-hot q: its proposals).
+    q = torch.softmax(torch.randn(vocab, generator=g) * 1.5, -1)
+    tv = lambda a, b: 0.5 * float((a - b).abs().sum())
+    small = _emitted_histograms(p, q, 500, vocab, one_hot_q, seed=1)
+    large = _emitted_histograms(p, q, 100_000, vocab, one_hot_q, seed=2)
+    for (hist_small, _), (hist_large, n) in zip(small, large):
+        # Sampling noise alone gives a total variation of about sqrt(vocab / n) / 2.
+        assert tv(hist_large, p) < (vocab / n) ** 0.5
+        assert tv(hist_large, p) < tv(hist_small, p)  # converges as samples grow
+        assert tv(hist_large, q) > 0.1  # and not to the draft's distribution
+    assert tv(p, q) > 0.15
+
+
+def test_adaptive_controller_turns_off_and_on():
+    ctl = AdaptiveK(max_k=4)
+    seqs = [Sequence(i, str(i), 0, [1, 2], SamplingParams(), None) for i in range(64)]
+    # A memory-bound machine: step time barely grows with tokens -> speculate at batch 1.
+    for n in (1, 2, 4, 8, 16, 32, 64):
+        ctl.observe_step(n, 0.030 + 0.0001 * n)
+    ctl.alpha = 0.8
+    assert ctl.choose(seqs[:1]) == [4]
+    # Compute-bound: every token costs as much as the weights -> no speculation at batch 64.
+    ctl2 = AdaptiveK(max_k=4)
+    for n in (1, 64, 128, 256, 320):
+        ctl2.observe_step(n, 0.001 + 0.001 * n)
+    ctl2.alpha = 0.8
+    assert ctl2.choose(seqs) == [0] * 64
+    # Low acceptance: off, but a probe round comes within 16 steps.
+    ctl.alpha = 0.02
+    ks = [ctl.choose(seqs[:1])[0] for _ in range(16)]
+    assert ks.count(0) == 15 and ks.count(1) == 1
+    assert expected_tokens(0.5, 2) == pytest.approx(1.75)
+
+
+PROMPTS = [[5, 17, 33, 4, 90, 12, 7] * 3, [3, 3, 3], list(range(10, 51)),
+           [1, 2, 3, 4, 1, 2, 3, 4, 1, 2], [9, 8, 7]]
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(tmp_path_factory):
+    target = tmp_path_factory.mktemp("spec_target")
+    make_tiny_model(target, "llama")
+    other_vocab = tmp_path_factory.mktemp("spec_other_vocab")
+    make_tiny_model(other_vocab, "llama", vocab_size=300)
+    return str(target), str(other_vocab)
+
+
+def _greedy(llm, n=24):
+    sp = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, sp, use_tqdm=False)]
+
+
+SPECS = {
+    "ngram": {"method": "ngram", "num_speculative_tokens": 4, "adaptive": False},
+    "draft_self": {"method": "draft_model", "num_speculative_tokens": 3, "adaptive": False},
+    "draft_1layer": {"method": "draft_model", "num_speculative_tokens": 3, "draft_num_layers": 1,
+                     "adaptive": False},
+    "adaptive": {"method": "draft_model", "num_speculative_tokens": 3, "draft_num_layers": 1},
+}
+
+
+@pytest.mark.parametrize("spec", list(SPECS))
+@pytest.mark.parametrize("setting", ["plain", "preempt", "chunked", "no_prefix_cache"])
+def test_greedy_identical_with_speculation(tiny_pair, spec, setting):
+    path, _ = tiny_pair
+    kw = {"dtype": "float32", "kv_cache_memory": 2**20, "block_size": 4}
+    if setting == "preempt":
+        kw.update(kv_cache_memory=2048 * 20 if spec == "ngram" else 4096 * 20)
+    if setting == "chunked":
+        kw.update(max_num_batched_tokens=6)
+    if setting == "no_prefix_cache":
+        kw.update(enable_prefix_caching=False)
+    base = _greedy(LLM(path, **kw))
+    llm = LLM(path, speculative_config=SPECS[spec], **kw)
+    assert _greedy(llm) == base
+    stats = llm.engine.spec.stats
+    assert stats.num_draft_tokens > 0
+    if spec == "draft_self":  # a draft equal to the target accepts everything
+        assert stats.num_accepted_tokens == stats.num_draft_tokens
+    if setting == "preempt":
+        assert llm.engine.scheduler.num_preemptions > 0
+
+
+def test_speculation_respects_max_tokens_stop_and_seed(tiny_pair):
+    path, _ = tiny_pair
+    llm = LLM(path, dtype="float32", kv_cache_memory=2**20,
+              speculative_config=SPECS["draft_self"])
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=7, ignore_eos=True),
+                        use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 7 for o in outs)
+    # Stop token in the middle of an accepted run: nothing after it is emitted.
+    ref = outs[2].outputs[0].token_ids
+    stop = SamplingParams(temperature=0, max_tokens=7, stop_token_ids=[ref[3]], ignore_eos=True)
+    got = llm.generate([PROMPTS[2]], stop, use_tqdm=False)[0].outputs[0]
+    assert got.token_ids == ref[: ref.index(ref[3]) + 1] and got.finish_reason == "stop"
+    sampled = SamplingParams(temperature=1.0, seed=42, max_tokens=12, ignore_eos=True, logprobs=2)
+    a = llm.generate(PROMPTS, sampled, use_tqdm=False)
+    b = llm.generate(PROMPTS, sampled, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
+    assert all(len(o.outputs[0].logprobs) == 12 for o in a)
+
+
+def test_mismatched_vocab_refused(tiny_pair):
+    path, other = tiny_pair
+    with pytest.raises(ValueError, match="vocab"):
+        LLM(path, dtype="float32", kv_cache_memory=2**20,
+            speculative_config={"method": "draft_model", "model": other})
+
+
+def test_bad_speculative_config():
+    with pytest.raises(ValueError, match="method"):
+        LLM(speculative_config={"method": "medusa"})
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        LLM(speculative_config={"method": "ngram", "num_speculative_tokens": 0})
