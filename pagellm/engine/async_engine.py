@@ -179,13 +179,17 @@ class AsyncEngine:
                 commands = list(self._commands)
                 self._commands.clear()
                 stop = self._stop
-            for cmd in commands:
-                self._apply(cmd)
-            if stop:
-                self._abort_everything(RequestError("the server is shutting down", 503))
-                return
-            if self.engine.has_unfinished_requests():
-                self._step()
+            try:
+                for cmd in commands:
+                    self._apply(cmd)
+                if stop:
+                    self._abort_everything(RequestError("the server is shutting down", 503))
+                    return
+                if self.engine.has_unfinished_requests():
+                    self._step()
+            except Exception as e:  # never let the loop die silently: fail what is inside
+                logger.exception("engine loop error")
+                self._abort_everything(RequestError(f"engine error: {e!r}", 500))
 
     def _apply(self, cmd) -> None:
         if isinstance(cmd, _Add):
@@ -213,7 +217,10 @@ class AsyncEngine:
         slot = self._slots.pop(request_id, None)
         if slot is None:
             return  # finished already, or never added (its add failed)
-        self.engine.abort_request(request_id)
+        try:
+            self.engine.abort_request(request_id)
+        except Exception:  # the engine is in a bad state; the request is failed regardless
+            logger.exception("abort of %s failed", request_id)
         self._count(-1)
         if self.metrics is not None:
             self.metrics.observe_aborted()
@@ -223,7 +230,10 @@ class AsyncEngine:
         for rid in list(self._slots):
             self._abort_one(rid, error)
         for rid in list(self.engine.requests):  # defensive: nothing should be left
-            self.engine.abort_request(rid)
+            try:
+                self.engine.abort_request(rid)
+            except Exception:
+                logger.exception("abort of %s failed", rid)
 
     def _step(self) -> None:
         try:

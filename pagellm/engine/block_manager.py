@@ -44,6 +44,8 @@ class BlockManager:
         # blocks are registered in the cache.
         self._seq_hashes: dict[int, list[int]] = {}
         self._seq_num_cached: dict[int, int] = {}
+        # Copy-on-write copies (src block, dst block) the model runner must do before the step.
+        self.pending_copies: list[tuple[int, int]] = []
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0  # of those, tokens served from it
 
@@ -97,8 +99,8 @@ class BlockManager:
                 break  # hash collision: a miss, never wrong KV
             hit.append(block_id)
             parent = (block_id, block.generation)
-        self.prefix_queries += seq.num_tokens
-        self.prefix_hits += len(hit) * self.block_size
+        # Counted in allocate_slots, not here: the scheduler repeats this lookup every step
+        # while the head of the queue waits for blocks, which inflated both counters.
         return hit
 
     def _register_full_blocks(self, seq: Sequence, num_computed_after: int) -> None:
@@ -147,8 +149,15 @@ class BlockManager:
         num_new_blocks = self.blocks_needed(total) - len(seq.block_table) - len(cached_blocks)
         # Cache hits that sit in the free queue are taken out of it, so they count too.
         num_free_hits = sum(1 for b in cached_blocks if self.blocks[b].ref_cnt == 0)
-        if max(num_new_blocks, 0) + num_free_hits > self.num_free_blocks:
+        cow = self._needs_copy_on_write(seq, num_new_tokens)
+        if max(num_new_blocks, 0) + num_free_hits + cow > self.num_free_blocks:
             return False
+        if self.enable_prefix_caching and not seq.block_table and seq.num_computed_tokens == 0:
+            # Admission (new, or again after preemption): one prefix-cache lookup, counted once.
+            self.prefix_queries += seq.num_tokens
+            self.prefix_hits += len(cached_blocks) * self.block_size
+        if cow:
+            self._copy_on_write(seq)
         for block_id in cached_blocks:
             block = self.blocks[block_id]
             if block.ref_cnt == 0:
@@ -163,6 +172,35 @@ class BlockManager:
             seq.block_table.append(self._pop_free_block().block_id)
         self._register_full_blocks(seq, total)
         return True
+
+    def _needs_copy_on_write(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """seq is about to write into a partly filled block that another sequence shares."""
+        if num_new_tokens <= 0 or seq.num_computed_tokens % self.block_size == 0:
+            return False
+        block_id = seq.block_table[seq.num_computed_tokens // self.block_size]
+        return self.blocks[block_id].ref_cnt > 1
+
+    def _copy_on_write(self, seq: Sequence) -> None:
+        i = seq.num_computed_tokens // self.block_size
+        old = seq.block_table[i]
+        new = self._pop_free_block().block_id
+        self.pending_copies.append((old, new))
+        self._release(old)
+        seq.block_table[i] = new
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """child shares every block of parent (n > 1 samples of one prompt); a shared partly
+        filled block is copied when either writes into it."""
+        for block_id in parent.block_table:
+            self.blocks[block_id].ref_cnt += 1
+        child.block_table = list(parent.block_table)
+        child.num_computed_tokens = parent.num_computed_tokens
+        self._seq_hashes[child.seq_id] = list(self._seq_hashes.get(parent.seq_id, []))
+        self._seq_num_cached[child.seq_id] = self._seq_num_cached.get(parent.seq_id, 0)
+
+    def take_pending_copies(self) -> list[tuple[int, int]]:
+        copies, self.pending_copies = self.pending_copies, []
+        return copies
 
     def free(self, seq: Sequence) -> None:
         """Return all of seq's blocks. Tail first, so that eviction takes a prefix's end first."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -32,6 +32,8 @@ class Request:
     params: SamplingParams
     seqs: list[Sequence]
     arrival_time: float
+    # Samples 1..n-1 wait until sample 0 has computed the prompt, then fork from it.
+    pending_forks: list[Sequence] = field(default_factory=list)
 
     @property
     def finished(self) -> bool:
@@ -84,10 +86,10 @@ class LLMEngine:
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         seqs = [Sequence(next(self._seq_ids), request_id, i, ids, params, self.eos_token_id,
                          arrival_time=arrival, cache_salt=cache_salt) for i in range(params.n)]
-        self.requests[request_id] = Request(request_id, prompt_text, ids, params, seqs, arrival)
+        self.requests[request_id] = Request(request_id, prompt_text, ids, params, seqs, arrival,
+                                            pending_forks=seqs[1:])
         self.num_prompt_tokens += len(ids)
-        for seq in seqs:
-            self.scheduler.add(seq)
+        self.scheduler.add(seqs[0])
 
     def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -140,6 +142,7 @@ class LLMEngine:
         if self.spec is not None:
             self.spec.propose(self.scheduler.running)
         out = self.scheduler.schedule()
+        self.runner.copy_blocks(self.block_manager.take_pending_copies())
         for seq in out.preempted:
             if self.spec is not None:
                 self.spec.release(seq)
@@ -181,6 +184,10 @@ class LLMEngine:
                 spec_logits.append(logits[offset:offset + n])
             offset += n
         now = time.monotonic()
+        for i in range(len(plain)):  # first token of sample 0: its siblings fork from it here
+            forks = self._fork_siblings(plain[i])
+            plain.extend(forks)
+            plain_rows.extend([plain_rows[i]] * len(forks))
         if plain:
             rows = [SamplingRow(s.params, s.prompt_token_ids, s.output_token_ids,
                                 s.generator or self._rng, self.eos_token_id) for s in plain]
@@ -199,6 +206,17 @@ class LLMEngine:
                     self.block_manager.truncate(seq, seq.num_computed_tokens)
                     self.spec.after_verify(seq)
         return {seq.request_id for seq, _ in owners}
+
+    def _fork_siblings(self, seq: Sequence) -> list[Sequence]:
+        req = self.requests.get(seq.request_id)
+        if req is None or not req.pending_forks or seq.num_output_tokens:
+            return []
+        forks, req.pending_forks = req.pending_forks, []
+        for child in forks:
+            self.block_manager.fork(seq, child)
+            child.status = SequenceStatus.RUNNING
+            self.scheduler.running.append(child)
+        return forks
 
     def _append_token(self, seq: Sequence, token: int, logprob, now: float) -> None:
         seq.output_token_ids.append(token)
@@ -248,6 +266,9 @@ class LLMEngine:
             logger.warning("request %s needs more KV than the pool holds; stopping it",
                            seq.request_id)
             self._finish(seq, "length")
+            req = self.requests.get(seq.request_id)
+            for sibling in req.pending_forks if req else []:
+                self._finish(sibling, "length")
 
     def _collect_outputs(self, touched: set[str]) -> list[RequestOutput]:
         outputs = []

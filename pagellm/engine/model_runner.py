@@ -36,6 +36,16 @@ class ModelRunner:
         for layer, (k, v) in zip(model.layers, self.kv_caches):
             layer.self_attn.k_cache, layer.self_attn.v_cache = k, v
 
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy-on-write: duplicate whole blocks (every layer's K and V) src -> dst."""
+        if not copies:
+            return
+        src = torch.tensor([c[0] for c in copies], device=self.device)
+        dst = torch.tensor([c[1] for c in copies], device=self.device)
+        for k, v in self.kv_caches:
+            k.index_copy_(0, dst, k.index_select(0, src))
+            v.index_copy_(0, dst, v.index_select(0, src))
+
     def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         input_ids: list[int] = []
         positions: list[int] = []

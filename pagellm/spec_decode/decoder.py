@@ -66,7 +66,9 @@ class SpecDecoder:
     def propose(self, running: list[Sequence]) -> None:
         """Attach proposals to every running sequence that is decoding (only its last token
         lacks KV). Proposal counts respect max_tokens and the context length."""
-        decoding = [s for s in running if s.num_tokens_to_compute == 1]
+        # Decoding: only the newest token lacks KV, and the first token came from a plain step
+        # (n > 1 siblings fork at that step).
+        decoding = [s for s in running if s.num_tokens_to_compute == 1 and s.num_output_tokens]
         ks = self.controller.choose(decoding)
         for i, seq in enumerate(decoding):
             room = self.max_model_len - seq.num_tokens - 1
