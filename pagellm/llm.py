@@ -37,6 +37,16 @@ class LLM:
         self.engine = LLMEngine(config)
         self._ids = itertools.count()
 
+    def shutdown(self) -> None:
+        """Stop tensor-parallel worker processes (a no-op with one process)."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
     def get_tokenizer(self):
         return self.engine.tokenizer
 
@@ -67,11 +77,16 @@ class LLM:
         finished: dict[str, RequestOutput] = {}
         wanted = set(ids)
         with tqdm(total=len(ids), desc="generate", unit="req", disable=not use_tqdm) as bar:
-            while wanted - finished.keys():
-                for out in self.engine.step():
-                    if out.finished and out.request_id in wanted:
-                        finished[out.request_id] = out
-                        bar.update(1)
+            try:
+                while wanted - finished.keys():
+                    for out in self.engine.step():
+                        if out.finished and out.request_id in wanted:
+                            finished[out.request_id] = out
+                            bar.update(1)
+            except BaseException:
+                for rid in wanted - finished.keys():  # nothing stays behind in the engine
+                    self.engine.abort_request(rid)
+                raise
         return [finished[rid] for rid in ids]
 
     def chat(self, messages: list[dict] | list[list[dict]],

@@ -23,21 +23,32 @@ def tp_size() -> int:
     return _TP_SIZE
 
 
+def split(total: int, rank: int | None = None, size: int | None = None) -> tuple[int, int]:
+    """(start, count) of this rank's share of `total` units. Shares differ by at most one, so
+    e.g. 3 KV heads split over 2 ranks as 2 + 1."""
+    rank = _TP_RANK if rank is None else rank
+    size = _TP_SIZE if size is None else size
+    start = rank * total // size
+    return start, (rank + 1) * total // size - start
+
+
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
-    if _TP_SIZE == 1:
-        return x
     import torch.distributed as dist
 
     dist.all_reduce(x)
     return x
 
 
-def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
-    """Concatenate each rank's slice of the last dimension (vocab-parallel logits)."""
-    if _TP_SIZE == 1:
-        return x
-    import torch.distributed as dist
+class single_process:
+    """Build modules unsharded inside this block (the draft model lives on rank 0 alone)."""
 
-    parts = [torch.empty_like(x) for _ in range(_TP_SIZE)]
-    dist.all_gather(parts, x.contiguous())
-    return torch.cat(parts, dim=-1)
+    def __enter__(self):
+        global _TP_RANK, _TP_SIZE
+        self._saved = (_TP_RANK, _TP_SIZE)
+        _TP_RANK, _TP_SIZE = 0, 1
+
+    def __exit__(self, *exc):
+        global _TP_RANK, _TP_SIZE
+        _TP_RANK, _TP_SIZE = self._saved
+
+

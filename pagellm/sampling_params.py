@@ -27,6 +27,12 @@ class SamplingParams:
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self):
+        # Fix: stop=5 or stop_token_ids=5 used to raise TypeError from list(); reject by name.
+        if self.stop is not None and not isinstance(self.stop, (str, list, tuple)):
+            raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
+        if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, (list, tuple)):
+            raise ValueError("stop_token_ids must be a list of integers, "
+                             f"got {self.stop_token_ids!r}")
         self.stop_strings = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
@@ -39,6 +45,9 @@ class SamplingParams:
                 raise ValueError(f"{name} {msg}, got {getattr(self, name)!r}")
 
         num = (int, float)
+        # Fix: bool is a subclass of int, so n=True or max_tokens=True used to pass.
+        for name in ("n", "top_k", "max_tokens", "min_tokens", "logprobs", "seed"):
+            check(not isinstance(getattr(self, name), bool), name, "must be an integer, not a bool")
         check(isinstance(self.n, int) and self.n >= 1, "n", "must be an integer >= 1")
         check(isinstance(self.temperature, num) and self.temperature >= 0, "temperature",
               "must be >= 0")
@@ -62,7 +71,8 @@ class SamplingParams:
               "logprobs", "must be an integer in [0, 20]")
         check(all(isinstance(s, str) and s for s in self.stop_strings), "stop",
               "must be a non-empty string or a list of non-empty strings")
-        check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
+        check(all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                  for t in self.stop_token_ids), "stop_token_ids",
               "must be a list of non-negative integers")
 
     @property

@@ -79,6 +79,9 @@ class RequestSlot:
         return out
 
 
+_ALL = object()  # abort command target: every request
+
+
 @dataclass
 class _Add:
     slot: RequestSlot
@@ -96,7 +99,7 @@ class AsyncEngine:
         self.metrics = metrics
         self.loop: asyncio.AbstractEventLoop | None = None
         self._cond = threading.Condition()
-        self._commands: deque = deque()  # _Add | (request_id, RequestError | None) for aborts
+        self._commands: deque = deque()  # _Add, or (request_id | _ALL, RequestError | None)
         self._slots: dict[str, RequestSlot] = {}  # requests inside the engine (engine thread)
         self._num_active = 0  # added and not yet finished/aborted
         self._count_lock = threading.Lock()
@@ -159,7 +162,7 @@ class AsyncEngine:
         self._submit((request_id, error))
 
     def abort_all(self, error: RequestError | None = None) -> None:
-        self._submit(("*", error))
+        self._submit((_ALL, error))
 
     def _count(self, delta: int) -> None:
         with self._count_lock:
@@ -194,7 +197,7 @@ class AsyncEngine:
     def _apply(self, cmd) -> None:
         if isinstance(cmd, _Add):
             self._apply_add(cmd)
-        elif cmd[0] == "*":
+        elif cmd[0] is _ALL:
             self._abort_everything(cmd[1])
         else:
             self._abort_one(*cmd)

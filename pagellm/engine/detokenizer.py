@@ -29,11 +29,11 @@ def find_stop_string(seq: Sequence, delta_len: int) -> str | None:
     stops = seq.params.stop_strings
     if not stops or not delta_len:
         return None
-    longest = max(len(s) for s in stops)
-    search_from = max(0, len(seq.text) - delta_len - longest + 1)
     best: tuple[int, str] | None = None
     for s in stops:
-        pos = seq.text.find(s, search_from)
+        # Fix: each string's own window (it must end inside the new text). One window for the
+        # longest string also found, after min_tokens, a short one that lay wholly in old text.
+        pos = seq.text.find(s, max(0, len(seq.text) - delta_len - len(s) + 1))
         if pos != -1 and (best is None or pos < best[0]):
             best = (pos, s)
     if best is None:

@@ -51,11 +51,17 @@ class LLMEngine:
         self.hf_config = files.config
         self.max_model_len = min(config.max_model_len or 10**9,
                                  _context_length(files.config))
+        self._tp_procs = None
+        if config.tensor_parallel_size > 1:
+            from pagellm.engine.tensor_parallel import start_workers
+
+            self._tp_procs = start_workers(config, self.device, self.max_model_len)
         self.model = build_model(files, self.dtype, self.device, self.max_model_len)
         self.eos_token_id = _eos_id(files)
         self.vocab_size = files.config.vocab_size
         cc = config.cache
-        self.num_blocks, budget = num_kv_blocks(files.config, cc, self.dtype, self.device)
+        self.num_blocks, budget = num_kv_blocks(files.config, cc, self.dtype, self.device,
+                                                config.tensor_parallel_size)
         self.spec = None
         if config.speculative is not None:
             from pagellm.spec_decode.setup import build_spec_decoder
@@ -69,7 +75,14 @@ class LLMEngine:
         self.block_manager = BlockManager(self.num_blocks, cc.block_size, cc.enable_prefix_caching)
         sc = config.scheduler
         self.scheduler = Scheduler(self.block_manager, sc.max_num_seqs, sc.max_num_batched_tokens)
-        self.runner = ModelRunner(self.model, self.num_blocks, cc.block_size, self.dtype, self.device)
+        if self._tp_procs is not None:
+            from pagellm.engine.tensor_parallel import TPModelRunner
+
+            self.runner = TPModelRunner(self._tp_procs, self.model, self.num_blocks,
+                                        cc.block_size, self.dtype, self.device)
+        else:
+            self.runner = ModelRunner(self.model, self.num_blocks, cc.block_size, self.dtype,
+                                      self.device)
         self.requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
         self._rng = torch.Generator().manual_seed(config.seed)
@@ -125,6 +138,12 @@ class LLMEngine:
         for seq in req.seqs:
             if not seq.is_finished:
                 self._finish(seq, "abort")
+
+    def shutdown(self) -> None:
+        """Stop tensor-parallel workers, if any. The engine is unusable afterwards."""
+        if self._tp_procs is not None:
+            self.runner.shutdown()
+            self._tp_procs = None
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)

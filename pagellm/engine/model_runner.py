@@ -14,7 +14,7 @@ from pagellm.engine.scheduler import SchedulerOutput
 
 def kv_bytes_per_block(config, block_size: int, dtype: torch.dtype, tp_size: int = 1) -> int:
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    kv_heads = config.num_key_value_heads // tp_size
+    kv_heads = -(-config.num_key_value_heads // tp_size)  # the largest rank's share
     elem = torch.tensor([], dtype=dtype).element_size()
     return 2 * config.num_hidden_layers * block_size * kv_heads * head_dim * elem
 
@@ -73,11 +73,16 @@ class ModelRunner:
             block_tables=tables.to(dev), query_lens_cpu=query_lens, seq_lens_cpu=seq_lens)
         return torch.tensor(input_ids, device=dev), pos.to(dev), md
 
-    @torch.inference_mode()
     def execute(self, out: SchedulerOutput, logit_rows: list[int]) -> torch.Tensor:
         """Run the step; return float32 logits [len(logit_rows), vocab] on the CPU for the given
         rows of the flat token batch."""
-        input_ids, positions, md = self.prepare(out)
+        return self.forward(*self.prepare(out), logit_rows)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata,
+                logit_rows: list[int] | None) -> torch.Tensor | None:
         hidden = self.model(input_ids, positions, md)
+        if logit_rows is None:  # a tensor-parallel worker: rank 0 computes the logits
+            return None
         rows = torch.tensor(logit_rows, dtype=torch.long, device=hidden.device)
         return self.model.compute_logits(hidden.index_select(0, rows)).cpu()

@@ -14,18 +14,19 @@ class PagedSelfAttention(nn.Module):
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
                  bias: bool, rotary: RotaryEmbedding, backend: AttentionBackend):
         super().__init__()
-        tp = parallel.tp_size()
-        assert num_heads % tp == 0 and num_kv_heads % tp == 0, (
-            f"tensor_parallel_size {tp} must divide num_heads {num_heads} and "
-            f"num_kv_heads {num_kv_heads}")
-        self.num_heads = num_heads // tp
-        self.num_kv_heads = num_kv_heads // tp
+        # Tensor parallelism splits whole KV heads (each with its group of query heads).
+        group = num_heads // num_kv_heads
+        _, self.num_kv_heads = parallel.split(num_kv_heads)
+        if self.num_kv_heads == 0:
+            raise ValueError(f"tensor_parallel_size {parallel.tp_size()} exceeds the model's "
+                             f"{num_kv_heads} KV heads")
+        self.num_heads = self.num_kv_heads * group
         self.head_dim = head_dim
         self.scale = head_dim ** -0.5
+        kv = (num_kv_heads * head_dim, head_dim)
         self.qkv_proj = ColumnParallelLinear(
-            hidden_size, (num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim),
-            bias=bias)
-        self.o_proj = RowParallelLinear(num_heads * head_dim, hidden_size)
+            hidden_size, ((num_heads * head_dim, group * head_dim), kv, kv), bias=bias)
+        self.o_proj = RowParallelLinear(num_heads * head_dim, hidden_size, unit=group * head_dim)
         self.rotary = rotary
         self.backend = backend
         # Bound by the model runner to this layer's slice of the KV pool.

@@ -1,8 +1,9 @@
 """Linear layers that own their weight loading, sharded for tensor parallelism.
 
-With tp_size == 1 they are plain linears. Column-parallel layers hold a slice of the output
+With one process they are plain linears. Column-parallel layers hold a slice of the output
 features; row-parallel layers hold a slice of the input features and all-reduce their output.
-Fused projections (q|k|v, gate|up) load each checkpoint tensor into its own slice.
+Fused projections (q|k|v, gate|up) load each checkpoint tensor into their own slice of it.
+Slices are given in units (heads, or single features) so that e.g. 3 KV heads split 2 + 1.
 """
 from __future__ import annotations
 
@@ -14,37 +15,38 @@ from pagellm import parallel
 
 
 class ColumnParallelLinear(nn.Module):
-    """y = x W^T (+ b); output features split across ranks. `shard_sizes`: full output sizes
-    of the fused parts in order, e.g. (q, k, v); each part is split evenly across ranks."""
+    """y = x W^T (+ b) for this rank's rows of W. parts: for each fused part, (full output
+    size, unit size): the part's units are split across ranks."""
 
-    def __init__(self, in_features: int, shard_sizes: tuple[int, ...], bias: bool):
+    def __init__(self, in_features: int, parts: tuple[tuple[int, int], ...], bias: bool):
         super().__init__()
-        tp = parallel.tp_size()
-        assert all(s % tp == 0 for s in shard_sizes), (shard_sizes, tp)
-        self.local_sizes = tuple(s // tp for s in shard_sizes)
-        out = sum(self.local_sizes)
+        self.ranges = []  # per part: (start row in the checkpoint tensor, local rows)
+        for full, unit in parts:
+            start, count = parallel.split(full // unit)
+            self.ranges.append((start * unit, count * unit))
+        out = sum(n for _, n in self.ranges)
         self.weight = nn.Parameter(torch.empty(out, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(out), requires_grad=False) if bias else None
 
     def load(self, name: str, tensor: torch.Tensor, shard: int = 0) -> None:
         """name 'weight' or 'bias'; tensor holds the full (unsharded) part number `shard`."""
-        size = self.local_sizes[shard]
-        offset = sum(self.local_sizes[:shard])
-        part = tensor.narrow(0, parallel.tp_rank() * size, size)
-        getattr(self, name).data.narrow(0, offset, size).copy_(part)
+        start, size = self.ranges[shard]
+        offset = sum(n for _, n in self.ranges[:shard])
+        getattr(self, name).data.narrow(0, offset, size).copy_(tensor.narrow(0, start, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
-    """y = all_reduce(x_local W_local^T); input features split across ranks."""
+    """y = all_reduce(x_local W_local^T) (+ b); this rank holds `unit`-sized groups of the
+    input features."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, unit: int = 1):
         super().__init__()
-        tp = parallel.tp_size()
-        assert in_features % tp == 0
-        self.in_local = in_features // tp
+        start, count = parallel.split(in_features // unit)
+        self.start, self.in_local = start * unit, count * unit
+        self.reduce = parallel.tp_size() > 1
         self.weight = nn.Parameter(torch.empty(out_features, self.in_local), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
 
@@ -52,9 +54,10 @@ class RowParallelLinear(nn.Module):
         if name == "bias":  # added once, after the reduction
             self.bias.data.copy_(tensor)
             return
-        part = tensor.narrow(1, parallel.tp_rank() * self.in_local, self.in_local)
-        self.weight.data.copy_(part)
+        self.weight.data.copy_(tensor.narrow(1, self.start, self.in_local))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = parallel.all_reduce(F.linear(x, self.weight))
+        y = F.linear(x, self.weight)
+        if self.reduce:
+            y = parallel.all_reduce(y)
         return y + self.bias if self.bias is not None else y

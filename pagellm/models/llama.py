@@ -11,7 +11,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagellm import parallel
 from pagellm.attention.base import AttentionBackend, AttentionMetadata
 from pagellm.layers.attention import PagedSelfAttention
 from pagellm.layers.linear import ColumnParallelLinear, RowParallelLinear
@@ -22,7 +21,8 @@ from pagellm.layers.rotary import RotaryEmbedding
 class MLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool):
         super().__init__()
-        self.gate_up_proj = ColumnParallelLinear(hidden_size, (intermediate_size,) * 2, bias=bias)
+        self.gate_up_proj = ColumnParallelLinear(hidden_size, ((intermediate_size, 1),) * 2,
+                                                 bias=bias)
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -72,7 +72,10 @@ def _apply_top_k_top_p_min_p(logits: torch.Tensor, rows: list[SamplingRow]) -> N
         probs = sorted_logits.masked_fill(remove, float("-inf")).softmax(dim=-1)
         # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
         mass_before = probs.cumsum(dim=-1) - probs
-        remove |= mass_before >= torch.tensor(top_p).unsqueeze(1)
+        # Fix: only rows with top_p < 1. A float32 cumsum reaches 1.0 before the tail, which cut
+        # tokens from rows with top_p = 1 (off), e.g. top_k alone or a batch mate's top_p.
+        p = torch.tensor(top_p).unsqueeze(1)
+        remove |= (mass_before >= p) & (p < 1.0)
         sorted_logits.masked_fill_(remove, float("-inf"))
         logits.scatter_(1, order, sorted_logits)
     if any(p > 0 for p in min_p):

@@ -6,6 +6,7 @@ import logging
 
 import torch
 
+from pagellm import parallel
 from pagellm.config import SpeculativeConfig
 from pagellm.engine.memory import resolve_dtype
 from pagellm.engine.model_runner import kv_bytes_per_block
@@ -36,7 +37,8 @@ def load_draft(spec: SpeculativeConfig, target_files, target_dtype: torch.dtype,
         files = type(files)(config=config, tokenizer=files.tokenizer, weights=files.weights,
                             path=files.path)
     dtype = resolve_dtype(spec.draft_dtype, device) if spec.draft_dtype else target_dtype
-    return files, build_model(files, dtype, device, max_model_len), dtype
+    with parallel.single_process():  # the draft runs whole on rank 0
+        return files, build_model(files, dtype, device, max_model_len), dtype
 
 
 def weight_bytes(model) -> int:
@@ -47,7 +49,7 @@ def build_spec_decoder(spec: SpeculativeConfig, *, target_files, target_model, t
                        device, max_model_len, eos_token_id, kv_budget: int, block_size: int):
     """(SpecDecoder, number of target KV blocks). The KV budget is split so that target and
     draft caches hold the same number of tokens."""
-    t_block = kv_bytes_per_block(target_files.config, block_size, target_dtype)
+    t_block = kv_bytes_per_block(target_files.config, block_size, target_dtype, parallel.tp_size())
     if spec.method == "ngram":
         num_blocks = kv_budget // t_block
         proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
@@ -56,8 +58,9 @@ def build_spec_decoder(spec: SpeculativeConfig, *, target_files, target_model, t
         files, draft, dtype = load_draft(spec, target_files, target_dtype, device, max_model_len)
         d_block = kv_bytes_per_block(files.config, block_size, dtype)
         num_blocks = kv_budget // (t_block + d_block)
-        proposer = DraftModelProposer(draft, num_blocks, block_size, dtype, device,
-                                      eos_token_id, max_model_len)
+        with parallel.single_process():
+            proposer = DraftModelProposer(draft, num_blocks, block_size, dtype, device,
+                                          eos_token_id, max_model_len)
         mib = 2**20
         logger.info(
             "speculative decoding: draft %s (%d layers, %s), k=%d. Memory: target weights "

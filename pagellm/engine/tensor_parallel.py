@@ -1,0 +1,148 @@
+"""Tensor parallelism on torch.distributed (gloo on CPU, NCCL on GPU).
+
+Rank 0 is the engine process: it runs the scheduler once and, every step, broadcasts the step's
+tensors to ranks 1..N-1, which run their shard of the model on them. Attention heads and MLP
+columns are sharded by the parallel linear layers; the row-parallel outputs are all-reduced.
+Each rank holds its share of every KV block (same block ids everywhere), so block tables,
+prefix caching and speculative decoding (the draft runs on rank 0) work unchanged.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from pagellm import parallel
+from pagellm.engine.model_runner import ModelRunner
+
+logger = logging.getLogger("pagellm")
+_TIMEOUT = timedelta(seconds=120)
+
+
+class WorkerDiedError(RuntimeError):
+    pass
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _backend(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def _threads(tp_size: int) -> None:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // tp_size))
+
+
+def start_workers(config, device: torch.device, max_model_len: int) -> list:
+    """Spawn ranks 1..N-1 and join the process group as rank 0."""
+    tp = config.tensor_parallel_size
+    port = _free_port()
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_worker_main, args=(rank, port, config, str(device), max_model_len),
+                         daemon=True, name=f"pagellm-tp{rank}") for rank in range(1, tp)]
+    for p in procs:
+        p.start()
+    dist.init_process_group(_backend(device), init_method=f"tcp://127.0.0.1:{port}", rank=0,
+                            world_size=tp, timeout=_TIMEOUT)
+    parallel.set_tp(0, tp)
+    _threads(tp)
+    logger.info("tensor parallel: %d ranks (%s)", tp, _backend(device))
+    return procs
+
+
+def _worker_main(rank: int, port: int, config, device: str, max_model_len: int) -> None:
+    from pagellm.engine.memory import resolve_dtype
+    from pagellm.models.loader import load_model_files
+    from pagellm.models.registry import build_model
+
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        dev = torch.device("cuda", rank)
+        torch.cuda.set_device(dev)
+    dist.init_process_group(_backend(dev), init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=config.tensor_parallel_size, timeout=_TIMEOUT)
+    parallel.set_tp(rank, config.tensor_parallel_size)
+    _threads(config.tensor_parallel_size)
+    dtype = resolve_dtype(config.dtype, dev)
+    files = load_model_files(config.model, load_tokenizer=False)
+    model = build_model(files, dtype, dev, max_model_len)
+    num_blocks = _recv()
+    runner = ModelRunner(model, num_blocks, config.cache.block_size, dtype, dev)
+    while True:
+        msg = _recv()
+        if msg[0] == "step":
+            _, input_ids, positions, md = msg
+            runner.forward(input_ids.to(dev), positions.to(dev), _to(md, dev), None)
+        elif msg[0] == "copy":
+            runner.copy_blocks(msg[1])
+        elif msg[0] == "stop":
+            break
+    dist.destroy_process_group()
+
+
+def _recv():
+    box = [None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _to(md, device):
+    for name in ("slot_mapping", "query_start_loc", "seq_lens", "block_tables"):
+        setattr(md, name, getattr(md, name).to(device))
+    return md
+
+
+class TPModelRunner(ModelRunner):
+    """Rank 0's runner: sends every step and block copy to the workers before doing its share."""
+
+    def __init__(self, procs: list, model, num_blocks: int, block_size: int, dtype, device):
+        self.procs = procs
+        self._send(num_blocks)
+        super().__init__(model, num_blocks, block_size, dtype, device)
+
+    def _send(self, msg) -> None:
+        for p in self.procs:
+            if not p.is_alive():
+                raise WorkerDiedError(f"tensor-parallel worker {p.name} exited "
+                                      f"(exit code {p.exitcode}); the engine cannot continue")
+        try:
+            dist.broadcast_object_list([msg], src=0)
+        except RuntimeError as e:
+            raise WorkerDiedError(f"tensor-parallel worker lost: {e}") from e
+
+    def execute(self, out, logit_rows):
+        input_ids, positions, md = self.prepare(out)
+        self._send(("step", input_ids.cpu(), positions.cpu(), _to(md, torch.device("cpu"))))
+        md = _to(md, self.device)
+        try:
+            return self.forward(input_ids, positions, md, logit_rows)
+        except RuntimeError as e:
+            raise WorkerDiedError(f"tensor-parallel step failed: {e}") from e
+
+    def copy_blocks(self, copies) -> None:
+        if copies:
+            self._send(("copy", copies))
+        super().copy_blocks(copies)
+
+    def shutdown(self) -> None:
+        if all(p.is_alive() for p in self.procs):
+            try:
+                self._send(("stop",))
+            except WorkerDiedError:
+                pass
+        for p in self.procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.terminate()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        parallel.set_tp(0, 1)

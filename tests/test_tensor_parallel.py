@@ -1,0 +1,61 @@
+"""Tensor parallelism: N gloo processes on this machine give the same greedy tokens as one."""
+from __future__ import annotations
+
+import pytest
+
+from pagellm import LLM, SamplingParams
+from pagellm.engine.tensor_parallel import WorkerDiedError
+from tests.conftest import make_tiny_model
+
+PROMPTS = [[5, 17, 33, 4, 90, 12, 7] * 3, [3, 3, 3], list(range(10, 51)), [1, 2, 1, 2, 1, 2]]
+GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+
+
+def _tokens(llm, prompts=PROMPTS):
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+
+
+@pytest.fixture(scope="module")
+def tiny_models(tmp_path_factory):
+    llama = tmp_path_factory.mktemp("tp_llama")
+    make_tiny_model(llama, "llama", hidden_size=96, num_attention_heads=6,
+                    num_key_value_heads=3)  # 3 KV heads split 2 + 1
+    qwen = tmp_path_factory.mktemp("tp_qwen2")
+    make_tiny_model(qwen, "qwen2", tie_word_embeddings=True)
+    return {"llama": str(llama), "qwen2": str(qwen)}
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("spec", [None, "ngram", "draft_model"])
+def test_tp2_matches_single_process(tiny_models, arch, spec):
+    path = tiny_models[arch]
+    kw = {"dtype": "float32", "kv_cache_memory": 2**20, "block_size": 4}
+    if spec:
+        kw["speculative_config"] = {"method": spec, "num_speculative_tokens": 3,
+                                    "adaptive": False}
+    want = _tokens(LLM(path, **kw))
+    with LLM(path, tensor_parallel_size=2, **kw) as llm:
+        assert _tokens(llm) == want
+        if spec:
+            assert llm.engine.spec.stats.num_draft_tokens > 0
+
+
+def test_tp2_default_model_matches_single_process():
+    prompts = ["The capital of France is", "def add(a, b):"]
+    kw = {"dtype": "float32", "kv_cache_memory": "32MiB"}
+    want = _tokens(LLM(**kw), prompts)
+    with LLM(tensor_parallel_size=2, **kw) as llm:  # 3 KV heads over 2 ranks
+        assert _tokens(llm, prompts) == want
+
+
+def test_dead_worker_fails_clearly(tiny_models):
+    llm = LLM(tiny_models["llama"], dtype="float32", kv_cache_memory=2**20,
+              tensor_parallel_size=2)
+    try:
+        proc = llm.engine._tp_procs[0]
+        proc.kill()
+        proc.join(timeout=30)
+        with pytest.raises(WorkerDiedError, match="exited"):
+            llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    finally:
+        llm.shutdown()
