@@ -48,6 +48,7 @@ class BlockManager:
         self.pending_copies: list[tuple[int, int]] = []
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0  # of those, tokens served from it
+        self.peak_used_blocks = 0  # most blocks referenced at once (benchmarks report it)
 
     # ---- queries -------------------------------------------------------------------------
     @property
@@ -171,6 +172,7 @@ class BlockManager:
         for _ in range(max(num_new_blocks, 0)):
             seq.block_table.append(self._pop_free_block().block_id)
         self._register_full_blocks(seq, total)
+        self.peak_used_blocks = max(self.peak_used_blocks, self.num_used_blocks)
         return True
 
     def _needs_copy_on_write(self, seq: Sequence, num_new_tokens: int) -> bool:
