@@ -58,6 +58,10 @@ class LLMEngine:
             self._tp_procs = start_workers(config, self.device, self.max_model_len)
         self.model = build_model(files, self.dtype, self.device, self.max_model_len)
         self.eos_token_id = _eos_id(files)
+        # Llama 3 style configs list several end tokens; any of them ends a sequence.
+        cfg_eos = getattr(files.config, "eos_token_id", None)
+        self.eos_token_ids = {self.eos_token_id, *(cfg_eos if isinstance(cfg_eos, list) else
+                                                   [cfg_eos])} - {None}
         self.vocab_size = files.config.vocab_size
         cc = config.cache
         self.num_blocks, budget = num_kv_blocks(files.config, cc, self.dtype, self.device,
@@ -256,7 +260,7 @@ class LLMEngine:
     def _stop_check(self, seq: Sequence, token: int, delta_len: int):
         p = seq.params
         if seq.num_output_tokens >= p.min_tokens:
-            if token == self.eos_token_id and not p.ignore_eos:
+            if token in self.eos_token_ids and not p.ignore_eos:
                 return "stop", None
             if token in p.stop_token_ids:
                 return "stop", token
