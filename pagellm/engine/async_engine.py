@@ -125,7 +125,8 @@ class AsyncEngine:
 
     @property
     def is_alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return (self._thread is not None and self._thread.is_alive()
+                and self.engine.dead is None)
 
     @property
     def num_active(self) -> int:
@@ -252,6 +253,12 @@ class AsyncEngine:
         for out in outputs:
             slot = self._slots.get(out.request_id)
             if slot is None:
+                continue
+            if out.finished and any(c.finish_reason == "error" for c in out.outputs):
+                # The engine failed this request alone (its blocks are already back).
+                del self._slots[out.request_id]
+                self._count(-1)
+                self._call(slot._fail, RequestError("the engine failed this request", 500))
                 continue
             deliveries.append((slot, out))
             if out.finished:

@@ -73,7 +73,7 @@ class LLMEngine:
             self.spec, self.num_blocks = build_spec_decoder(
                 config.speculative, target_files=files, target_model=self.model,
                 target_dtype=self.dtype, device=self.device, max_model_len=self.max_model_len,
-                eos_token_id=self.eos_token_id, kv_budget=budget, block_size=cc.block_size)
+                eos_token_id=self.eos_token_ids, kv_budget=budget, block_size=cc.block_size)
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB, %s, %d tokens)", self.num_blocks,
                     cc.block_size, budget / 2**20, self.dtype, self.num_blocks * cc.block_size)
         self.block_manager = BlockManager(self.num_blocks, cc.block_size, cc.enable_prefix_caching)
@@ -92,10 +92,13 @@ class LLMEngine:
         self._rng = torch.Generator().manual_seed(config.seed)
         self.num_prompt_tokens = 0  # counters for metrics
         self.num_generation_tokens = 0
+        self.dead: str | None = None  # why the engine cannot run any more (a lost worker)
 
     # ---- requests --------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                     arrival_time: float | None = None, cache_salt: str | None = None) -> None:
+        if self.dead is not None:
+            raise RuntimeError(self.dead)
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         prompt_text, ids = self._tokenize(prompt)
@@ -135,13 +138,16 @@ class LLMEngine:
             raise ValueError(f"prompt has {len(ids)} tokens but the KV cache holds only "
                              f"{capacity}; raise kv_cache_memory")
 
-    def abort_request(self, request_id: str) -> None:
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """End a request now; its blocks return to the pool. Returns its final output
+        (finish_reason "abort", partial text), or None for an unknown id."""
         req = self.requests.pop(request_id, None)
         if req is None:
-            return
+            return None
         for seq in req.seqs:
             if not seq.is_finished:
                 self._finish(seq, "abort")
+        return self.make_output(req)
 
     def shutdown(self) -> None:
         """Stop tensor-parallel workers, if any. The engine is unusable afterwards."""
@@ -162,9 +168,33 @@ class LLMEngine:
 
     # ---- the step --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One scheduling step. A failure inside it ends only the sequences of its batch
+        (finish_reason "error", blocks returned); a lost tensor-parallel worker ends every
+        request, marks the engine dead and is raised."""
+        if self.dead is not None:
+            raise RuntimeError(self.dead)
         if self.spec is not None:
             self.spec.propose(self.scheduler.running)
         out = self.scheduler.schedule()
+        try:
+            return self._run_batch(out)
+        except Exception as e:
+            logger.exception("engine step failed; failing its %d sequences", len(out.seqs))
+            from pagellm.engine.tensor_parallel import WorkerDiedError
+
+            failed = out.seqs
+            if isinstance(e, WorkerDiedError):
+                self.dead = str(e)
+                failed = [s for r in self.requests.values() for s in r.seqs]
+            for seq in failed:
+                if not seq.is_finished:
+                    self._finish(seq, "error")
+            outputs = self._collect_outputs({s.request_id for s in failed})
+            if self.dead is not None:
+                raise
+            return outputs
+
+    def _run_batch(self, out: SchedulerOutput) -> list[RequestOutput]:
         self.runner.copy_blocks(self.block_manager.take_pending_copies())
         for seq in out.preempted:
             if self.spec is not None:
@@ -181,6 +211,11 @@ class LLMEngine:
             seq.num_computed_tokens += n
         touched = self._process_samples(owners, logits)
         return self._collect_outputs(touched)
+
+    @property
+    def spec_stats(self):
+        """Speculative decoding counters (None without speculation), read by /metrics."""
+        return self.spec.stats if self.spec is not None else None
 
     def _logit_rows(self, out: SchedulerOutput) -> tuple[list[int], list[tuple[Sequence, int]]]:
         """Rows of the flat batch whose logits are needed: for every sequence that catches up
@@ -213,7 +248,7 @@ class LLMEngine:
             plain_rows.extend([plain_rows[i]] * len(forks))
         if plain:
             rows = [SamplingRow(s.params, s.prompt_token_ids, s.output_token_ids,
-                                s.generator or self._rng, self.eos_token_id) for s in plain]
+                                s.generator or self._rng, self.eos_token_ids) for s in plain]
             result = sample(logits[plain_rows], rows)
             for i, seq in enumerate(plain):
                 self._append_token(seq, result.token_ids[i], result.logprobs[i], now)

@@ -5,6 +5,7 @@ rejection sampler so that the target's p and the draft's q see the same transfor
 """
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
@@ -18,7 +19,9 @@ class SamplingRow:
     prompt_ids: list[int]
     output_ids: list[int]  # tokens generated before this position
     generator: torch.Generator | None
-    eos_token_id: int | None
+    # One id, or every end token of the model (a config may list several; all end a sequence,
+    # so min_tokens must mask all of them).
+    eos_token_id: int | Collection[int] | None
 
 
 @dataclass
@@ -52,8 +55,8 @@ def _apply_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
     for i, row in enumerate(rows):
         if len(row.output_ids) < row.params.min_tokens:
             banned = list(row.params.stop_token_ids)
-            if row.eos_token_id is not None:
-                banned.append(row.eos_token_id)
+            eos = row.eos_token_id
+            banned += [eos] if isinstance(eos, int) else list(eos or [])
             if banned:
                 logits[i, banned] = float("-inf")
 

@@ -216,16 +216,18 @@ class ChoiceStream:
         self.tokens_sent = 0
         self.finished = False
 
-    def advance(self, comp: CompletionOutput, want_logprobs: bool):
+    def advance(self, comp: CompletionOutput, want_logprobs: bool, every_token: bool = False):
         """(text, token_ids, logprobs) new since the last call, or None if nothing to send.
-        Text that could still turn into a stop string is held back (stable_text_len)."""
+        Text that could still turn into a stop string is held back (stable_text_len). New
+        tokens alone make a chunk when logprobs are wanted or every_token is set (a model
+        without a tokenizer has no text to stream)."""
         if self.finished:
             return None
         view = SimpleNamespace(text=comp.text, params=self.params, is_finished=comp.finished)
         end = stable_text_len(view)
         text = comp.text[self.text_sent:end] if end > self.text_sent else ""
         new_tokens = len(comp.token_ids) > self.tokens_sent
-        if not (text or comp.finished or (want_logprobs and new_tokens)):
+        if not (text or comp.finished or ((want_logprobs or every_token) and new_tokens)):
             return None
         ids = comp.token_ids[self.tokens_sent:]
         lps = (comp.logprobs or [])[self.tokens_sent:] if want_logprobs else []
@@ -237,7 +239,7 @@ class ChoiceStream:
 
 
 async def stream_events(slots, choices: list[ChoiceStream], n: int, want_logprobs: bool,
-                        choice_chunk, usage_chunk, prelude=()):
+                        choice_chunk, usage_chunk, prelude=(), every_token: bool = False):
     """The SSE body of both endpoints. choice_chunk(choice, comp, text, token_ids, logprobs)
     builds one choice's chunk; usage_chunk(num_generated) the final one (or None)."""
     num_generated = [0] * len(choices)
@@ -248,7 +250,7 @@ async def stream_events(slots, choices: list[ChoiceStream], n: int, want_logprob
             for comp in out.outputs:
                 ch = choices[i * n + comp.index]
                 num_generated[ch.index] = len(comp.token_ids)
-                piece = ch.advance(comp, want_logprobs)
+                piece = ch.advance(comp, want_logprobs, every_token)
                 if piece is not None:
                     yield sse(choice_chunk(ch, comp, *piece))
         last = usage_chunk(sum(num_generated))
@@ -318,7 +320,7 @@ async def create_completion(request: Request):
                     if req.include_usage else None)
 
         events = stream_events(slots, choices, req.n, req.logprobs is not None, choice_chunk,
-                               usage_chunk)
+                               usage_chunk, every_token=api.tokenizer is None)
         return EventStream(events, on_close=lambda: api.abort(slots))
 
     finals = await api.final_outputs(request, slots)

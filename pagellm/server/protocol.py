@@ -6,12 +6,15 @@ fields it does not know (clients send extras such as `user`).
 """
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from pagellm.sampling_params import SamplingParams
+
+logger = logging.getLogger("pagellm.server")
 
 
 # ---- errors ----------------------------------------------------------------------------------
@@ -43,7 +46,7 @@ _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
 def parse_request(model: type[BaseModel], body: bytes) -> Any:
     """JSON body -> validated model, or APIError(400) naming the first bad field."""
     try:
-        return model.model_validate_json(body or b"{}")
+        req = model.model_validate_json(body or b"{}")
     except ValidationError as e:
         err = e.errors()[0]
         if err["type"] == "json_invalid":
@@ -53,6 +56,9 @@ def parse_request(model: type[BaseModel], body: bytes) -> Any:
         param = ".".join(str(p) for p in err["loc"])
         msg = err["msg"].removeprefix("Value error, ")
         raise APIError(400, f"{param}: {msg}", param=param) from None
+    if req.model_extra:
+        logger.warning("ignoring unknown request fields: %s", sorted(req.model_extra))
+    return req
 
 
 def sampling_error(e: ValueError) -> APIError:

@@ -54,7 +54,7 @@ class Verified:
 
 class SpecDecoder:
     def __init__(self, proposer: Proposer, max_k: int, adaptive: bool, max_model_len: int,
-                 eos_token_id: int | None):
+                 eos_token_id: int | set[int] | None):
         self.proposer = proposer
         self.max_k = max_k
         self.controller = AdaptiveK(max_k, enabled=adaptive)

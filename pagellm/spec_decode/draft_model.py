@@ -21,7 +21,7 @@ from pagellm.spec_decode.base import Proposal, Proposer
 
 class DraftModelProposer(Proposer):
     def __init__(self, model, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device, eos_token_id: int | None, max_model_len: int):
+                 device: torch.device, eos_token_id: int | set[int] | None, max_model_len: int):
         self.model = model
         self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
         self.runner = ModelRunner(model, num_blocks, block_size, dtype, device)

@@ -1,0 +1,663 @@
+"""End to end: a live OpenAI-compatible server on 127.0.0.1 (free port), driven by the official
+`openai` client and raw HTTP.
+
+The in-process servers run uvicorn on a background thread so that the tests can look at the
+engine: after every test all requests are gone and every KV block is back in the pool. A tiny
+random Llama with the default model's real tokenizer (and chat template) keeps the text paths
+real and the steps fast; one test checks the real default model against offline generate; one
+runs `python -m pagellm.cli serve` in a subprocess and drains it with SIGTERM.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import httpx
+import openai
+import pytest
+import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
+
+from pagellm import LLM, SamplingParams
+from pagellm.server.api_server import OpenAIServer, build_app, default_model_name
+from tests.conftest import assert_no_leaks, make_tiny_model
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = "tiny"
+ENGINE_KW = dict(dtype="float32", kv_cache_memory="16MiB", max_model_len=1024)
+
+
+# ---- fixtures --------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory) -> str:
+    """Tiny random Llama (4096 positions) with the default model's tokenizer and chat template."""
+    from pagellm.models.loader import load_model_files
+
+    tok = load_model_files(None).tokenizer
+    path = tmp_path_factory.mktemp("tiny_chat")
+    make_tiny_model(path, "llama", vocab_size=len(tok), max_position_embeddings=4096)
+    tok.save_pretrained(path)
+    return str(path)
+
+
+@contextlib.contextmanager
+def running_server(llm: LLM, name: str = MODEL, **server_kw):
+    """uvicorn on a background thread, on a socket bound to a free port of 127.0.0.1."""
+    api = OpenAIServer(llm.engine, name, **server_kw)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(build_app(api), log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
+        time.sleep(0.02)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        yield SimpleNamespace(url=url, api=api, engine=llm.engine, client=openai.OpenAI(
+            base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120))
+    finally:
+        server.should_exit = True
+        thread.join(timeout=60)
+        sock.close()
+        assert not thread.is_alive()
+
+
+def wait_idle(srv, timeout: float = 30.0) -> None:
+    """Every request finished or aborted, and every block back in the pool."""
+    deadline = time.monotonic() + timeout
+    while srv.api.async_engine.num_active or srv.engine.requests:
+        assert time.monotonic() < deadline, f"requests left: {list(srv.engine.requests)}"
+        time.sleep(0.02)
+    assert_no_leaks(srv.engine)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_path):
+    with running_server(LLM(tiny_path, **ENGINE_KW)) as srv:
+        yield srv
+
+
+@pytest.fixture
+def srv(server):
+    """The shared server; after the test, nothing is left running and no block leaked."""
+    yield server
+    wait_idle(server)
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_path) -> LLM:
+    return LLM(tiny_path, **ENGINE_KW)
+
+
+def greedy(max_tokens: int, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens, **kw)
+
+
+def post(srv, path: str, body, headers: dict | None = None) -> httpx.Response:
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return httpx.post(srv.url + path, content=content, timeout=60,
+                      headers={"Content-Type": "application/json", **(headers or {})})
+
+
+def sse_events(srv, path: str, body: dict) -> list[str]:
+    with httpx.stream("POST", srv.url + path, json=body, timeout=60) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        return [line[len("data: "):] for line in r.iter_lines() if line.startswith("data: ")]
+
+
+# ---- completions and chat: equal to offline generate -----------------------------------------
+PROMPTS = ["Hello there", "The capital of France is", [5, 17, 33, 4, 90]]
+CHAT = [{"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Name three colours."}]
+
+
+def test_models_health_version(srv):
+    models = srv.client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    assert httpx.get(srv.url + "/health").status_code == 200
+    assert httpx.get(srv.url + "/version").json()["version"]
+
+
+def test_completion_equals_offline(srv, offline):
+    for prompt in PROMPTS:
+        ref = offline.generate(prompt, greedy(24), use_tqdm=False)[0]
+        res = srv.client.completions.create(model=MODEL, prompt=prompt, max_tokens=24,
+                                            temperature=0)
+        assert res.object == "text_completion" and res.id.startswith("cmpl-")
+        (choice,) = res.choices
+        assert choice.text == ref.outputs[0].text
+        assert choice.finish_reason == ref.outputs[0].finish_reason
+        assert res.usage.prompt_tokens == len(ref.prompt_token_ids)
+        assert res.usage.completion_tokens == len(ref.outputs[0].token_ids)
+    # A list of prompts: one choice per prompt, in order.
+    refs = offline.generate(PROMPTS[:2], greedy(8), use_tqdm=False)
+    res = srv.client.completions.create(model=MODEL, prompt=PROMPTS[:2], max_tokens=8,
+                                        temperature=0)
+    assert [c.text for c in res.choices] == [r.outputs[0].text for r in refs]
+    assert [c.index for c in res.choices] == [0, 1]
+
+
+def test_chat_equals_offline(srv, offline):
+    ref = offline.chat(CHAT, greedy(20), use_tqdm=False)[0]
+    res = srv.client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=20,
+                                             temperature=0)
+    assert res.object == "chat.completion"
+    (choice,) = res.choices
+    assert choice.message.role == "assistant"
+    assert choice.message.content == ref.outputs[0].text
+    assert res.usage.prompt_tokens == len(ref.prompt_token_ids)
+    assert res.usage.completion_tokens == 20
+    # max_completion_tokens is the newer name of max_tokens.
+    res2 = srv.client.chat.completions.create(model=MODEL, messages=CHAT, temperature=0,
+                                              max_completion_tokens=20)
+    assert res2.choices[0].message.content == ref.outputs[0].text
+
+
+def test_streaming_completion(srv, offline):
+    ref = offline.generate(PROMPTS[0], greedy(24), use_tqdm=False)[0].outputs[0]
+    stream = srv.client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=24,
+                                           temperature=0, stream=True,
+                                           stream_options={"include_usage": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == ref.text
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] == "length" and all(f is None for f in finishes[:-1])
+    assert not chunks[-1].choices and chunks[-1].usage.completion_tokens == 24
+    events = sse_events(srv, "/v1/completions", {"model": MODEL, "prompt": PROMPTS[0],
+                                                 "max_tokens": 5, "stream": True})
+    assert events[-1] == "[DONE]"
+    assert all("usage" not in json.loads(e) for e in events[:-1])
+
+
+def test_streaming_chat(srv, offline):
+    ref = offline.chat(CHAT, greedy(20), use_tqdm=False)[0].outputs[0]
+    stream = srv.client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=20,
+                                                temperature=0, stream=True,
+                                                stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[0].object == "chat.completion.chunk"
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == ref.text
+    assert [c for c in chunks if c.choices][-1].choices[0].finish_reason == "length"
+    assert chunks[-1].usage.completion_tokens == 20
+    events = sse_events(srv, "/v1/chat/completions", {"model": MODEL, "messages": CHAT,
+                                                      "max_tokens": 3, "stream": True})
+    assert events[-1] == "[DONE]"
+
+
+def test_n_and_seed_reproducible(srv, offline):
+    kw = dict(model=MODEL, prompt=PROMPTS[1], max_tokens=12, temperature=1.0, n=3, seed=7)
+    first = srv.client.completions.create(**kw)
+    texts = [c.text for c in sorted(first.choices, key=lambda c: c.index)]
+    assert len(texts) == 3 and len(set(texts)) > 1  # independent samples
+    assert [c.text for c in sorted(srv.client.completions.create(**kw).choices,
+                                   key=lambda c: c.index)] == texts
+    ref = offline.generate(PROMPTS[1], SamplingParams(n=3, temperature=1.0, seed=7,
+                                                      max_tokens=12), use_tqdm=False)[0]
+    assert [o.text for o in ref.outputs] == texts
+    other = srv.client.completions.create(**{**kw, "seed": 8})
+    assert sorted(c.text for c in other.choices) != sorted(texts)
+    # Streaming n > 1: each index assembles its own text.
+    streamed = {i: "" for i in range(3)}
+    for chunk in srv.client.completions.create(**kw, stream=True):
+        for c in chunk.choices:
+            streamed[c.index] += c.text
+    assert [streamed[i] for i in range(3)] == texts
+    chat = srv.client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=6, n=2,
+                                              temperature=1.0, seed=1)
+    assert sorted(c.index for c in chat.choices) == [0, 1]
+
+
+def test_stop_strings(srv, offline):
+    full = offline.generate(PROMPTS[0], greedy(32, ignore_eos=True), use_tqdm=False)[0]
+    text = full.outputs[0].text
+    stop = text[10:14]
+    expected = text[:text.find(stop)]
+    kw = dict(model=MODEL, prompt=PROMPTS[0], max_tokens=32, temperature=0, stop=[stop],
+              extra_body={"ignore_eos": True})
+    res = srv.client.completions.create(**kw)
+    assert res.choices[0].text == expected
+    assert res.choices[0].finish_reason == "stop"
+    streamed = "".join(c.choices[0].text for c in srv.client.completions.create(**kw, stream=True))
+    assert streamed == expected  # a stop string never leaks into the stream
+    chat_ref = offline.chat(CHAT, greedy(24), use_tqdm=False)[0].outputs[0].text
+    chat_stop = chat_ref[6:9]
+    chunks = srv.client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=24,
+                                                temperature=0, stop=chat_stop, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == \
+        chat_ref[:chat_ref.find(chat_stop)]
+
+
+def test_logprobs(srv, offline):
+    ref = offline.generate(PROMPTS[0], greedy(10, logprobs=3), use_tqdm=False)[0].outputs[0]
+    res = srv.client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=10,
+                                        temperature=0, logprobs=3)
+    lp = res.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 10
+    for tid, value, top, entries in zip(ref.token_ids, lp.token_logprobs, lp.top_logprobs,
+                                        ref.logprobs):
+        assert value == pytest.approx(entries[tid], abs=1e-4)
+        assert len(top) == 3 and max(top.values()) == pytest.approx(value, abs=1e-4)  # greedy
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
+    chat = srv.client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=5,
+                                              temperature=0, logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 5 and all(len(c.top_logprobs) == 2 for c in content)
+    assert content[0].logprob == pytest.approx(content[0].top_logprobs[0].logprob, abs=1e-4)
+    assert "".join(c.token for c in content) == chat.choices[0].message.content
+    stream = srv.client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=10,
+                                           temperature=0, logprobs=1, stream=True)
+    values = [v for c in stream for v in c.choices[0].logprobs.token_logprobs]
+    assert values == pytest.approx(lp.token_logprobs, abs=1e-4)
+
+
+def test_echo_and_extra_fields_accepted(srv):
+    res = post(srv, "/v1/completions", {"model": MODEL, "prompt": "Hi there", "max_tokens": 3,
+                                        "echo": True, "user": "u1", "some_new_field": {"a": 1},
+                                        "best_of": 1, "suffix": None, "logit_bias": {}})
+    assert res.status_code == 200, res.text
+    assert res.json()["choices"][0]["text"].startswith("Hi there")
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Name three "},
+                                          {"type": "text", "text": "colours."}]}]
+    a = srv.client.chat.completions.create(model=MODEL, messages=parts, max_tokens=4,
+                                           temperature=0)
+    b = srv.client.chat.completions.create(model=MODEL, messages=[CHAT[1]], max_tokens=4,
+                                           temperature=0)
+    assert a.choices[0].message.content == b.choices[0].message.content
+
+
+def test_tokenize_detokenize(srv, offline):
+    tok = offline.get_tokenizer()
+    r = post(srv, "/tokenize", {"model": MODEL, "prompt": "Hello world"}).json()
+    assert r["tokens"] == tok.encode("Hello world") and r["count"] == len(r["tokens"])
+    assert r["max_model_len"] == 1024
+    assert post(srv, "/detokenize", {"tokens": r["tokens"]}).json()["prompt"] == "Hello world"
+    chat = post(srv, "/tokenize", {"messages": CHAT}).json()
+    assert chat["tokens"] == offline.apply_chat_template(CHAT)
+    bad = post(srv, "/detokenize", {"tokens": [10**9]})
+    assert bad.status_code == 400 and "out of range" in bad.json()["error"]["message"]
+
+
+# ---- bad requests ----------------------------------------------------------------------------
+def _c(**kw):
+    return {"model": MODEL, "prompt": "hi", "max_tokens": 4, **kw}
+
+
+def _chat(**kw):
+    return {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **kw}
+
+
+BAD = [
+    ("/v1/completions", b"{not json", 400, "Invalid JSON"),
+    ("/v1/completions", b"[1, 2]", 400, "object"),
+    ("/v1/completions", {"model": MODEL, "max_tokens": 3}, 400, "prompt"),
+    ("/v1/completions", _c(max_tokens="ten"), 400, "max_tokens"),
+    ("/v1/completions", _c(max_tokens=-1), 400, "max_tokens"),
+    ("/v1/completions", _c(temperature=5), 400, "temperature"),
+    ("/v1/completions", _c(temperature="hot"), 400, "temperature"),
+    ("/v1/completions", _c(top_p=0), 400, "top_p"),
+    ("/v1/completions", _c(top_k=-5), 400, "top_k"),
+    ("/v1/completions", _c(min_p=1.5), 400, "min_p"),
+    ("/v1/completions", _c(n=0), 400, "n"),
+    ("/v1/completions", _c(logprobs=50), 400, "logprobs"),
+    ("/v1/completions", _c(presence_penalty=3), 400, "presence_penalty"),
+    ("/v1/completions", _c(frequency_penalty=-3), 400, "frequency_penalty"),
+    ("/v1/completions", _c(repetition_penalty=0), 400, "repetition_penalty"),
+    ("/v1/completions", _c(stop=[""]), 400, "stop"),
+    ("/v1/completions", _c(stream="yes"), 400, "stream"),
+    ("/v1/completions", _c(seed="x"), 400, "seed"),
+    ("/v1/completions", _c(min_tokens=9), 400, "min_tokens"),
+    ("/v1/completions", _c(prompt=""), 400, "prompt"),
+    ("/v1/completions", _c(prompt=[1, "a"]), 400, "prompt"),
+    ("/v1/completions", _c(prompt=[10**9]), 400, "out of range"),
+    ("/v1/completions", _c(logit_bias={"5": 10}), 400, "logit_bias"),
+    ("/v1/completions", _c(model="gpt-4"), 404, "gpt-4"),
+    ("/v1/completions", _c(prompt=list(range(100, 1200))), 400, "maximum context length"),
+    ("/v1/completions", _c(max_tokens=5000), 400, "maximum context length"),
+    ("/v1/chat/completions", _chat(messages=[]), 400, "messages"),
+    ("/v1/chat/completions", _chat(messages=[{"role": "wizard", "content": "x"}]), 400,
+     "messages.0.role"),
+    ("/v1/chat/completions", _chat(messages="hi"), 400, "messages"),
+    ("/v1/chat/completions", _chat(messages=[{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://x"}}]}]), 400, "image_url"),
+    ("/v1/chat/completions", _chat(top_logprobs=2), 400, "top_logprobs"),
+    ("/v1/chat/completions", _chat(logprobs=True, top_logprobs=99), 400, "top_logprobs"),
+    ("/v1/chat/completions", _chat(max_completion_tokens=0), 400, "max_completion_tokens"),
+    ("/v1/chat/completions", _chat(tools=[{"type": "function"}]), 400, "tool"),
+    ("/v1/chat/completions", _chat(model="nope"), 404, "nope"),
+    ("/tokenize", {"prompt": 5}, 400, "prompt"),
+]
+
+
+def test_bad_requests(srv):
+    """Each class of bad request gets its status and a message naming the problem, in OpenAI's
+    error shape; the server keeps serving. (One test, not 35: each test costs a gc pass.)"""
+    for path, body, status, needle in BAD:
+        r = post(srv, path, body)
+        case = f"{path} {body!r:.80}"
+        assert r.status_code == status, (case, r.text)
+        err = r.json()["error"]
+        assert set(err) == {"message", "type", "param", "code"}, case
+        assert needle in err["message"], (case, err)
+    r = httpx.get(srv.url + "/v1/nothing")
+    assert r.status_code == 404 and "error" in r.json()
+    assert httpx.get(srv.url + "/health").status_code == 200  # still serving
+    assert srv.client.completions.create(model=MODEL, prompt="hi", max_tokens=2).choices
+
+
+def test_bad_requests_raise_in_openai_client(srv):
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        srv.client.completions.create(model=MODEL, prompt="hi", temperature=-1)
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        srv.client.chat.completions.create(model="other", messages=CHAT)
+    with pytest.raises(openai.NotFoundError):
+        srv.client.embeddings.create(model=MODEL, input="x")
+    assert srv.client.completions.create(model=MODEL, prompt="hi", max_tokens=2).choices
+
+
+# ---- concurrency, disconnects, slow clients, failures -----------------------------------------
+def test_32_concurrent_streams(srv, offline):
+    rng = random.Random(0)
+    prompts = [[rng.randrange(100, 40000) for _ in range(rng.randrange(4, 40))] for _ in range(32)]
+    lengths = [rng.randrange(8, 33) for _ in range(32)]
+    refs = offline.generate(prompts, [greedy(n, ignore_eos=True) for n in lengths],
+                            use_tqdm=False)
+
+    async def one(client, prompt, n):
+        stream = await client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=n, temperature=0, stream=True,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+        text, usage = "", None
+        async for chunk in stream:
+            text += "".join(c.text for c in chunk.choices)
+            usage = chunk.usage or usage
+        return text, usage.completion_tokens
+
+    async def all_of_them():
+        client = openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0,
+                                    timeout=120)
+        return await asyncio.gather(*(one(client, p, n) for p, n in zip(prompts, lengths)))
+
+    results = asyncio.run(all_of_them())
+    for (text, num), ref, n in zip(results, refs, lengths):
+        assert text == ref.outputs[0].text
+        assert num == n
+
+
+def test_disconnect_mid_stream_frees_blocks(srv):
+    bm = srv.engine.block_manager
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 1000, "stream": True,
+            "ignore_eos": True}
+    with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=60) as r:
+        got = 0
+        for line in r.iter_lines():
+            got += line.startswith("data: ")
+            if got == 3:
+                break
+        assert bm.num_free_blocks < bm.num_blocks  # the request holds blocks now
+    wait_idle(srv)  # the server noticed, aborted it and took its blocks back
+    # Non-streaming: the client gives up (timeout) while the request runs.
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(srv.url + "/v1/completions", json={**body, "stream": False}, timeout=0.5)
+    wait_idle(srv)
+
+
+def test_slow_client_does_not_stall_others(srv):
+    """A streaming client that never reads: the engine keeps serving everyone else."""
+    body = json.dumps({"model": MODEL, "prompt": "Slow", "max_tokens": 1000, "stream": True,
+                       "ignore_eos": True}).encode()
+    raw = socket.create_connection(("127.0.0.1", int(srv.url.rsplit(":", 1)[1])))
+    raw.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b"Content-Length: %d\r\n\r\n" % len(body) + body)
+    try:
+        deadline = time.monotonic() + 30
+        while not srv.engine.requests:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        for _ in range(3):
+            res = srv.client.completions.create(model=MODEL, prompt="Fast", max_tokens=8)
+            assert res.usage.completion_tokens == 8
+        assert srv.engine.requests  # the slow one is still in flight
+    finally:
+        raw.close()
+
+
+def test_engine_step_failure_fails_requests_and_keeps_serving(srv, monkeypatch):
+    original = srv.engine.step
+    calls = {"n": 0}
+
+    def flaky_step():
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("simulated kernel failure")
+        return original()
+
+    monkeypatch.setattr(srv.engine, "step", flaky_step)
+    r = post(srv, "/v1/completions", _c(max_tokens=4))
+    assert r.status_code == 500 and "simulated kernel failure" in r.json()["error"]["message"]
+    wait_idle(srv)
+    calls["n"] = 0
+    with pytest.raises(openai.APIError, match="simulated kernel failure"):
+        for _ in srv.client.completions.create(model=MODEL, prompt="hi", max_tokens=4,
+                                               stream=True):
+            pass
+    assert srv.client.completions.create(model=MODEL, prompt="hi", max_tokens=4).choices
+
+
+# ---- metrics ---------------------------------------------------------------------------------
+def scrape(srv) -> dict[str, float]:
+    """{sample name{labels}: value} of every pagellm: sample."""
+    r = httpx.get(srv.url + "/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    out = {}
+    for family in text_string_to_metric_families(r.text):
+        for s in family.samples:
+            if s.name.startswith("pagellm:"):
+                labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items())
+                                  if k != "model_name")
+                out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+    return out
+
+
+def test_metrics(srv):
+    before = scrape(srv)
+    for name in ["pagellm:time_to_first_token_seconds_count",
+                 "pagellm:inter_token_latency_seconds_count",
+                 "pagellm:e2e_request_latency_seconds_count", "pagellm:prompt_tokens_total",
+                 "pagellm:generation_tokens_total", "pagellm:num_requests_running",
+                 "pagellm:num_requests_waiting", "pagellm:kv_cache_usage_perc",
+                 "pagellm:prefix_cache_queries_total", "pagellm:prefix_cache_hits_total",
+                 "pagellm:num_preemptions_total"]:
+        assert name in before, name
+    prompt = list(range(1000, 1040))  # 40 tokens: two full blocks of 16 are cacheable
+    for _ in range(2):
+        srv.client.completions.create(model=MODEL, prompt=prompt, max_tokens=5,
+                                      extra_body={"ignore_eos": True})
+    after = scrape(srv)
+
+    def moved(name):
+        return after[name] - before.get(name, 0)
+
+    assert moved("pagellm:prompt_tokens_total") == 80
+    assert moved("pagellm:generation_tokens_total") == 10
+    assert moved("pagellm:time_to_first_token_seconds_count") == 2
+    assert moved("pagellm:e2e_request_latency_seconds_count") == 2
+    assert moved("pagellm:inter_token_latency_seconds_count") == 8
+    assert moved("pagellm:prefix_cache_queries_total") == 80
+    assert moved("pagellm:prefix_cache_hits_total") == 32
+    assert moved("pagellm:request_success_total{finished_reason=length}") == 2
+    assert after["pagellm:num_requests_running"] == 0
+    assert after["pagellm:kv_cache_num_blocks"] == srv.engine.block_manager.num_blocks
+    # Speculative decoding counters appear once the engine exposes spec_stats.
+    srv.engine.spec_stats = SimpleNamespace(num_drafts=3, num_draft_tokens=12,
+                                            num_accepted_tokens=7,
+                                            accepted_per_position=[3, 2, 1, 1])
+    try:
+        spec = scrape(srv)
+    finally:
+        del srv.engine.spec_stats
+    assert spec["pagellm:spec_decode_num_drafts_total"] == 3
+    assert spec["pagellm:spec_decode_num_accepted_tokens_total"] == 7
+    assert spec["pagellm:spec_decode_num_accepted_tokens_per_pos_total{position=1}"] == 2
+
+
+# ---- API key and a bounded queue ---------------------------------------------------------------
+def test_api_key(tiny_path):
+    with running_server(LLM(tiny_path, **ENGINE_KW), api_key="sekret") as srv:
+        r = post(srv, "/v1/completions", _c())
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        r = post(srv, "/v1/completions", _c(), headers={"Authorization": "Bearer wrong"})
+        assert r.status_code == 401
+        assert httpx.get(srv.url + "/health").status_code == 200  # probes need no key
+        with pytest.raises(openai.AuthenticationError):
+            srv.client.models.list()
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="sekret", max_retries=0)
+        assert client.completions.create(model=MODEL, prompt="hi", max_tokens=2).choices
+        wait_idle(srv)
+
+
+def test_full_queue_gets_503(tiny_path):
+    llm = LLM(tiny_path, **{**ENGINE_KW, "max_model_len": 4096}, max_num_seqs=1)
+    with running_server(llm, max_waiting=1) as srv:
+        body = {"model": MODEL, "prompt": "Long", "max_tokens": 3000, "stream": True,
+                "ignore_eos": True}
+        with contextlib.ExitStack() as stack:
+            running = stack.enter_context(httpx.stream("POST", srv.url + "/v1/completions",
+                                                       json=body, timeout=60))
+            lines = running.iter_lines()  # kept: a closed iterator would close the stream
+            next(line for line in lines if line.startswith("data: "))
+            waiting = stack.enter_context(httpx.stream("POST", srv.url + "/v1/completions",
+                                                       json=body, timeout=60))
+            assert waiting.status_code == 200 and srv.engine.num_waiting == 1
+            r = post(srv, "/v1/completions", _c())
+            assert r.status_code == 503 and r.headers["retry-after"] == "1"
+            assert "overloaded" in r.json()["error"]["message"]
+        wait_idle(srv)  # closing both streams aborted them
+        assert post(srv, "/v1/completions", _c()).status_code == 200
+        wait_idle(srv)
+
+
+# ---- SIGTERM drain of a real `pagellm serve` process ------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_sigterm_drains_and_exits_cleanly(tiny_path, tmp_path):
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    log_path = tmp_path / "server.log"
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "pagellm.cli", "serve", tiny_path, "--port", str(port),
+             "--dtype", "float32", "--kv-cache-memory", "16MiB", "--drain-timeout", "1",
+             "--served-model-name", MODEL], stdout=log, stderr=subprocess.STDOUT, env=env,
+            cwd=ROOT)
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            assert proc.poll() is None, log_path.read_text()[-3000:]
+            assert time.monotonic() < deadline, "server did not come up"
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            time.sleep(0.3)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=60)
+        results: dict[str, object] = {}
+        started = {name: threading.Event() for name in ("short1", "short2", "long")}
+
+        def run(name: str, max_tokens: int):
+            text, finish = "", None
+            try:
+                for chunk in client.completions.create(
+                        model=MODEL, prompt=f"Stream {name}", max_tokens=max_tokens,
+                        stream=True, extra_body={"ignore_eos": True}):
+                    started[name].set()
+                    text += chunk.choices[0].text
+                    finish = chunk.choices[0].finish_reason or finish
+                results[name] = finish
+            except openai.APIError as e:
+                results[name] = e
+            finally:
+                started[name].set()
+
+        threads = [threading.Thread(target=run, args=a) for a in
+                   (("short1", 30), ("short2", 30), ("long", 3500))]
+        for t in threads:
+            t.start()
+        for ev in started.values():
+            assert ev.wait(60)
+        proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while httpx.get(url + "/health", timeout=5).status_code != 503:  # draining
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        r = httpx.post(url + "/v1/completions", json=_c(), timeout=5)
+        assert r.status_code == 503 and "shutting down" in r.json()["error"]["message"]
+        for t in threads:
+            t.join(60)
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    log = log_path.read_text()
+    for name in ("short1", "short2"):  # finished, or cleanly aborted if the machine is slow
+        assert results[name] == "length" or "shutting down" in str(results[name]), log[-3000:]
+    assert isinstance(results["long"], openai.APIError), results["long"]
+    assert "shutting down" in str(results["long"])
+    assert "Traceback" not in log, log[-3000:]
+
+
+# ---- the real default model ------------------------------------------------------------------
+def test_default_model_equals_offline():
+    llm = LLM(None, dtype="float32", kv_cache_memory="64MiB", max_model_len=1024,
+              enable_prefix_caching=False)
+    prompt = "The capital of France is"
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    ref = llm.generate(prompt, greedy(10), use_tqdm=False)[0].outputs[0].text
+    ref_chat = llm.chat(messages, greedy(10), use_tqdm=False)[0].outputs[0].text
+    name = default_model_name(None, llm.engine.model_path)
+    with running_server(llm, name=name) as srv:
+        res = srv.client.completions.create(model=name, prompt=prompt, max_tokens=10,
+                                            temperature=0)
+        assert res.choices[0].text == ref
+        chat = srv.client.chat.completions.create(model=name, messages=messages, max_tokens=10,
+                                                  temperature=0, stream=True)
+        assert "".join(c.choices[0].delta.content or "" for c in chat) == ref_chat
+        wait_idle(srv)
+
+
+# ---- the serving benchmark client --------------------------------------------------------------
+def test_benchmark_client_against_server(srv, tmp_path):
+    from benchmarks.serve import main as bench_serve
+
+    assert bench_serve(["--base-url", srv.url, "--num-prompts", "3", "--request-rates", "inf",
+                        "--input-len", "4", "--output-len", "3", "--token-range", "1000,2000",
+                        "--out", str(tmp_path), "--no-plot"]) == 0
+    data = json.loads((tmp_path / "serve.json").read_text())
+    (row,) = data["results"]
+    assert data["kind"] == "serve" and row["completed"] == 3 and row["failed"] == 0
+    assert row["ttft_s"]["p50"] > 0 and row["output_throughput"] > 0
+    assert "TTFT" in (tmp_path / "serve.md").read_text()
+    with pytest.raises(SystemExit, match="loopback"):
+        bench_serve(["--base-url", "http://example.com:8000", "--out", str(tmp_path)])
