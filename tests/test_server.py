@@ -505,20 +505,28 @@ def test_metrics(srv):
     assert moved("pagellm:request_success_total{finished_reason=length}") == 2
     assert after["pagellm:num_requests_running"] == 0
     assert after["pagellm:kv_cache_num_blocks"] == srv.engine.block_manager.num_blocks
-    # Speculative decoding counters appear once the engine exposes spec_stats.
-    srv.engine.spec_stats = SimpleNamespace(num_drafts=3, num_draft_tokens=12,
-                                            num_accepted_tokens=7,
-                                            accepted_per_position=[3, 2, 1, 1])
-    try:
+
+
+def test_speculative_metrics_move(tiny_path):
+    """A server with speculation (the model drafting for itself) reports drafts and
+    acceptance per position."""
+    llm = LLM(tiny_path, speculative_config={"method": "draft_model", "num_speculative_tokens": 3,
+                                             "adaptive": False}, **ENGINE_KW)
+    with running_server(llm) as srv:
+        prompt = [7, 8, 9, 10] * 8
+        srv.client.completions.create(model=MODEL, prompt=prompt, max_tokens=12,
+                                      extra_body={"ignore_eos": True})
+        wait_idle(srv)
         spec = scrape(srv)
-    finally:
-        del srv.engine.spec_stats
-    assert spec["pagellm:spec_decode_num_drafts_total"] == 3
-    assert spec["pagellm:spec_decode_num_accepted_tokens_total"] == 7
-    assert spec["pagellm:spec_decode_num_accepted_tokens_per_pos_total{position=1}"] == 2
+    stats = llm.engine.spec_stats
+    assert stats.num_drafts > 0
+    assert spec["pagellm:spec_decode_num_drafts_total"] == stats.num_drafts
+    assert spec["pagellm:spec_decode_num_draft_tokens_total"] == stats.num_draft_tokens
+    assert spec["pagellm:spec_decode_num_accepted_tokens_total"] == stats.num_accepted_tokens
+    assert spec["pagellm:spec_decode_num_accepted_tokens_per_pos_total{position=0}"] == (
+        stats.accepted_per_position[0])
 
 
-# ---- API key and a bounded queue ---------------------------------------------------------------
 def test_api_key(tiny_path):
     with running_server(LLM(tiny_path, **ENGINE_KW), api_key="sekret") as srv:
         r = post(srv, "/v1/completions", _c())
