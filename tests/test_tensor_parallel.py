@@ -59,3 +59,25 @@ def test_dead_worker_fails_clearly(tiny_models):
             llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     finally:
         llm.shutdown()
+
+
+def test_dead_worker_server_fails_clearly(tiny_models):
+    """Behind the HTTP server: the request fails with an error, /health turns 503."""
+    import httpx
+    import openai
+
+    from tests.test_server import MODEL, running_server
+
+    llm = LLM(tiny_models["llama"], dtype="float32", kv_cache_memory=2**20,
+              tensor_parallel_size=2)
+    try:
+        with running_server(llm) as srv:
+            assert httpx.get(srv.url + "/health").status_code == 200
+            proc = llm.engine._tp_procs[0]
+            proc.kill()
+            proc.join(timeout=30)
+            with pytest.raises(openai.InternalServerError, match="exited"):
+                srv.client.completions.create(model=MODEL, prompt=[1, 2, 3], max_tokens=4)
+            assert httpx.get(srv.url + "/health").status_code == 503
+    finally:
+        llm.shutdown()
