@@ -27,6 +27,8 @@ class RequestMetrics:
     num_cached_tokens: int = 0
     num_preemptions: int = 0
     token_times: list[float] = field(default_factory=list)
+    num_draft_tokens: int = 0  # speculative proposals verified for this request
+    num_accepted_tokens: int = 0  # of those, accepted
 
     @property
     def time_to_first_token(self) -> float | None:

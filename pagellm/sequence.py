@@ -43,6 +43,8 @@ class Sequence:
 
     # Speculative tokens proposed for verification this step (not yet part of token_ids).
     spec_token_ids: list[int] = field(default_factory=list)
+    num_draft_tokens: int = 0  # proposals verified for this sequence so far
+    num_accepted_tokens: int = 0  # of those, accepted
 
     # Text and logprobs of the output, filled by the engine's output processing.
     text: str = ""

@@ -136,8 +136,13 @@ def test_greedy_identical_with_speculation(tiny_pair, spec, setting):
         kw.update(enable_prefix_caching=False)
     base = _greedy(LLM(path, **kw))
     llm = LLM(path, speculative_config=SPECS[spec], **kw)
-    assert _greedy(llm) == base
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+                        use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == base
     stats = llm.engine.spec.stats
+    # Per-request counts in the offline results add up to the engine's.
+    assert sum(o.metrics.num_draft_tokens for o in outs) == stats.num_draft_tokens
+    assert sum(o.metrics.num_accepted_tokens for o in outs) == stats.num_accepted_tokens
     assert stats.num_draft_tokens > 0
     if spec == "draft_self":  # a draft equal to the target accepts everything
         assert stats.num_accepted_tokens == stats.num_draft_tokens

@@ -352,7 +352,9 @@ class LLMEngine:
             finished_time=max(fin) if req.finished and fin else None,
             num_cached_tokens=req.seqs[0].num_cached_tokens,
             num_preemptions=sum(s.num_preemptions for s in req.seqs),
-            token_times=list(req.seqs[0].token_times))
+            token_times=list(req.seqs[0].token_times),
+            num_draft_tokens=sum(s.num_draft_tokens for s in req.seqs),
+            num_accepted_tokens=sum(s.num_accepted_tokens for s in req.seqs))
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, comps,
                              req.finished, metrics, req.seqs[0].num_cached_tokens)
 

@@ -136,6 +136,8 @@ class SpecDecoder:
     def _record(self, seq: Sequence, num_draft: int, num_accepted: int) -> None:
         if num_draft == 0:
             return
+        seq.num_draft_tokens += num_draft
+        seq.num_accepted_tokens += num_accepted
         self.stats.num_drafts += 1
         self.stats.num_draft_tokens += num_draft
         self.stats.num_accepted_tokens += num_accepted
