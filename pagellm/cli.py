@@ -10,7 +10,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--model", dest="model_opt", default=None,
                    help="HF model folder or .gguf file (default: SmolLM2-135M-Instruct GGUF)")
-    g.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16", "auto"])
+    g.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"],
+                   help="auto: bfloat16 on GPUs and CPUs with bf16 units, else float32")
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--kv-cache-memory", default=None, help="KV budget, e.g. 2GiB or 500MB")

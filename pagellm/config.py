@@ -96,7 +96,7 @@ class SpeculativeConfig:
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     model: str | None = None  # HF folder or .gguf; None -> the default model
-    dtype: str = "bfloat16"  # "float32" | "bfloat16" | "float16" | "auto"
+    dtype: str = "auto"  # "auto" | "float32" | "bfloat16" | "float16"
     device: str = "auto"  # "auto" | "cpu" | "cuda"
     max_model_len: int | None = None  # None -> the model's context length
     seed: int = 0

@@ -17,7 +17,7 @@ Prompt = str | list[int] | dict[str, Any]
 
 
 class LLM:
-    def __init__(self, model: str | None = None, *, dtype: str = "bfloat16", block_size: int = 16,
+    def __init__(self, model: str | None = None, *, dtype: str = "auto", block_size: int = 16,
                  kv_cache_memory: int | str | None = None, kv_cache_fraction: float | None = None,
                  max_num_seqs: int = 128, max_num_batched_tokens: int = 2048,
                  max_model_len: int | None = None, enable_prefix_caching: bool = True,

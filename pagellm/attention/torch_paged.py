@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from pagellm.attention.base import AttentionBackend, AttentionMetadata
+from pagellm.layers.linear import upcast
 
 # Sequences whose query is at most this long go through the batched path.
 _BATCHED_MAX_QUERY_LEN = 16
@@ -35,10 +36,13 @@ def _attend(
     mask: torch.Tensor,  # [batch, 1, group * q_len, kv_len] bool: True = may attend
     scale: float,
 ) -> torch.Tensor:  # [batch, num_kv_heads, group * q_len, head_dim]
+    dtype = v.dtype
+    if upcast(q):
+        q, k, v = q.float(), k.float(), v.float()
     scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale
     scores.masked_fill_(~mask, float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(v.dtype)
-    return torch.matmul(probs, v)
+    return torch.matmul(probs, v).to(dtype)
 
 
 class TorchPagedAttention(AttentionBackend):

@@ -14,6 +14,37 @@ from torch import nn
 from pagellm import parallel
 
 
+def _cpu_has_native_bf16() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+# CPUs without bf16 instructions multiply bf16 matrices several times slower than float32
+# (measured on AVX2: 37 ms vs 7 ms for 64 x 576 x 3072). There, batched products upcast
+# the bf16 weights on the fly; single-row products stay in bf16, where it is no slower.
+UPCAST_BF16 = not _cpu_has_native_bf16()
+_UPCAST_MIN_ROWS = 8
+
+
+def upcast(*tensors: torch.Tensor) -> bool:
+    """Whether a CPU product of these bf16 tensors is faster done in float32."""
+    t = tensors[0]
+    return (UPCAST_BF16 and t.dtype == torch.bfloat16 and t.device.type == "cpu"
+            and t.numel() // t.shape[-1] >= _UPCAST_MIN_ROWS)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, computed in float32 for batched bf16 inputs on CPUs without bf16 units."""
+    if upcast(x):
+        b = None if bias is None else bias.float()
+        return F.linear(x.float(), weight.float(), b).to(x.dtype)
+    return F.linear(x, weight, bias)
+
+
 class ColumnParallelLinear(nn.Module):
     """y = x W^T (+ b) for this rank's rows of W. parts: for each fused part, (full output
     size, unit size): the part's units are split across ranks."""
@@ -35,7 +66,7 @@ class ColumnParallelLinear(nn.Module):
         getattr(self, name).data.narrow(0, offset, size).copy_(tensor.narrow(0, start, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
@@ -57,7 +88,7 @@ class RowParallelLinear(nn.Module):
         self.weight.data.copy_(tensor.narrow(1, self.start, self.in_local))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = linear(x, self.weight)
         if self.reduce:
             y = parallel.all_reduce(y)
         return y + self.bias if self.bias is not None else y

@@ -13,7 +13,7 @@ from torch import nn
 
 from pagellm.attention.base import AttentionBackend, AttentionMetadata
 from pagellm.layers.attention import PagedSelfAttention
-from pagellm.layers.linear import ColumnParallelLinear, RowParallelLinear
+from pagellm.layers.linear import ColumnParallelLinear, RowParallelLinear, linear
 from pagellm.layers.norm import RMSNorm
 from pagellm.layers.rotary import RotaryEmbedding
 
@@ -82,7 +82,7 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[num_rows, hidden] -> [num_rows, vocab] float32."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return linear(hidden, weight).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load Hugging Face-named tensors; q|k|v and gate|up go into their fused slices."""
