@@ -74,3 +74,28 @@ def test_greedy_batch_matches_transformers(tiny, engine_kwargs):
         assert out.outputs[0].finish_reason == "length"
     if "kv_cache_memory" in engine_kwargs:
         assert llm.engine.scheduler.num_preemptions > 0
+
+
+@pytest.mark.parametrize("upcast_bf16", [True, False])
+def test_bf16_products_close_to_float32(monkeypatch, upcast_bf16):
+    """The bf16 path (native, or upcast to float32 on CPUs without bf16 units) computes the
+    same products as float32 up to bf16 rounding."""
+    from pagellm.layers import linear as lin
+
+    monkeypatch.setattr(lin, "UPCAST_BF16", upcast_bf16)
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(16, 64, generator=g), torch.randn(96, 64, generator=g)
+    got = lin.linear(x.bfloat16(), w.bfloat16())
+    assert got.dtype == torch.bfloat16
+    ref = x.bfloat16().float() @ w.bfloat16().float().T
+    torch.testing.assert_close(got.float(), ref, atol=0.05, rtol=0.02)
+
+
+def test_bf16_engine_greedy_close_to_float32(tiny_llama):
+    """bfloat16 end to end: the first greedy tokens agree with float32 on a tiny model."""
+    path, _ = tiny_llama
+    sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    f32 = LLM(path, dtype="float32", kv_cache_memory=2**20).generate(PROMPTS, sp, use_tqdm=False)
+    b16 = LLM(path, dtype="bfloat16", kv_cache_memory=2**20).generate(PROMPTS, sp, use_tqdm=False)
+    agree = sum(a.outputs[0].token_ids[0] == b.outputs[0].token_ids[0] for a, b in zip(f32, b16))
+    assert agree >= len(PROMPTS) - 1
