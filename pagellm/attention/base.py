@@ -13,7 +13,7 @@ Token at position p of sequence b lives in slot
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -27,6 +27,8 @@ class AttentionMetadata:
     # Host copies: CPU backends loop and group on these without device syncs.
     query_lens_cpu: list[int]
     seq_lens_cpu: list[int]
+    # Per-step values a backend derives once and reuses in every layer (masks, index tensors).
+    cache: dict = field(default_factory=dict, repr=False)
 
     @property
     def num_seqs(self) -> int:

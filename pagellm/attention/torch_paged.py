@@ -24,7 +24,7 @@ def gather_kv(
     batch, nblocks = block_tables.shape
     block_size = cache.shape[1]
     needed = (max_len + block_size - 1) // block_size
-    blocks = cache[block_tables[:, :needed].long()]  # [batch, needed, bs, kvh, hd]
+    blocks = cache[block_tables[:, :needed]]  # [batch, needed, bs, kvh, hd]
     blocks = blocks.reshape(batch, needed * block_size, cache.shape[2], cache.shape[3])
     return blocks[:, :max_len].transpose(1, 2)
 
@@ -43,6 +43,23 @@ def _attend(
     scores.masked_fill_(~mask, float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(v.dtype)
     return torch.matmul(probs, v).to(dtype)
+
+
+def _batched_plan(md: AttentionMetadata, starts: list[int], seqs: list[int], group: int):
+    """Per-step tensors of the batched path: query lengths, padded sizes, block tables and
+    the causal/length mask [batch, 1, group * max_q, max_kv]."""
+    qlens = [md.query_lens_cpu[b] for b in seqs]
+    slens = [md.seq_lens_cpu[b] for b in seqs]
+    max_q, max_kv, batch = max(qlens), max(slens), len(seqs)
+    contiguous = all(n == max_q for n in qlens) and seqs == list(range(seqs[0], seqs[0] + batch))
+    idx = torch.tensor(seqs, dtype=torch.long, device=md.block_tables.device)
+    tables = md.block_tables.index_select(0, idx).long()
+    # Query j of sequence i is at position slen - qlen + j and sees keys <= that position.
+    qpos = (torch.tensor(slens) - torch.tensor(qlens)).unsqueeze(1) + torch.arange(max_q)
+    mask = torch.arange(max_kv).view(1, 1, -1) <= qpos.unsqueeze(-1)  # [batch, max_q, max_kv]
+    mask = mask.unsqueeze(1).expand(batch, group, max_q, max_kv).reshape(
+        batch, 1, group * max_q, max_kv)
+    return qlens, max_q, max_kv, contiguous, tables, mask.to(md.block_tables.device)
 
 
 class TorchPagedAttention(AttentionBackend):
@@ -68,13 +85,12 @@ class TorchPagedAttention(AttentionBackend):
         num_heads, head_dim = query.shape[1], query.shape[2]
         kvh = k_cache.shape[2]
         group = num_heads // kvh
-        qlens = [md.query_lens_cpu[b] for b in seqs]
-        slens = [md.seq_lens_cpu[b] for b in seqs]
-        max_q, max_kv = max(qlens), max(slens)
+        plan = md.cache.get(("batched", group))
+        if plan is None:  # the same for every layer of the step
+            plan = md.cache[("batched", group)] = _batched_plan(md, starts, seqs, group)
+        qlens, max_q, max_kv, contiguous, tables, mask = plan
         batch = len(seqs)
-        uniform = all(n == max_q for n in qlens)
-        if uniform and seqs == list(range(seqs[0], seqs[0] + batch)):
-            # Contiguous rows with equal query length: a view, no copy.
+        if contiguous:  # rows of equal query length, back to back: a view, no copy
             lo = starts[seqs[0]]
             q = query[lo : lo + batch * max_q].view(batch, max_q, num_heads, head_dim)
         else:
@@ -84,21 +100,12 @@ class TorchPagedAttention(AttentionBackend):
         # [batch, q, kvh, group, hd] -> [batch, kvh, group * q, hd] (row r = g * max_q + j)
         q = q.view(batch, max_q, kvh, group, head_dim).permute(0, 2, 3, 1, 4)
         q = q.reshape(batch, kvh, group * max_q, head_dim)
-        idx = torch.tensor(seqs, dtype=torch.long)
-        tables = md.block_tables.index_select(0, idx.to(md.block_tables.device))
         k = gather_kv(k_cache, tables, max_kv)
         v = gather_kv(v_cache, tables, max_kv)
-        # Query j of sequence i is at position slen - qlen + j and sees keys <= that position.
-        qpos = (torch.tensor(slens) - torch.tensor(qlens)).unsqueeze(1) + torch.arange(max_q)
-        kpos = torch.arange(max_kv)
-        mask = kpos.view(1, 1, -1) <= qpos.unsqueeze(-1)  # [batch, max_q, max_kv]
-        mask = mask.unsqueeze(1).expand(batch, group, max_q, max_kv).reshape(
-            batch, 1, group * max_q, max_kv
-        )
-        o = _attend(q, k, v, mask.to(q.device), scale)  # [batch, kvh, group*max_q, hd]
+        o = _attend(q, k, v, mask, scale)  # [batch, kvh, group*max_q, hd]
         o = o.view(batch, kvh, group, max_q, head_dim).permute(0, 3, 1, 2, 4)
         o = o.reshape(batch, max_q, num_heads, head_dim)
-        if uniform and seqs == list(range(seqs[0], seqs[0] + batch)):
+        if contiguous:
             lo = starts[seqs[0]]
             out[lo : lo + batch * max_q] = o.reshape(batch * max_q, num_heads, head_dim)
         else:
@@ -111,8 +118,9 @@ class TorchPagedAttention(AttentionBackend):
         group = num_heads // kvh
         qlen, slen = md.query_lens_cpu[b], md.seq_lens_cpu[b]
         q = query[starts[b] : starts[b] + qlen]  # [qlen, H, hd]
-        k = gather_kv(k_cache, md.block_tables[b : b + 1], slen)  # [1, kvh, slen, hd]
-        v = gather_kv(v_cache, md.block_tables[b : b + 1], slen)
+        table = md.block_tables[b : b + 1].long()
+        k = gather_kv(k_cache, table, slen)  # [1, kvh, slen, hd]
+        v = gather_kv(v_cache, table, slen)
         q = q.view(qlen, kvh, group, head_dim).permute(1, 2, 0, 3).reshape(1, kvh, group * qlen, head_dim)
         qpos = torch.arange(slen - qlen, slen)
         mask = torch.arange(slen).view(1, -1) <= qpos.view(-1, 1)  # [qlen, slen]

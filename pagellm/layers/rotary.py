@@ -30,6 +30,7 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", emb.cos() * scaling, persistent=False)
         self.register_buffer("sin", emb.sin() * scaling, persistent=False)
+        self._step_key: torch.Tensor | None = None
 
     def forward(
         self,
@@ -37,8 +38,11 @@ class RotaryEmbedding(nn.Module):
         q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
         k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [num_tokens, 1, head_dim]
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+        if self._step_key is not positions:  # every layer of a step shares one lookup
+            self._step_key = positions
+            self._step_cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [tokens, 1, hd]
+            self._step_sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+        cos, sin = self._step_cos, self._step_sin
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
