@@ -1,0 +1,398 @@
+"""Does this draft pay? Speculative decoding vs none, per proposer, workload and batch size.
+
+    python -m benchmarks spec [--max-tokens 128 --repeats 2 --batch1-prompts 4 --threads 1]
+
+Greedy, default model, bfloat16. Workloads (chat template): `copy` (rewrite a given paragraph,
+edit given code: the answer repeats much of the prompt) and `chat` (open questions), at batch 1
+and batch 16 (one generate call). Each configuration is its own LLM and all take turns inside
+every repeat: speculation off; n-gram (k=4); the model's own first N layers as a draft (k=4);
+each with the adaptive controller on and "fixed-k" (off). Peers at batch 1, same weights: HF
+`generate`, HF prompt lookup (`prompt_lookup_num_tokens=k`), HF early-exit assisted generation
+(`assistant_early_exit=N`: the same first-N-layers draft, `num_assistant_tokens=k`).
+ms/token: time per output token after the first, median over requests and repeats; speedup =
+off's median / this one's. Acceptance from `engine.spec.stats` (per position: share of verified
+drafts whose j-th token was accepted); "spec steps": share of decode steps with proposals.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from tqdm.auto import tqdm
+
+from benchmarks import common
+
+PARAGRAPHS = [
+    "The river runs through the middle of the town, and every morning the fishermen push their "
+    "boats into the water before the sun comes up. Children walk along the bank on their way to "
+    "school, and the old bridge creaks when the bread van crosses it. In the evening the cafes "
+    "put their tables outside, and people sit and talk until the lamps are lit.",
+    "Our team meets every Monday to plan the week. Each person says what they finished, what "
+    "they are working on and what is blocking them. We keep the meeting short, and anything "
+    "that needs a longer discussion is moved to a separate call. The notes are written in a "
+    "shared document so that people who miss the meeting can catch up quickly.",
+    "A good recipe for bread needs only flour, water, salt and yeast. The dough is mixed, left "
+    "to rest for an hour, folded several times and then shaped into a loaf. It rises again "
+    "while the oven heats up. The loaf bakes for about forty minutes until the crust is dark "
+    "brown and the bottom sounds hollow when you tap it.",
+    "The library opens at nine and closes at six on weekdays. Members can borrow up to ten "
+    "books at a time for three weeks, and they can renew them online twice. Late returns cost "
+    "twenty cents a day. The reading room on the second floor is quiet, and laptops are "
+    "allowed, but phone calls must be taken outside.",
+]
+CODE = [
+    "def total_price(items, tax):\n    total = 0\n    for item in items:\n"
+    "        total = total + item.price * item.quantity\n    total = total * (1 + tax)\n"
+    "    return round(total, 2)\n",
+    "def count_words(text):\n    counts = {}\n    for word in text.lower().split():\n"
+    "        word = word.strip('.,!?')\n        if word:\n"
+    "            counts[word] = counts.get(word, 0) + 1\n    return counts\n",
+    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, x):\n"
+    "        self.items.append(x)\n\n    def pop(self):\n        return self.items.pop()\n\n"
+    "    def is_empty(self):\n        return len(self.items) == 0\n",
+    "def read_config(path):\n    config = {}\n    with open(path) as f:\n        for line in f:\n"
+    "            line = line.strip()\n            if not line or line.startswith('#'):\n"
+    "                continue\n            key, value = line.split('=', 1)\n"
+    "            config[key.strip()] = value.strip()\n    return config\n",
+]
+PARA_TASKS = ["Rewrite the following paragraph in the past tense, keeping everything else the "
+              "same:\n\n{}", "Correct any mistakes in this text and return the whole text:\n\n{}"]
+CODE_TASKS = ["Add comments to this Python code and return the complete code:\n\n```python\n{}```",
+              "Rename the function in this code to a better name and return the full code:"
+              "\n\n```python\n{}```"]
+CHAT = ["Write a short story about a robot who learns to paint.", "Explain how a rainbow forms.",
+        "What are some good habits for staying healthy?", "Describe your ideal weekend.",
+        "Give me tips for learning a new language.", "Why is the sky blue?",
+        "Write a poem about autumn leaves.", "How do airplanes stay in the air?",
+        "What should I pack for a camping trip?", "Tell me about the history of the bicycle.",
+        "How can I improve my sleep?", "Explain what a computer virus is.",
+        "Write a letter to a friend about a recent trip.", "What makes a good teacher?",
+        "Describe how to plant a vegetable garden.", "What are the benefits of reading books?"]
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="python -m benchmarks spec", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct (GGUF)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    p.add_argument("--draft-layers", default="8,15", help="comma-separated N for draft_model")
+    p.add_argument("--batch-sizes", default="1,16")
+    p.add_argument("--batch1-prompts", type=int, default=4,
+                   help="prompts per workload per repeat at batch 1 (rotating through the set)")
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--peers", default="hf", help="'hf' or '' (none)")
+    p.add_argument("--kv-cache-memory", default="512MiB", help="per configuration")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads (1: stable on a shared machine; see benchmarks/README)")
+    p.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens")
+    common.add_output_args(p)
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.max_tokens, args.draft_layers, args.batch_sizes = 8, "1", "1,4"
+        args.batch1_prompts, args.repeats, args.kv_cache_memory = 1, 1, "16MiB"
+        args.ignore_eos = True
+    return args
+
+
+# ---- workloads and configurations -----------------------------------------------------------
+def chat_prompts(llm) -> dict[str, list[list[int]]]:
+    copy = [t.format(p) for p in PARAGRAPHS for t in PARA_TASKS]
+    copy += [t.format(c) for c in CODE for t in CODE_TASKS]
+    msg = lambda text: [{"role": "user", "content": text}]  # noqa: E731
+    return {"copy": [llm.apply_chat_template(msg(t)) for t in copy],
+            "chat": [llm.apply_chat_template(msg(t)) for t in CHAT]}
+
+
+def smoke_prompts(vocab: int) -> dict[str, list[list[int]]]:
+    rand = common.random_prompts(32, 12, vocab, seed=0)
+    return {"copy": [r + r for r in rand[:16]], "chat": [r + r[::-1] for r in rand[16:]]}
+
+
+def configs(args) -> dict[str, dict | None]:
+    out: dict[str, dict | None] = {"off": None}
+    methods = [("ngram", {"method": "ngram"})] + [
+        (f"draft-L{n}", {"method": "draft_model", "draft_num_layers": int(n)})
+        for n in args.draft_layers.split(",") if n]
+    for name, cfg in methods:
+        for adaptive in (True, False):
+            out[f"{name}{'' if adaptive else ' fixed-k'}"] = {
+                **cfg, "num_speculative_tokens": args.k, "adaptive": adaptive}
+    return out
+
+
+# ---- engines ----------------------------------------------------------------------------------
+class Engine:
+    """One pagellm LLM; records the adaptive controller's choice of k at every decode step."""
+
+    def __init__(self, spec: common.ModelSpec, args, spec_config):
+        from pagellm import LLM, SamplingParams
+
+        self.llm = LLM(spec.path, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory,
+                       speculative_config=spec_config)
+        self.params = SamplingParams(temperature=0, max_tokens=args.max_tokens,
+                                     ignore_eos=args.ignore_eos)
+        self.spec, self.ks = self.llm.engine.spec, []
+        if self.spec is not None:
+            ctl, choose = self.spec.controller, self.spec.controller.choose
+
+            def recording_choose(seqs):
+                ks = choose(seqs)
+                if seqs:
+                    self.ks.append(max(ks))
+                return ks
+
+            ctl.choose = recording_choose
+
+    def run(self, prompts: list[list[int]]) -> dict:
+        before = self.spec.stats.as_dict() if self.spec else None
+        self.ks.clear()
+        start = time.perf_counter()
+        outs = self.llm.generate(prompts, self.params, use_tqdm=False)
+        res = {"wall_s": time.perf_counter() - start,
+               "requests": [{"tpot_s": o.metrics.time_per_output_token,
+                             "e2e_s": o.metrics.e2e_latency,
+                             "ttft_s": o.metrics.time_to_first_token,
+                             "tokens": list(o.outputs[0].token_ids)} for o in outs],
+               "preemptions": sum(o.metrics.num_preemptions for o in outs)}
+        if self.spec is not None:
+            after, ctl = self.spec.stats.as_dict(), self.spec.controller
+            res["stats"] = {k: after[k] - before[k] for k in ("num_drafts", "num_draft_tokens",
+                                                              "num_accepted_tokens")}
+            res["stats"]["accepted_per_position"] = [a - b for a, b in zip(
+                after["accepted_per_position"], before["accepted_per_position"])]
+            res["spec_steps"] = [sum(k > 0 for k in self.ks), len(self.ks)]
+            res["controller"] = {"alpha": ctl.alpha, "a_b_s": ctl.step_time.coefficients(),
+                                 "draft_round_s": ctl.draft_round_time}
+        return res
+
+
+class HFPeer:
+    """HF transformers generate at batch 1, timing each streamed chunk of new tokens."""
+
+    def __init__(self, spec: common.ModelSpec, args):
+        from transformers import AutoModelForCausalLM
+
+        kw = {"gguf_file": spec.gguf_file} if spec.gguf_file else {}
+        self.model = AutoModelForCausalLM.from_pretrained(
+            spec.folder, dtype=getattr(torch, args.dtype), **kw).eval()
+        self.model.generation_config.pad_token_id = 0
+        self.args = args
+        n = int(args.draft_layers.split(",")[0])
+        self.variants = {"hf": {}, "hf prompt-lookup": {"prompt_lookup_num_tokens": args.k},
+                         f"hf early-exit-L{n}": {"assistant_early_exit": n,
+                                                  "num_assistant_tokens": args.k,
+                                                  "num_assistant_tokens_schedule": "constant"}}
+
+    def run(self, variant: str, prompt: list[int]) -> dict:
+        ids, clock, args = torch.tensor([prompt]), Clock(), self.args
+        extra = {"min_new_tokens": args.max_tokens} if args.ignore_eos else {}
+        start = time.perf_counter()
+        with torch.inference_mode():
+            out = self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                                      max_new_tokens=args.max_tokens, do_sample=False,
+                                      streamer=clock, **extra, **self.variants[variant])
+        end, tokens = time.perf_counter(), out[0, ids.shape[1]:].tolist()
+        (t1, c1), (tn, _) = clock.puts[1], clock.puts[-1]  # puts[0] is the prompt
+        tpot = (tn - t1) / (len(tokens) - c1) if len(tokens) > c1 else None
+        return {"wall_s": end - start, "preemptions": 0, "requests": [
+            {"tpot_s": tpot, "e2e_s": end - start, "ttft_s": t1 - start, "tokens": tokens}]}
+
+
+class Clock:
+    """A streamer for HF generate: (time, number of tokens) of every chunk it is handed."""
+
+    def __init__(self):
+        self.puts: list[tuple[float, int]] = []
+
+    def put(self, value):
+        self.puts.append((time.perf_counter(), value.numel()))
+
+    def end(self):
+        pass
+
+
+# ---- the run ----------------------------------------------------------------------------------
+def measure(args, engines: dict[str, Engine], hf: HFPeer | None, prompts) -> list[dict]:
+    """Every engine takes its turn on the same prompts inside each repeat (order alternates)."""
+    batches = [int(b) for b in args.batch_sizes.split(",")]
+    names = list(engines) + (list(hf.variants) if hf else [])
+    n1 = args.batch1_prompts
+    total = args.repeats * len(prompts) * sum(n1 * len(names) if b == 1 else len(engines)
+                                              for b in batches)
+    runs, bar = [], tqdm(total=total, desc="spec", unit="run")
+    for rep in range(args.repeats):
+        order = names if rep % 2 == 0 else names[::-1]
+        for workload, ps in prompts.items():
+            for b in batches:
+                if b == 1:
+                    groups = [[(rep * n1 + i) % len(ps)] for i in range(n1)]
+                else:
+                    groups = [[i % len(ps) for i in range(b)]]
+                for group in groups:
+                    for name in (n for n in order if b == 1 or n in engines):  # HF: b1 only
+                        sel = [ps[i] for i in group]
+                        res = (engines[name].run(sel) if name in engines
+                               else hf.run(name, sel[0]))
+                        runs.append({"engine": name, "workload": workload, "batch": b,
+                                     "repeat": rep, "prompts": group, **res})
+                        bar.update(1)
+    bar.close()
+    mark_identity(runs)
+    return runs
+
+
+def mark_identity(runs: list[dict]) -> None:
+    """Per run: how many requests produced exactly the tokens that speculation-off did."""
+    off = {(r["workload"], r["batch"], r["repeat"], tuple(r["prompts"])): r
+           for r in runs if r["engine"] == "off"}
+    for r in runs:
+        ref = off[(r["workload"], r["batch"], r["repeat"], tuple(r["prompts"]))]
+        r["same_as_off"] = sum(a["tokens"] == b["tokens"]
+                               for a, b in zip(r["requests"], ref["requests"]))
+
+
+def summarize(runs: list[dict]) -> list[dict]:
+    rows, groups = [], {}
+    for r in runs:
+        groups.setdefault((r["workload"], r["batch"], r["engine"]), []).append(r)
+    for (workload, batch, engine), rs in groups.items():
+        reqs = [q for r in rs for q in r["requests"]]
+        tpots = [q["tpot_s"] for q in reqs if q["tpot_s"] is not None]
+        row = {"workload": workload, "batch": batch, "engine": engine,
+               "ms_per_token": common.median(tpots) * 1e3 if tpots else None,
+               "e2e_ms": common.median([q["e2e_s"] for q in reqs]) * 1e3,
+               "tok_s": sum(len(q["tokens"]) for q in reqs) / sum(r["wall_s"] for r in rs),
+               "mean_output_tokens": sum(len(q["tokens"]) for q in reqs) / len(reqs),
+               "same_as_off": sum(r["same_as_off"] for r in rs) / len(reqs),
+               "preemptions": sum(r["preemptions"] for r in rs)}
+        if "stats" in rs[0]:
+            drafts = sum(r["stats"]["num_drafts"] for r in rs)
+            tried = sum(r["stats"]["num_draft_tokens"] for r in rs)
+            acc = sum(r["stats"]["num_accepted_tokens"] for r in rs)
+            per_pos = [sum(x) for x in zip(*(r["stats"]["accepted_per_position"] for r in rs))]
+            steps = [sum(x) for x in zip(*(r["spec_steps"] for r in rs))]
+            row.update(acceptance_rate=acc / tried if tried else None,
+                       mean_acceptance_length=1 + acc / drafts if drafts else None,
+                       accepted_per_position=[a / drafts for a in per_pos] if drafts else None,
+                       spec_step_share=steps[0] / steps[1] if steps[1] else None,
+                       controller=rs[-1]["controller"])
+        rows.append(row)
+    for row in rows:
+        off = next(o for o in rows if (o["workload"], o["batch"], o["engine"]) ==
+                   (row["workload"], row["batch"], "off"))
+        both = row["ms_per_token"] and off["ms_per_token"]
+        row["speedup_vs_off"] = off["ms_per_token"] / row["ms_per_token"] if both else None
+        row["tok_s_vs_off"] = row["tok_s"] / off["tok_s"]
+    return rows
+
+
+def targets(rows: list[dict]) -> dict:
+    """The project's targets: n-gram >= 2x on copy at batch 1; adaptive never below 0.95x."""
+    speed = {(r["workload"], r["batch"], r["engine"]): r["speedup_vs_off"] for r in rows}
+    ngram = speed.get(("copy", 1, "ngram"))
+    adaptive = {f"{e} {w} b{b}": v for (w, b, e), v in speed.items() if v and e != "off"
+                and "fixed" not in e and not e.startswith("hf")}
+    worst = min(adaptive.items(), key=lambda kv: kv[1]) if adaptive else (None, None)
+    return {"ngram_copy_b1_speedup": ngram, "ngram_copy_b1_met": bool(ngram and ngram >= 2.0),
+            "adaptive_worst": worst[0], "adaptive_worst_speedup": worst[1],
+            "adaptive_floor_met": worst[1] is None or worst[1] >= 0.95}
+
+
+def controller_view(row: dict, max_k: int) -> str:
+    """The controller's own model at the end of the run: a, b, D and its predicted speedup."""
+    from pagellm.spec_decode.adaptive import expected_tokens
+
+    c = row.get("controller")
+    if not c or not c["a_b_s"]:
+        return "-"
+    (a, b), d, al, bs = c["a_b_s"], c["draft_round_s"], c["alpha"], row["batch"]
+    pred = max(expected_tokens(al, k) * (a + b * bs) / (a + b * bs * (k + 1) + k * d)
+               for k in range(1, max_k + 1))
+    return (f"alpha {al:.2f}, a {a * 1e3:.1f} ms, b {b * 1e3:.2f} ms/tok, D {d * 1e3:.1f} ms"
+            f" -> best predicted {pred:.2f}x")
+
+
+def render(rows, args, tg) -> str:
+    fmt = lambda v, f="{:.2f}": "-" if v is None else f.format(v)  # noqa: E731
+    table = [[r["workload"], r["batch"], r["engine"], fmt(r["ms_per_token"], "{:.1f}"),
+              fmt(r["speedup_vs_off"], "{:.2f}x"), fmt(r["tok_s"], "{:.1f}"),
+              fmt(r.get("acceptance_rate")), fmt(r.get("mean_acceptance_length")),
+              " ".join(f"{x:.2f}" for x in r.get("accepted_per_position") or []) or "-",
+              fmt(r.get("spec_step_share")), f"{r['same_as_off']:.0%}",
+              f"{r['mean_output_tokens']:.0f}", r["preemptions"]] for r in rows]
+    head = (f"### Speculative decoding, greedy, {args.dtype}, max_tokens {args.max_tokens}, "
+            f"k={args.k}, {args.threads} thread(s), {args.repeats} repeats\n\n")
+    body = common.markdown_table(
+        ["workload", "batch", "engine", "ms/token", "speedup vs off", "tok/s", "accept rate",
+         "mean accept len", "accept per position", "spec steps", "same tokens as off",
+         "out tokens", "preempt"], table)
+    ctl = common.markdown_table(["workload", "batch", "engine", "controller at end of run"], [
+        [r["workload"], r["batch"], r["engine"], controller_view(r, args.k)]
+        for r in rows if r.get("controller")])
+    verdict = (f"\n\nTargets: n-gram on copy-heavy prompts at batch 1 >= 2x: "
+               f"{fmt(tg['ngram_copy_b1_speedup'], '{:.2f}x')} "
+               f"({'met' if tg['ngram_copy_b1_met'] else 'NOT met'}); adaptive never below "
+               f"0.95x: worst {tg['adaptive_worst']} {fmt(tg['adaptive_worst_speedup'])}x "
+               f"({'met' if tg['adaptive_floor_met'] else 'NOT met'}).\n\n")
+    return head + body + verdict + ctl
+
+
+def plot(rows, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cases = sorted({(r["workload"], r["batch"]) for r in rows})
+    engines = [e for e in dict.fromkeys(r["engine"] for r in rows) if e != "off"]
+    lookup = {(r["workload"], r["batch"], r["engine"]): r["speedup_vs_off"] or 0 for r in rows}
+    fig, ax = plt.subplots(figsize=(max(7, 1.3 * len(engines)), 4))
+    width = 0.8 / len(cases)
+    for i, (w, b) in enumerate(cases):
+        xs = [j + i * width for j in range(len(engines))]
+        ax.bar(xs, [lookup.get((w, b, e), 0) for e in engines], width, label=f"{w}, batch {b}")
+    ax.axhline(1.0, color="k", lw=1)
+    ax.axhline(0.95, color="r", ls=":", lw=1, label="0.95x floor")
+    ax.axhline(2.0, color="g", ls="--", lw=1, label="2x target (n-gram, copy, b1)")
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(engines))], engines, rotation=25,
+                  ha="right")
+    ax.set_ylabel("speedup vs speculation off (ms/token)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    spec = common.ModelSpec.resolve(common.smoke_model_dir() if args.smoke else args.model)
+    common.log(f"loading {len(configs(args))} engines for {spec.path}")
+    engines = {name: Engine(spec, args, cfg) for name, cfg in configs(args).items()}
+    off = engines["off"].llm
+    prompts = (smoke_prompts(off.engine.vocab_size) if off.get_tokenizer() is None
+               else chat_prompts(off))
+    hf = HFPeer(spec, args) if "hf" in args.peers.split(",") else None
+    for e in engines.values():  # warm-up
+        e.run(prompts["copy"][:1])
+    runs = measure(args, engines, hf, prompts)
+    rows = summarize(runs)
+    tg = targets(rows)
+    for r in runs:
+        for q in r["requests"]:
+            q["num_tokens"] = len(q.pop("tokens"))
+    lengths = {w: [len(p) for p in ps] for w, ps in prompts.items()}
+    common.write_results(args.out, "spec", {
+        "config": vars(args), "model": spec.path, "engines": configs(args),
+        "prompt_lengths": lengths, "results": rows, "targets": tg, "runs": runs},
+        render(rows, args, tg))
+    if not args.no_plot:
+        plot(rows, f"{args.out}/spec.png")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

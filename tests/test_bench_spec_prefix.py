@@ -1,0 +1,61 @@
+"""benchmarks/spec.py and benchmarks/prefix.py run end to end with --smoke (tiny random model)
+and write JSON / Markdown / PNG with the expected fields. Timing is never checked here."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks import prefix, spec  # noqa: E402
+
+
+def outputs(out, kind: str) -> dict:
+    for ext in ("json", "md", "png"):
+        path = out / f"{kind}.{ext}"
+        assert path.is_file() and path.stat().st_size > 0, path
+    data = json.loads((out / f"{kind}.json").read_text())
+    assert data["kind"] == kind and "system" in data and data["config"]["smoke"]
+    return data
+
+
+def test_spec_smoke(tmp_path):
+    assert spec.main(["--smoke", "--out", str(tmp_path)]) == 0
+    data = outputs(tmp_path, "spec")
+    rows = {(r["workload"], r["batch"], r["engine"]): r for r in data["results"]}
+    engines = {"off", "ngram", "ngram fixed-k", "draft-L1", "draft-L1 fixed-k"}
+    peers = {"hf", "hf prompt-lookup", "hf early-exit-L1"}
+    assert {e for _, _, e in rows} == engines | peers
+    assert {(w, b) for w, b, _ in rows} == {(w, b) for w in ("copy", "chat") for b in (1, 4)}
+    for (w, b, e), r in rows.items():
+        assert r["ms_per_token"] > 0 and r["speedup_vs_off"] > 0 and r["tok_s"] > 0
+        assert r["mean_output_tokens"] == 8  # --smoke ignores EOS: every request is full length
+        assert 0 <= r["same_as_off"] <= 1 and r["preemptions"] == 0
+        if e in engines - {"off"}:
+            assert 0 <= r["spec_step_share"] <= 1 and set(r["controller"]) == {
+                "alpha", "a_b_s", "draft_round_s"}
+            assert r["acceptance_rate"] is None or len(r["accepted_per_position"]) == 4
+    # Adaptive off always proposes k tokens; its acceptance is therefore always measured.
+    fixed = rows[("copy", 1, "draft-L1 fixed-k")]
+    assert fixed["spec_step_share"] == 1 and 0 <= fixed["acceptance_rate"] <= 1
+    assert 1 <= fixed["mean_acceptance_length"] <= 5
+    assert rows[("copy", 1, "off")]["speedup_vs_off"] == 1
+    assert {"ngram_copy_b1_speedup", "adaptive_worst", "adaptive_floor_met"} <= set(data["targets"])
+    assert "speedup vs off" in (tmp_path / "spec.md").read_text()
+
+
+def test_prefix_smoke(tmp_path):
+    assert prefix.main(["--smoke", "--out", str(tmp_path)]) == 0
+    data = outputs(tmp_path, "prefix")
+    rows = {r["engine"]: r for r in data["results"]}
+    on, off = rows["pagellm prefix cache on"], rows["pagellm prefix cache off"]
+    assert any(e.startswith("hf") for e in rows)
+    for r in rows.values():
+        assert r["ttft_median_ms"] > 0 and r["ttft_p90_ms"] >= r["ttft_median_ms"]
+        assert r["output_tok_s"] > 0 and r["total_tok_s"] > r["output_tok_s"]
+    # Bookkeeping, not timing: 8 requests of 64 shared + 8 own tokens, block size 16.
+    assert off["prefix_hit_rate"] == 0 and on["prefix_hit_rate"] == 7 * 64 / (8 * 72)
+    assert on["peak_used_blocks"] < off["peak_used_blocks"] <= off["num_blocks"]
+    assert on["preemptions"] == off["preemptions"] == 0
+    assert on["same_tokens_as_off"] == 1

@@ -1,0 +1,102 @@
+"""Every benchmark kind runs end to end with --smoke (tiny random model, small sizes) and writes
+its JSON / Markdown / PNG with the expected fields. Timing is never checked here."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.__main__ import main as bench_main  # noqa: E402
+
+
+def run_kind(kind: str, out, *extra: str) -> dict:
+    assert bench_main([kind, "--smoke", "--out", str(out), *extra]) == 0
+    for ext in ("json", "md", "png"):
+        path = out / f"{kind}.{ext}"
+        assert path.is_file() and path.stat().st_size > 0, path
+    data = json.loads((out / f"{kind}.json").read_text())
+    assert data["kind"] == kind and "system" in data
+    return data
+
+
+def test_memory(tmp_path):
+    data = run_kind("memory", tmp_path)
+    res = data["results"]
+    assert set(res) == {"static-max-len", "static-declared", "paged"}
+    for r in res.values():
+        assert abs(sum(r["fractions_of_budget"].values()) - 1) < 1e-9
+        assert r["mean_concurrency"] > 0 and r["peak_concurrency"] >= 1
+    paged = res["paged"]["fractions_of_budget"]
+    assert paged["reserved_not_yet"] == paged["reserved_never"] == paged["external_frag"] == 0
+    assert "concurrency_vs_static" in data["targets"]
+
+
+def test_throughput(tmp_path):
+    data = run_kind("throughput", tmp_path, "--peers", "hf,vllm,llama.cpp")
+    rows = {r["engine"]: r for r in data["results"]}
+    assert {"pagellm", "hf"} <= set(rows)
+    for r in rows.values():
+        assert r["output_tok_s"] > 0 and r["vs_hf"] > 0
+        assert data["runs"][r["engine"]][0]["output_tokens"] == 4 * 8  # ignore_eos: all tokens
+    for peer in ("vllm", "llama.cpp"):  # skipped with a reason, never silently missing
+        assert peer in rows or peer in data["skipped"]
+    assert "not installed" in (tmp_path / "throughput.md").read_text() or not data["skipped"]
+
+
+def test_latency(tmp_path):
+    data = run_kind("latency", tmp_path, "--peers", "hf")
+    rows = {r["engine"]: r for r in data["results"]}
+    assert set(rows) == {"pagellm", "hf"}
+    for r in rows.values():
+        assert r["ttft_ms"] > 0 and r["tpot_ms"] > 0 and r["x_floor"] > 0
+    bw = data["bandwidth"]
+    assert bw["bytes_per_s"] > 0 and bw["weight_bytes"] > 0 and bw["floor_ms_per_token"] > 0
+
+
+def test_profile(tmp_path):
+    data = run_kind("profile", tmp_path)
+    assert data["lengths"]["prompt"]["count"] == 200 and data["skipped"] == 0
+    assert {"p50", "p90", "p99", "max"} <= set(data["lengths"]["output"])
+    rec = data["recommendation"]
+    assert rec["block_size"] in (8, 16, 32) and rec["max_num_seqs"] >= 1
+    assert rec["kv_cache_memory_mib"] > 0 and rec["ngram_match_rate"] is not None
+
+
+def test_profile_shapes(tmp_path):
+    from benchmarks.profile import Lengths, ngram_matches
+
+    class Args:
+        chars_per_token, tokenizer = 4.0, None
+
+    lengths = Lengths(Args())
+    assert lengths.parse({"prompt_tokens": 10, "completion_tokens": 3})[:2] == (10, 3)
+    assert lengths.parse({"response": {"body": {"usage": {
+        "prompt_tokens": 7, "completion_tokens": 2}}}})[:2] == (7, 2)
+    assert lengths.parse({"body": {"messages": [{"role": "user", "content": "abcdefgh"}],
+                                   "max_tokens": 5}})[:2] == (2 + 4, 5)
+    assert lengths.parse({"prompt": [1, 2, 3], "output": [4]})[:2] == (3, 1)
+    assert lengths.parse({"unrelated": 1}) is None
+    assert ngram_matches([1, 2, 3, 9, 1, 2, 3], [9, 1, 7]) == (2, 3)
+
+
+def test_unknown_kind_and_help(capsys):
+    assert bench_main(["nope"]) == 2
+    assert bench_main(["--help"]) == 0
+    assert "memory" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("kind", ["serve", "spec"])
+def test_other_kinds_dispatch_when_present(kind, monkeypatch):
+    import types
+
+    import benchmarks.__main__ as m
+
+    called = []
+    fake = types.SimpleNamespace(main=lambda argv: called.append(argv) or 0)
+    monkeypatch.setitem(sys.modules, f"benchmarks.{kind}", fake)  # import_module finds it
+    monkeypatch.setattr(m, "available", lambda: m.KINDS)
+    assert m.main([kind, "--x"]) == 0 and called == [["--x"]]
