@@ -190,7 +190,7 @@ def plot(prompts, outputs, path: str) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
     for ax, xs, name in ((axes[0], prompts, "prompt"), (axes[1], outputs, "output")):
         xs = np.maximum(np.asarray(xs), 1)
-        bins = np.logspace(0, np.log10(xs.max() + 1), 30)
+        bins = np.logspace(np.log10(xs.min()), np.log10(xs.max() + 1), 30)
         ax.hist(xs, bins=bins, color="tab:blue")
         ax.set_xscale("log")
         ax.set_xlabel(f"{name} tokens")

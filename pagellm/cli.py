@@ -118,6 +118,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    import os
+
+    if os.getcwd() not in sys.path:  # the benchmarks/ folder of a source checkout
+        sys.path.insert(0, os.getcwd())
     try:
         from benchmarks.__main__ import main as bench_main
     except ImportError:
