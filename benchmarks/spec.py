@@ -84,7 +84,7 @@ def parse_args(argv):
                    help="prompts per workload per repeat at batch 1 (rotating through the set)")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--peers", default="hf", help="'hf' or '' (none)")
-    p.add_argument("--kv-cache-memory", default="512MiB", help="per configuration")
+    p.add_argument("--kv-cache-memory", default="256MiB", help="per configuration")
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads (1: stable on a shared machine; see benchmarks/README)")
     p.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens")
@@ -215,30 +215,24 @@ class Clock:
 
 
 # ---- the run ----------------------------------------------------------------------------------
-def measure(args, engines: dict[str, Engine], hf: HFPeer | None, prompts) -> list[dict]:
-    """Every engine takes its turn on the same prompts inside each repeat (order alternates)."""
-    batches = [int(b) for b in args.batch_sizes.split(",")]
-    names = list(engines) + (list(hf.variants) if hf else [])
-    n1 = args.batch1_prompts
-    total = args.repeats * len(prompts) * sum(n1 * len(names) if b == 1 else len(engines)
-                                              for b in batches)
-    runs, bar = [], tqdm(total=total, desc="spec", unit="run")
+def measure(args, engines: dict[str, Engine], hf: HFPeer | None, prompts, batch: int) -> list:
+    """Every engine takes its turn on the same prompts inside each repeat (order alternates).
+    HF peers run at batch 1 only."""
+    names = list(engines) + (list(hf.variants) if hf and batch == 1 else [])
+    n1, runs = args.batch1_prompts, []
+    bar = tqdm(total=args.repeats * len(prompts) * (n1 if batch == 1 else 1) * len(names),
+               desc=f"spec batch {batch}", unit="run")
     for rep in range(args.repeats):
-        order = names if rep % 2 == 0 else names[::-1]
         for workload, ps in prompts.items():
-            for b in batches:
-                if b == 1:
-                    groups = [[(rep * n1 + i) % len(ps)] for i in range(n1)]
-                else:
-                    groups = [[i % len(ps) for i in range(b)]]
-                for group in groups:
-                    for name in (n for n in order if b == 1 or n in engines):  # HF: b1 only
-                        sel = [ps[i] for i in group]
-                        res = (engines[name].run(sel) if name in engines
-                               else hf.run(name, sel[0]))
-                        runs.append({"engine": name, "workload": workload, "batch": b,
-                                     "repeat": rep, "prompts": group, **res})
-                        bar.update(1)
+            groups = ([[(rep * n1 + i) % len(ps)] for i in range(n1)] if batch == 1
+                      else [[i % len(ps) for i in range(batch)]])
+            for group in groups:
+                for name in (names if rep % 2 == 0 else names[::-1]):
+                    sel = [ps[i] for i in group]
+                    res = engines[name].run(sel) if name in engines else hf.run(name, sel[0])
+                    runs.append({"engine": name, "workload": workload, "batch": batch,
+                                 "repeat": rep, "prompts": group, **res})
+                    bar.update(1)
     bar.close()
     mark_identity(runs)
     return runs
@@ -378,20 +372,26 @@ def main(argv: list[str] | None = None) -> int:
     hf = HFPeer(spec, args) if "hf" in args.peers.split(",") else None
     for e in engines.values():  # warm-up
         e.run(prompts["copy"][:1])
-    runs = measure(args, engines, hf, prompts)
+    runs = []
+    for batch in (int(b) for b in args.batch_sizes.split(",")):
+        runs += measure(args, engines, hf, prompts, batch)
+        report(args, spec, prompts, runs)  # after each batch size: a checkpoint
+    return 0
+
+
+def report(args, spec, prompts, runs) -> None:
     rows = summarize(runs)
     tg = targets(rows)
-    for r in runs:
-        for q in r["requests"]:
-            q["num_tokens"] = len(q.pop("tokens"))
+    raw = [{**r, "requests": [{**{k: v for k, v in q.items() if k != "tokens"},
+                               "num_tokens": len(q["tokens"])} for q in r["requests"]]}
+           for r in runs]
     lengths = {w: [len(p) for p in ps] for w, ps in prompts.items()}
     common.write_results(args.out, "spec", {
         "config": vars(args), "model": spec.path, "engines": configs(args),
-        "prompt_lengths": lengths, "results": rows, "targets": tg, "runs": runs},
+        "prompt_lengths": lengths, "results": rows, "targets": tg, "runs": raw},
         render(rows, args, tg))
     if not args.no_plot:
         plot(rows, f"{args.out}/spec.png")
-    return 0
 
 
 if __name__ == "__main__":
