@@ -13,6 +13,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"],
                    help="auto: bfloat16 on GPUs and CPUs with bf16 units, else float32")
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    g.add_argument("--quantization", default=None, choices=["gguf", "none"],
+                   help="default: a GGUF file's Q4_0/Q4_1 weights stay packed when running "
+                        "bfloat16 on the CPU; gguf: insist on it; none: dequantize at load")
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--kv-cache-memory", default=None, help="KV budget, e.g. 2GiB or 500MB")
     g.add_argument("--kv-cache-fraction", type=float, default=None,
@@ -42,7 +45,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         kv_cache_fraction=args.kv_cache_fraction, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching, seed=args.seed,
-        tensor_parallel_size=args.tensor_parallel_size, speculative_config=spec)
+        tensor_parallel_size=args.tensor_parallel_size, speculative_config=spec,
+        quantization=args.quantization)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

@@ -104,8 +104,14 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig | None = None
+    # None (auto): a GGUF file's Q4_0/Q4_1 projections stay packed when running bfloat16 on
+    # the CPU; "gguf": insist on that; "none": dequantize every weight at load.
+    quantization: str | None = None
 
     def __post_init__(self):
+        if self.quantization not in (None, "gguf", "none"):
+            raise ValueError(f"quantization must be gguf, none or None (auto), "
+                             f"got {self.quantization!r}")
         if self.dtype not in ("float32", "bfloat16", "float16", "auto"):
             raise ValueError(f"dtype must be float32, bfloat16, float16 or auto, got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda"):

@@ -22,10 +22,11 @@ class LLM:
                  max_num_seqs: int = 128, max_num_batched_tokens: int = 2048,
                  max_model_len: int | None = None, enable_prefix_caching: bool = True,
                  speculative_config: dict | SpeculativeConfig | None = None, seed: int = 0,
-                 device: str = "auto", tensor_parallel_size: int = 1):
+                 device: str = "auto", tensor_parallel_size: int = 1,
+                 quantization: str | None = None):
         config = EngineConfig(
             model=model, dtype=dtype, device=device, max_model_len=max_model_len, seed=seed,
-            tensor_parallel_size=tensor_parallel_size,
+            tensor_parallel_size=tensor_parallel_size, quantization=quantization,
             cache=CacheConfig(
                 block_size=block_size,
                 kv_cache_memory=None if kv_cache_memory is None else parse_bytes(

@@ -44,9 +44,16 @@ class AttentionMetadata:
 
 
 class AttentionBackend(ABC):
-    """Writes new K/V into their slots and attends over the paged cache."""
+    """Allocates the KV pool, writes new K/V into their slots and attends over the pool."""
 
     name: str = "base"
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int, num_kv_heads: int,
+                          head_dim: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """One layer's K (or V) pool, zeroed: a tensor of logical shape
+        [num_blocks, block_size, num_kv_heads, head_dim] whose storage order the backend picks."""
+        return torch.zeros(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype,
+                           device=device)
 
     @abstractmethod
     def write_kv(

@@ -1,9 +1,15 @@
 """Paged attention in plain PyTorch ops (the CPU backend and the reference for GPU kernels).
 
-Short queries (decode, speculative verification) are batched: their K/V are gathered through the
-block tables into a padded `[batch, max_len]` view and attended with matmul-softmax-matmul,
-which on CPU is much faster in bfloat16 than scaled_dot_product_attention with GQA.
-Long queries (prefill chunks) are attended one sequence at a time.
+The pool this backend allocates is stored head-major, `[num_kv_heads, num_blocks, block_size,
+head_dim]`, and handed out as a permuted view with the logical shape every backend shares
+(`[num_blocks, block_size, num_kv_heads, head_dim]`). Gathering a batch's blocks from it with one
+`index_select` yields `[num_kv_heads, batch, kv_len, head_dim]`, contiguous: exactly the operand
+a batched matmul over (head, sequence) needs, so the gather is the only copy of K/V per layer.
+(With the token-major layout the gathered K/V had to be transposed into a second copy, which
+cost as much as the gather and the matmuls together.)
+
+Short queries (decode, speculative verification) are batched: one matmul-softmax-matmul over
+every sequence, padded to the longest; long queries (prefill chunks) go one sequence at a time.
 """
 from __future__ import annotations
 
@@ -16,59 +22,84 @@ from pagellm.layers.linear import upcast
 _BATCHED_MAX_QUERY_LEN = 16
 
 
+def head_major(cache: torch.Tensor) -> torch.Tensor:
+    """[num_blocks, block_size, kvh, hd] view -> its [kvh, num_blocks, block_size, hd] storage
+    (a copy when the pool was not allocated head-major, e.g. by a test or another backend)."""
+    return cache.permute(2, 0, 1, 3).contiguous()
+
+
 def gather_kv(
     cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    block_tables: torch.Tensor,  # [batch, num_blocks_per_seq]
+    block_tables: torch.Tensor,  # [batch, num_blocks_per_seq] int64
     max_len: int,
-) -> torch.Tensor:  # [batch, num_kv_heads, max_len, head_dim]
-    batch, nblocks = block_tables.shape
-    block_size = cache.shape[1]
+) -> torch.Tensor:  # [num_kv_heads, batch, padded_len >= max_len, head_dim], contiguous
+    hm = head_major(cache)
+    kvh, _, block_size, head_dim = hm.shape
+    batch = block_tables.shape[0]
     needed = (max_len + block_size - 1) // block_size
-    blocks = cache[block_tables[:, :needed]]  # [batch, needed, bs, kvh, hd]
-    blocks = blocks.reshape(batch, needed * block_size, cache.shape[2], cache.shape[3])
-    return blocks[:, :max_len].transpose(1, 2)
+    idx = block_tables[:, :needed].reshape(-1)
+    return hm.index_select(1, idx).view(kvh, batch, needed * block_size, head_dim)
 
 
 def _attend(
-    q: torch.Tensor,  # [batch, num_kv_heads, group * q_len, head_dim]
-    k: torch.Tensor,  # [batch, num_kv_heads, kv_len, head_dim]
-    v: torch.Tensor,  # [batch, num_kv_heads, kv_len, head_dim]
-    mask: torch.Tensor,  # [batch, 1, group * q_len, kv_len] bool: True = may attend
+    q: torch.Tensor,  # [n, rows, head_dim]
+    k: torch.Tensor,  # [n, kv_len, head_dim]
+    v: torch.Tensor,  # [n, kv_len, head_dim]
+    mask: torch.Tensor,  # bool, broadcastable to [n, rows, kv_len]: True = may attend
     scale: float,
-) -> torch.Tensor:  # [batch, num_kv_heads, group * q_len, head_dim]
+) -> torch.Tensor:  # [n, rows, head_dim]
     dtype = v.dtype
-    if upcast(q):
+    if upcast(q):  # float32 K/V copies cost less than bf16 bmm's slow path on such CPUs
         q, k, v = q.float(), k.float(), v.float()
-    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale
+    scores = torch.bmm(q, k.transpose(1, 2)).float() * scale
     scores.masked_fill_(~mask, float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(v.dtype)
-    return torch.matmul(probs, v).to(dtype)
+    return torch.bmm(probs, v).to(dtype)
 
 
-def _batched_plan(md: AttentionMetadata, starts: list[int], seqs: list[int], group: int):
-    """Per-step tensors of the batched path: query lengths, padded sizes, block tables and
-    the causal/length mask [batch, 1, group * max_q, max_kv]."""
+def _causal_mask(slens: list[int], qlens: list[int], max_q: int, group: int,
+                 kv_len: int) -> torch.Tensor:  # [batch, group * max_q, kv_len]
+    # Query j of sequence i is at position slen - qlen + j and sees keys <= that position;
+    # row r = g * max_q + j (the group's heads share one query position).
+    qpos = (torch.tensor(slens) - torch.tensor(qlens)).unsqueeze(1) + torch.arange(max_q)
+    mask = torch.arange(kv_len).view(1, 1, -1) <= qpos.unsqueeze(-1)  # [batch, max_q, kv_len]
+    batch = len(slens)
+    return mask.unsqueeze(1).expand(batch, group, max_q, kv_len).reshape(
+        batch, group * max_q, kv_len)
+
+
+def _batched_plan(md: AttentionMetadata, seqs: list[int], group: int, block_size: int):
+    """Per-step tensors of the batched path, the same for every layer of the step."""
     qlens = [md.query_lens_cpu[b] for b in seqs]
     slens = [md.seq_lens_cpu[b] for b in seqs]
-    max_q, max_kv, batch = max(qlens), max(slens), len(seqs)
+    max_q, batch = max(qlens), len(seqs)
+    kv_len = -(-max(slens) // block_size) * block_size
     contiguous = all(n == max_q for n in qlens) and seqs == list(range(seqs[0], seqs[0] + batch))
     idx = torch.tensor(seqs, dtype=torch.long, device=md.block_tables.device)
     tables = md.block_tables.index_select(0, idx).long()
-    # Query j of sequence i is at position slen - qlen + j and sees keys <= that position.
-    qpos = (torch.tensor(slens) - torch.tensor(qlens)).unsqueeze(1) + torch.arange(max_q)
-    mask = torch.arange(max_kv).view(1, 1, -1) <= qpos.unsqueeze(-1)  # [batch, max_q, max_kv]
-    mask = mask.unsqueeze(1).expand(batch, group, max_q, max_kv).reshape(
-        batch, 1, group * max_q, max_kv)
-    return qlens, max_q, max_kv, contiguous, tables, mask.to(md.block_tables.device)
+    mask = _causal_mask(slens, qlens, max_q, group, kv_len).to(md.block_tables.device)
+    return qlens, max_q, max(slens), contiguous, tables, mask
 
 
 class TorchPagedAttention(AttentionBackend):
     name = "torch"
 
+    def allocate_kv_cache(self, num_blocks, block_size, num_kv_heads, head_dim, dtype, device):
+        # Zeroed, not empty: attention multiplies masked-out (probability 0) slots by their
+        # values, and 0 * NaN from uninitialised memory would poison the output.
+        store = torch.zeros(num_kv_heads, num_blocks, block_size, head_dim, dtype=dtype,
+                            device=device)
+        return store.permute(1, 2, 0, 3)
+
     def write_kv(self, key, value, k_cache, v_cache, slot_mapping):
-        nb, bs, kvh, hd = k_cache.shape
-        k_cache.view(nb * bs, kvh, hd).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
-        v_cache.view(nb * bs, kvh, hd).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+        for new, cache in ((key, k_cache), (value, v_cache)):
+            nb, bs, kvh, hd = cache.shape
+            hm = cache.permute(2, 0, 1, 3)
+            if hm.is_contiguous():
+                hm.view(kvh, nb * bs, hd).index_copy_(1, slot_mapping,
+                                                      new.transpose(0, 1).to(cache.dtype))
+            else:  # a token-major pool
+                cache.view(nb * bs, kvh, hd).index_copy_(0, slot_mapping, new.to(cache.dtype))
 
     def forward(self, query, k_cache, v_cache, metadata: AttentionMetadata, scale: float):
         out = torch.empty_like(query)
@@ -86,8 +117,8 @@ class TorchPagedAttention(AttentionBackend):
         kvh = k_cache.shape[2]
         group = num_heads // kvh
         plan = md.cache.get(("batched", group))
-        if plan is None:  # the same for every layer of the step
-            plan = md.cache[("batched", group)] = _batched_plan(md, starts, seqs, group)
+        if plan is None:
+            plan = md.cache[("batched", group)] = _batched_plan(md, seqs, group, k_cache.shape[1])
         qlens, max_q, max_kv, contiguous, tables, mask = plan
         batch = len(seqs)
         if contiguous:  # rows of equal query length, back to back: a view, no copy
@@ -97,13 +128,16 @@ class TorchPagedAttention(AttentionBackend):
             q = query.new_zeros(batch, max_q, num_heads, head_dim)
             for i, b in enumerate(seqs):
                 q[i, : qlens[i]] = query[starts[b] : starts[b] + qlens[i]]
-        # [batch, q, kvh, group, hd] -> [batch, kvh, group * q, hd] (row r = g * max_q + j)
-        q = q.view(batch, max_q, kvh, group, head_dim).permute(0, 2, 3, 1, 4)
-        q = q.reshape(batch, kvh, group * max_q, head_dim)
+        # [batch, q, kvh, group, hd] -> [kvh * batch, group * q, hd]
+        q = q.view(batch, max_q, kvh, group, head_dim).permute(2, 0, 3, 1, 4)
+        q = q.reshape(kvh * batch, group * max_q, head_dim)
         k = gather_kv(k_cache, tables, max_kv)
         v = gather_kv(v_cache, tables, max_kv)
-        o = _attend(q, k, v, mask, scale)  # [batch, kvh, group*max_q, hd]
-        o = o.view(batch, kvh, group, max_q, head_dim).permute(0, 3, 1, 2, 4)
+        kv_len = k.shape[2]
+        o = _attend(q, k.view(kvh * batch, kv_len, head_dim), v.view(kvh * batch, kv_len, head_dim),
+                    mask.unsqueeze(0).expand(kvh, -1, -1, -1).reshape(kvh * batch, group * max_q, kv_len),
+                    scale)
+        o = o.view(kvh, batch, group, max_q, head_dim).permute(1, 3, 0, 2, 4)
         o = o.reshape(batch, max_q, num_heads, head_dim)
         if contiguous:
             lo = starts[seqs[0]]
@@ -119,12 +153,10 @@ class TorchPagedAttention(AttentionBackend):
         qlen, slen = md.query_lens_cpu[b], md.seq_lens_cpu[b]
         q = query[starts[b] : starts[b] + qlen]  # [qlen, H, hd]
         table = md.block_tables[b : b + 1].long()
-        k = gather_kv(k_cache, table, slen)  # [1, kvh, slen, hd]
-        v = gather_kv(v_cache, table, slen)
-        q = q.view(qlen, kvh, group, head_dim).permute(1, 2, 0, 3).reshape(1, kvh, group * qlen, head_dim)
-        qpos = torch.arange(slen - qlen, slen)
-        mask = torch.arange(slen).view(1, -1) <= qpos.view(-1, 1)  # [qlen, slen]
-        mask = mask.unsqueeze(0).expand(group, qlen, slen).reshape(1, 1, group * qlen, slen)
-        o = _attend(q, k, v, mask.to(q.device), scale)  # [1, kvh, group*qlen, hd]
+        k = gather_kv(k_cache, table, slen)[:, 0]  # [kvh, padded_len, hd]
+        v = gather_kv(v_cache, table, slen)[:, 0]
+        q = q.view(qlen, kvh, group, head_dim).permute(1, 2, 0, 3).reshape(kvh, group * qlen, head_dim)
+        mask = _causal_mask([slen], [qlen], qlen, group, k.shape[1]).to(q.device)
+        o = _attend(q, k, v, mask, scale)  # [kvh, group*qlen, hd]
         o = o.view(kvh, group, qlen, head_dim).permute(2, 0, 1, 3).reshape(qlen, num_heads, head_dim)
         out[starts[b] : starts[b] + qlen] = o

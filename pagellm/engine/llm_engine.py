@@ -56,7 +56,8 @@ class LLMEngine:
             from pagellm.engine.tensor_parallel import start_workers
 
             self._tp_procs = start_workers(config, self.device, self.max_model_len)
-        self.model = build_model(files, self.dtype, self.device, self.max_model_len)
+        self.model = build_model(files, self.dtype, self.device, self.max_model_len,
+                                 config.quantization)
         self.eos_token_id = _eos_id(files)
         # Llama 3 style configs list several end tokens; any of them ends a sequence.
         cfg_eos = getattr(files.config, "eos_token_id", None)

@@ -1,8 +1,9 @@
 """Builds a step's tensors (tokens, positions, slot_mapping, block tables), runs the model,
 and returns logits for the rows the engine wants to sample.
 
-The KV pool is allocated once here: per layer K and V of shape
-[num_blocks, block_size, num_kv_heads, head_dim], bound to the attention layers.
+The KV pool is allocated once here (by the attention backend, which picks the storage order):
+per layer K and V of logical shape [num_blocks, block_size, num_kv_heads, head_dim], bound to
+the attention layers.
 """
 from __future__ import annotations
 
@@ -28,10 +29,8 @@ class ModelRunner:
         cfg = model.config
         attn = model.layers[0].self_attn
         shape = (num_blocks, block_size, attn.num_kv_heads, attn.head_dim)
-        # Zeroed, not empty: attention multiplies masked-out (probability 0) slots by their
-        # values, and 0 * NaN from uninitialised memory would poison the output.
-        self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=device),
-                           torch.zeros(shape, dtype=dtype, device=device))
+        alloc = attn.backend.allocate_kv_cache
+        self.kv_caches = [(alloc(*shape, dtype, device), alloc(*shape, dtype, device))
                           for _ in range(cfg.num_hidden_layers)]
         for layer, (k, v) in zip(model.layers, self.kv_caches):
             layer.self_attn.k_cache, layer.self_attn.v_cache = k, v

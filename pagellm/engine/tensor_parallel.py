@@ -74,7 +74,7 @@ def _worker_main(rank: int, port: int, config, device: str, max_model_len: int) 
     _threads(config.tensor_parallel_size)
     dtype = resolve_dtype(config.dtype, dev)
     files = load_model_files(config.model, load_tokenizer=False)
-    model = build_model(files, dtype, dev, max_model_len)
+    model = build_model(files, dtype, dev, max_model_len, config.quantization)
     num_blocks = _recv()
     runner = ModelRunner(model, num_blocks, config.cache.block_size, dtype, dev)
     while True:

@@ -19,6 +19,8 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import quant_shape_to_byte_shape
 
+from pagellm.layers.quant import Int4Blocks
+
 _Q = GGMLQuantizationType
 # Stored as plain floats: handed out in their own dtype, no dequantization needed.
 # numpy has no bfloat16, so its bits travel as uint16 until the final torch view.
@@ -166,12 +168,49 @@ def _hf_name(path: str, gguf_name: str) -> str:
     raise ValueError(f"{path}: GGUF tensor {gguf_name!r} has no transformers counterpart we support")
 
 
-def iter_gguf_weights(gguf_file: GGUFFile) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (HF name, tensor) one at a time, so peak memory is one dequantized tensor."""
+_LINEAR = re.compile(r".*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)\.weight")
+_INT4_TYPES = {_Q.Q4_0, _Q.Q4_1}
+
+
+def has_int4_linears(gguf_file: GGUFFile) -> bool:
+    """Whether any projection weight is stored as Q4_0 / Q4_1 (and can stay packed)."""
+    return any(t.ggml_type in _INT4_TYPES and _LINEAR.fullmatch(t.hf_name) for t in gguf_file.tensors)
+
+
+def iter_gguf_weights(gguf_file: GGUFFile,
+                      keep_int4: bool = False) -> Iterator[tuple[str, torch.Tensor | Int4Blocks]]:
+    """Yield (HF name, tensor) one at a time, so peak memory is one dequantized tensor.
+    keep_int4: Q4_0 / Q4_1 projection weights come as Int4Blocks (codes, scales, zeros)."""
     # np.asarray drops the memmap subclass: its per-slice bookkeeping is slow; pages stay mapped.
     blob = np.asarray(np.memmap(gguf_file.path, dtype=np.uint8, mode="r"))
     for tensor in gguf_file.tensors:
-        yield tensor.hf_name, _load_tensor(blob, tensor)
+        if keep_int4 and tensor.ggml_type in _INT4_TYPES and _LINEAR.fullmatch(tensor.hf_name):
+            yield tensor.hf_name, _load_int4(blob, tensor)
+        else:
+            yield tensor.hf_name, _load_tensor(blob, tensor)
+
+
+def _load_int4(blob: np.ndarray, tensor: GGUFTensor) -> Int4Blocks:
+    """A Q4_0 / Q4_1 matrix as codes, scales and zeros in PyTorch's grouped int4 convention,
+    w = (q - 8) * scale + zero: Q4_0 -> zero = 0; Q4_1 (w = d q + m) -> zero = m + 8 d."""
+    block_size, type_size = GGML_QUANT_SIZES[tensor.ggml_type]
+    rows, cols = tensor.hf_shape
+    blocks = blob[tensor.offset:tensor.offset + tensor.nbytes].reshape(-1, type_size)
+    scale = blocks[:, :2].copy().view(np.float16).astype(np.float32).reshape(rows, cols // block_size)
+    if tensor.ggml_type == _Q.Q4_0:
+        zero = np.zeros_like(scale)
+    else:
+        zero = blocks[:, 2:4].copy().view(np.float16).astype(np.float32).reshape(scale.shape)
+        zero += 8 * scale
+    packed = blocks[:, type_size - block_size // 2:]  # nibble j: element j (low), j + 16 (high)
+    codes = np.empty((blocks.shape[0], block_size), dtype=np.uint8)
+    np.bitwise_and(packed, 0x0F, out=codes[:, :block_size // 2])
+    np.right_shift(packed, 4, out=codes[:, block_size // 2:])
+    codes = codes.reshape(rows, cols)
+    if tensor.rope_heads is not None:  # the same row order as the dequantized path
+        codes, scale, zero = (_undo_rope_permute(a, tensor.rope_heads) for a in (codes, scale, zero))
+    return Int4Blocks(torch.from_numpy(np.ascontiguousarray(codes)), torch.from_numpy(scale),
+                      torch.from_numpy(zero))
 
 
 def _load_tensor(blob: np.ndarray, tensor: GGUFTensor) -> torch.Tensor:

@@ -84,6 +84,11 @@ class LlamaForCausalLM(nn.Module):
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return linear(hidden, weight).float()
 
+    def pack_int4(self) -> int:
+        """Pack every projection loaded from 4-bit blocks (after the final .to(dtype, device));
+        returns how many were packed."""
+        return sum(m.pack_int4() for m in self.modules() if hasattr(m, "pack_int4") and m is not self)
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load Hugging Face-named tensors; q|k|v and gate|up go into their fused slices."""
         params = dict(self.named_parameters())

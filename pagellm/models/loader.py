@@ -33,8 +33,11 @@ class ModelFiles:
     tokenizer: transformers.PreTrainedTokenizerBase | None
     # Called once per load; yields (HF parameter name, tensor) lazily so that peak memory is
     # the model plus one tensor, not two copies of the model.
-    weights: Callable[[], Iterator[tuple[str, torch.Tensor]]]
+    weights: Callable[..., Iterator[tuple[str, torch.Tensor]]]
     path: str
+    # A GGUF file whose projections are Q4_0 / Q4_1: weights(keep_int4=True) hands them out
+    # as Int4Blocks, which the linears can keep packed (pagellm/layers/quant.py).
+    int4_linears: bool = False
 
 
 def default_model_path() -> str:
@@ -85,6 +88,7 @@ def _load_gguf(path: str, load_tokenizer: bool) -> ModelFiles:
         tokenizer=gguf_loader.gguf_tokenizer(gguf_file) if load_tokenizer else None,
         weights=functools.partial(gguf_loader.iter_gguf_weights, gguf_file),
         path=gguf_file.path,
+        int4_linears=gguf_loader.has_int4_linears(gguf_file),
     )
 
 

@@ -23,8 +23,32 @@ def model_class(config):
                      f"supported: {sorted(MODEL_CLASSES)}")
 
 
-def build_model(files, dtype: torch.dtype, device: torch.device, max_position: int):
+QUANTIZATIONS = (None, "gguf", "none")
+
+
+def use_int4(quantization: str | None, files, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether to keep GGUF Q4 projections packed. None (auto): when the file has them and the
+    model runs in bfloat16 on the CPU (the packed kernel computes with bf16 activations, so a
+    float32 model stays dense); "gguf": the same, but an error when that is impossible;
+    "none": always dequantize at load."""
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
+    possible = files.int4_linears and device.type == "cpu" and dtype == torch.bfloat16
+    if quantization == "gguf" and not possible:
+        raise ValueError("quantization='gguf' keeps a GGUF file's Q4_0/Q4_1 weights packed; it "
+                         "needs such a file, dtype bfloat16 and the CPU (got "
+                         f"{'a file with them' if files.int4_linears else 'no Q4 weights'}, "
+                         f"{dtype}, {device.type})")
+    return possible and quantization != "none"
+
+
+def build_model(files, dtype: torch.dtype, device: torch.device, max_position: int,
+                quantization: str | None = None):
     cls = model_class(files.config)
     model = cls(files.config, get_attention_backend(device), max_position)
-    model.load_weights(files.weights())
-    return model.to(dtype=dtype, device=device).eval()
+    int4 = use_int4(quantization, files, dtype, device)
+    model.load_weights(files.weights(keep_int4=True) if int4 else files.weights())
+    model = model.to(dtype=dtype, device=device).eval()
+    if int4:
+        model.pack_int4()  # after .to(): the packed tensors must keep their own dtypes
+    return model

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 
 import torch
@@ -34,8 +35,7 @@ def load_draft(spec: SpeculativeConfig, target_files, target_dtype: torch.dtype,
     if spec.draft_num_layers is not None:
         config = copy.deepcopy(files.config)
         config.num_hidden_layers = min(spec.draft_num_layers, config.num_hidden_layers)
-        files = type(files)(config=config, tokenizer=files.tokenizer, weights=files.weights,
-                            path=files.path)
+        files = dataclasses.replace(files, config=config)
     dtype = resolve_dtype(spec.draft_dtype, device) if spec.draft_dtype else target_dtype
     with parallel.single_process():  # the draft runs whole on rank 0
         return files, build_model(files, dtype, device, max_model_len), dtype

@@ -1,0 +1,125 @@
+"""GGUF Q4_0/Q4_1 weights kept packed (pagellm/layers/quant.py): the codes, scales and zeros
+read from the file give back exactly the file's values, the packed product matches a dense one,
+and the engine on the default model gives the dense model's outputs."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize, quantize
+
+from pagellm import LLM, SamplingParams
+from pagellm.layers import quant
+from pagellm.layers.linear import ColumnParallelLinear, RowParallelLinear
+from pagellm.models import gguf_loader
+from pagellm.models.loader import default_model_path, load_model_files
+from pagellm.models.registry import use_int4
+
+
+def _tensor(qtype, rows, cols, rope_heads=None, seed=0):
+    data = np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32)
+    raw = quantize(data, qtype).reshape(-1)
+    t = gguf_loader.GGUFTensor("blk.0.attn_q.weight", "model.layers.0.self_attn.q_proj.weight",
+                               (rows, cols), qtype, 0, raw.nbytes, rope_heads)
+    return raw, t
+
+
+@pytest.mark.parametrize("qtype", [GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1])
+@pytest.mark.parametrize("rope_heads", [None, 4])
+def test_int4_blocks_hold_the_files_exact_values(qtype, rope_heads):
+    raw, t = _tensor(qtype, 64, 96, rope_heads)
+    blocks = gguf_loader._load_int4(raw, t)
+    assert blocks.q.dtype == torch.uint8 and int(blocks.q.max()) <= 15
+    assert blocks.scale.shape == (64, 3)
+    dense = gguf_loader._load_tensor(raw, t)  # the dequantizing path, permutation included
+    assert torch.equal(blocks.dequantize(), dense)
+    if rope_heads is None:
+        ref = dequantize(raw.reshape(64, -1), qtype)
+        assert np.array_equal(blocks.dequantize().numpy(), ref)
+
+
+def test_narrow_splits_rows_and_whole_groups_only():
+    raw, t = _tensor(GGMLQuantizationType.Q4_1, 32, 128)
+    b = gguf_loader._load_int4(raw, t)
+    full = b.dequantize()
+    assert torch.equal(b.narrow(0, 16, 16).dequantize(), full[16:])
+    assert torch.equal(b.narrow(1, 32, 64).dequantize(), full[:, 32:96])
+    with pytest.raises(ValueError, match="multiples of 32"):
+        b.narrow(1, 16, 64)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 16])
+def test_packed_product_matches_dense(rows):
+    raw, t = _tensor(GGMLQuantizationType.Q4_1, 48, 160, seed=rows)
+    b = gguf_loader._load_int4(raw, t)
+    x = torch.randn(rows, 160)
+    ref = x @ b.dequantize().t()
+    out = quant.int4_linear(x.bfloat16(), *quant.pack(b)).float()
+    # bf16 activations and output: ~3 significant digits
+    assert torch.allclose(out, ref, rtol=0.02, atol=0.02 * ref.abs().max().item())
+    assert out.shape == (rows, 48)
+
+
+def test_linears_keep_packed_weights_beside_dense_ones():
+    raw_a, ta = _tensor(GGMLQuantizationType.Q4_0, 32, 64, seed=1)
+    raw_b, tb = _tensor(GGMLQuantizationType.Q4_1, 16, 64, seed=2)
+    a, b = gguf_loader._load_int4(raw_a, ta), gguf_loader._load_int4(raw_b, tb)
+    col = ColumnParallelLinear(64, ((32, 1), (16, 1)), bias=False)
+    col.load("weight", a, 0)
+    assert col.pack_int4() is False  # one part still missing: stays dense
+    col.load("weight", a, 0)
+    col.load("weight", b, 1)
+    col.to(torch.bfloat16)
+    assert col.pack_int4() is True
+    dense = torch.cat([a.dequantize(), b.dequantize()])
+    assert torch.equal(col.weight.float(), dense.bfloat16().float())
+    x = torch.randn(2, 64)
+    ref = x @ dense.t()
+    out = col(x.bfloat16()).float()  # 2 rows: the packed path
+    assert torch.allclose(out, ref, rtol=0.02, atol=0.02 * ref.abs().max().item())
+    row = RowParallelLinear(64, 32)
+    row.load("weight", a)
+    row.to(torch.bfloat16)
+    assert row.pack_int4() and row.int4 is not None
+    big = torch.randn(40, 64)  # many rows: the dense path, same values
+    assert torch.allclose(row(big.bfloat16()).float(), big @ a.dequantize().t(), rtol=0.03,
+                          atol=0.03 * (big @ a.dequantize().t()).abs().max().item())
+
+
+def test_quantization_choice_and_errors(tiny_llama):
+    tiny_llama = tiny_llama[0]
+    gguf_files = load_model_files(None, load_tokenizer=False)
+    hf_files = load_model_files(tiny_llama, load_tokenizer=False)
+    cpu = torch.device("cpu")
+    assert gguf_files.int4_linears and not hf_files.int4_linears
+    assert use_int4(None, gguf_files, torch.bfloat16, cpu)
+    assert not use_int4(None, gguf_files, torch.float32, cpu)  # float32 stays dense
+    assert not use_int4("none", gguf_files, torch.bfloat16, cpu)
+    assert not use_int4(None, hf_files, torch.bfloat16, cpu)
+    with pytest.raises(ValueError, match="quantization='gguf'"):
+        use_int4("gguf", gguf_files, torch.float32, cpu)
+    with pytest.raises(ValueError, match="quantization='gguf'"):
+        use_int4("gguf", hf_files, torch.bfloat16, cpu)
+    with pytest.raises(ValueError, match="quantization"):
+        LLM(tiny_llama, quantization="awq")
+
+
+def test_default_model_packed_matches_dense():
+    """bf16, the default model: packed 4-bit projections vs the same values dequantized."""
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=1)
+    outs = {}
+    for q in ("none", "gguf"):
+        llm = LLM(default_model_path(), dtype="bfloat16", quantization=q, kv_cache_memory="32MiB")
+        packed = sum(m.int4 is not None for m in llm.engine.model.modules() if hasattr(m, "int4"))
+        assert packed == (0 if q == "none" else 30 * 4)  # qkv, o, gate_up, down per layer
+        outs[q] = llm.generate(prompts, params, use_tqdm=False)
+        llm.shutdown()
+    for dense, packed in zip(outs["none"], outs["gguf"]):
+        d, p = dense.outputs[0], packed.outputs[0]
+        assert p.token_ids[:3] == d.token_ids[:3]
+        # the chosen tokens' log-probabilities agree to bf16 accuracy
+        for a, b in zip(d.logprobs[:3], p.logprobs[:3]):
+            tok = next(iter(a))
+            assert abs(a[tok] - b[tok]) < 0.1
