@@ -39,6 +39,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--peers", default=",".join(PEERS),
                    help=f"comma-separated peers to compare with, from {PEERS} ('' for none)")
+    p.add_argument("--quantization", default="auto",
+                   help="pagellm rows, comma-separated: auto (a GGUF's Q4 weights stay packed in "
+                        "bfloat16), none (dequantized at load: the same dense weights as HF)")
     p.add_argument("--repeats", type=int, default=3, help="timed repeats; medians are reported")
     p.add_argument("--max-num-seqs", type=int, default=128)
     p.add_argument("--kv-cache-memory", default="2GiB")
@@ -153,11 +156,15 @@ def random_prompts(n: int, length: int, vocab_size: int, seed: int) -> list[list
 class PagellmRunner:
     name = "pagellm"
 
-    def __init__(self, spec: ModelSpec, dtype: str, max_num_seqs: int, kv_cache_memory: str):
+    def __init__(self, spec: ModelSpec, dtype: str, max_num_seqs: int, kv_cache_memory: str,
+                 quantization: str = "auto"):
         from pagellm import LLM
 
         self.llm = LLM(spec.path, dtype=dtype, max_num_seqs=max_num_seqs,
-                       kv_cache_memory=kv_cache_memory)
+                       kv_cache_memory=kv_cache_memory,
+                       quantization=None if quantization == "auto" else quantization)
+        if quantization != "auto":
+            self.name = f"pagellm [{quantization}]"
         self.vocab_size = self.llm.engine.vocab_size
         self.param_bytes = sum(p.numel() * p.element_size() for p in self.llm.engine.model.parameters())
 
@@ -299,7 +306,12 @@ def make_runners(args, spec: ModelSpec, max_model_len: int) -> tuple[list, dict[
     `skipped` as {name: reason} for the table."""
     if args.threads:
         torch.set_num_threads(args.threads)
-    runners = [PagellmRunner(spec, args.dtype, args.max_num_seqs, args.kv_cache_memory)]
+    variants = [q for q in getattr(args, "quantization", "auto").split(",") if q] or ["auto"]
+    bad = set(variants) - {"auto", "none", "gguf"}
+    if bad:
+        raise ValueError(f"--quantization: unknown {sorted(bad)}; use auto, none or gguf")
+    runners = [PagellmRunner(spec, args.dtype, args.max_num_seqs, args.kv_cache_memory, q)
+               for q in variants]
     skipped: dict[str, str] = {}
     wanted = [p for p in args.peers.split(",") if p]
     for peer in PEERS:

@@ -45,30 +45,34 @@ def _attend(
     q: torch.Tensor,  # [n, rows, head_dim]
     k: torch.Tensor,  # [n, kv_len, head_dim]
     v: torch.Tensor,  # [n, kv_len, head_dim]
-    mask: torch.Tensor,  # bool, broadcastable to [n, rows, kv_len]: True = may attend
+    bias: torch.Tensor,  # [n, rows, kv_len] float32: 0 where a key is visible, -inf elsewhere
     scale: float,
 ) -> torch.Tensor:  # [n, rows, head_dim]
     dtype = v.dtype
     if upcast(q):  # float32 K/V copies cost less than bf16 bmm's slow path on such CPUs
         q, k, v = q.float(), k.float(), v.float()
-    scores = torch.bmm(q, k.transpose(1, 2)).float() * scale
-    scores.masked_fill_(~mask, float("-inf"))
+    if q.dtype == torch.float32:  # scale * q k^T + bias in one op
+        scores = torch.baddbmm(bias, q, k.transpose(1, 2), alpha=scale)
+    else:
+        scores = torch.bmm(q, k.transpose(1, 2)).float() * scale + bias
     probs = torch.softmax(scores, dim=-1).to(v.dtype)
     return torch.bmm(probs, v).to(dtype)
 
 
-def _causal_mask(slens: list[int], qlens: list[int], max_q: int, group: int,
-                 kv_len: int) -> torch.Tensor:  # [batch, group * max_q, kv_len]
+def _causal_bias(slens: list[int], qlens: list[int], max_q: int, group: int, kv_len: int,
+                 kvh: int) -> torch.Tensor:  # [kvh * batch, group * max_q, kv_len] float32
     # Query j of sequence i is at position slen - qlen + j and sees keys <= that position;
     # row r = g * max_q + j (the group's heads share one query position).
     qpos = (torch.tensor(slens) - torch.tensor(qlens)).unsqueeze(1) + torch.arange(max_q)
     mask = torch.arange(kv_len).view(1, 1, -1) <= qpos.unsqueeze(-1)  # [batch, max_q, kv_len]
     batch = len(slens)
-    return mask.unsqueeze(1).expand(batch, group, max_q, kv_len).reshape(
-        batch, group * max_q, kv_len)
+    mask = mask.unsqueeze(1).expand(batch, group, max_q, kv_len).reshape(
+        1, batch, group * max_q, kv_len)
+    bias = torch.zeros(kvh, batch, group * max_q, kv_len).masked_fill_(~mask, float("-inf"))
+    return bias.view(kvh * batch, group * max_q, kv_len)
 
 
-def _batched_plan(md: AttentionMetadata, seqs: list[int], group: int, block_size: int):
+def _batched_plan(md: AttentionMetadata, seqs: list[int], group: int, kvh: int, block_size: int):
     """Per-step tensors of the batched path, the same for every layer of the step."""
     qlens = [md.query_lens_cpu[b] for b in seqs]
     slens = [md.seq_lens_cpu[b] for b in seqs]
@@ -77,8 +81,8 @@ def _batched_plan(md: AttentionMetadata, seqs: list[int], group: int, block_size
     contiguous = all(n == max_q for n in qlens) and seqs == list(range(seqs[0], seqs[0] + batch))
     idx = torch.tensor(seqs, dtype=torch.long, device=md.block_tables.device)
     tables = md.block_tables.index_select(0, idx).long()
-    mask = _causal_mask(slens, qlens, max_q, group, kv_len).to(md.block_tables.device)
-    return qlens, max_q, max(slens), contiguous, tables, mask
+    bias = _causal_bias(slens, qlens, max_q, group, kv_len, kvh).to(md.block_tables.device)
+    return qlens, max_q, max(slens), contiguous, tables, bias
 
 
 class TorchPagedAttention(AttentionBackend):
@@ -118,8 +122,9 @@ class TorchPagedAttention(AttentionBackend):
         group = num_heads // kvh
         plan = md.cache.get(("batched", group))
         if plan is None:
-            plan = md.cache[("batched", group)] = _batched_plan(md, seqs, group, k_cache.shape[1])
-        qlens, max_q, max_kv, contiguous, tables, mask = plan
+            plan = md.cache[("batched", group)] = _batched_plan(md, seqs, group, kvh,
+                                                                k_cache.shape[1])
+        qlens, max_q, max_kv, contiguous, tables, bias = plan
         batch = len(seqs)
         if contiguous:  # rows of equal query length, back to back: a view, no copy
             lo = starts[seqs[0]]
@@ -134,9 +139,8 @@ class TorchPagedAttention(AttentionBackend):
         k = gather_kv(k_cache, tables, max_kv)
         v = gather_kv(v_cache, tables, max_kv)
         kv_len = k.shape[2]
-        o = _attend(q, k.view(kvh * batch, kv_len, head_dim), v.view(kvh * batch, kv_len, head_dim),
-                    mask.unsqueeze(0).expand(kvh, -1, -1, -1).reshape(kvh * batch, group * max_q, kv_len),
-                    scale)
+        o = _attend(q, k.view(kvh * batch, kv_len, head_dim),
+                    v.view(kvh * batch, kv_len, head_dim), bias, scale)
         o = o.view(kvh, batch, group, max_q, head_dim).permute(1, 3, 0, 2, 4)
         o = o.reshape(batch, max_q, num_heads, head_dim)
         if contiguous:
@@ -156,7 +160,7 @@ class TorchPagedAttention(AttentionBackend):
         k = gather_kv(k_cache, table, slen)[:, 0]  # [kvh, padded_len, hd]
         v = gather_kv(v_cache, table, slen)[:, 0]
         q = q.view(qlen, kvh, group, head_dim).permute(1, 2, 0, 3).reshape(kvh, group * qlen, head_dim)
-        mask = _causal_mask([slen], [qlen], qlen, group, k.shape[1]).to(q.device)
-        o = _attend(q, k, v, mask, scale)  # [kvh, group*qlen, hd]
+        bias = _causal_bias([slen], [qlen], qlen, group, k.shape[1], kvh).to(q.device)
+        o = _attend(q, k, v, bias, scale)  # [kvh, group*qlen, hd]
         o = o.view(kvh, group, qlen, head_dim).permute(2, 0, 1, 3).reshape(qlen, num_heads, head_dim)
         out[starts[b] : starts[b] + qlen] = o

@@ -13,7 +13,8 @@ from pagellm.engine.block_manager import BlockManager
 from pagellm.engine.detokenizer import append_text, find_stop_string
 from pagellm.engine.model_runner import ModelRunner
 from pagellm.engine.scheduler import Scheduler, SchedulerOutput
-from pagellm.engine.memory import num_kv_blocks, resolve_device, resolve_dtype
+from pagellm.engine.memory import (keep_freed_memory, num_kv_blocks, resolve_device,
+                                   resolve_dtype)
 from pagellm.models.loader import load_model_files
 from pagellm.models.registry import build_model
 from pagellm.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -45,6 +46,8 @@ class LLMEngine:
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
+        if self.device.type == "cpu":
+            keep_freed_memory()
         files = load_model_files(config.model)
         self.model_path = files.path
         self.tokenizer = files.tokenizer

@@ -60,7 +60,7 @@ def start_workers(config, device: torch.device, max_model_len: int) -> list:
 
 
 def _worker_main(rank: int, port: int, config, device: str, max_model_len: int) -> None:
-    from pagellm.engine.memory import resolve_dtype
+    from pagellm.engine.memory import keep_freed_memory, resolve_dtype
     from pagellm.models.loader import load_model_files
     from pagellm.models.registry import build_model
 
@@ -73,6 +73,8 @@ def _worker_main(rank: int, port: int, config, device: str, max_model_len: int) 
     parallel.set_tp(rank, config.tensor_parallel_size)
     _threads(config.tensor_parallel_size)
     dtype = resolve_dtype(config.dtype, dev)
+    if dev.type == "cpu":
+        keep_freed_memory()
     files = load_model_files(config.model, load_tokenizer=False)
     model = build_model(files, dtype, dev, max_model_len, config.quantization)
     num_blocks = _recv()

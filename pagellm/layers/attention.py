@@ -42,11 +42,11 @@ class PagedSelfAttention(nn.Module):
         n = x.shape[0]
         qkv = self.qkv_proj(x)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-        q = q.view(n, self.num_heads, self.head_dim)
-        k = k.view(n, self.num_kv_heads, self.head_dim)
-        v = v.view(n, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k)
+        # q and k heads are adjacent in the fused output: rotate them in one pass.
+        qk = qkv[:, : q_size + kv_size].view(n, self.num_heads + self.num_kv_heads, self.head_dim)
+        qk = self.rotary(positions, qk)
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        v = qkv[:, q_size + kv_size :].view(n, self.num_kv_heads, self.head_dim)
         self.backend.write_kv(k, v, self.k_cache, self.v_cache, md.slot_mapping)
         o = self.backend.forward(q, self.k_cache, self.v_cache, md, self.scale)
         return self.o_proj(o.reshape(n, q_size))

@@ -27,25 +27,22 @@ class RotaryEmbedding(nn.Module):
         inv_freq, scaling = _inv_freq(config, head_dim)
         t = torch.arange(max_position, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)  # [max_position, head_dim / 2]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", emb.cos() * scaling, persistent=False)
-        self.register_buffer("sin", emb.sin() * scaling, persistent=False)
+        sin = freqs.sin() * scaling
+        self.register_buffer("cos", torch.cat((freqs.cos(), freqs.cos()), dim=-1) * scaling,
+                             persistent=False)
+        # rotate_half(x) * sin == roll(x, half) * [-sin, sin]: one roll instead of slices,
+        # a negation and a cat, with the same products (a sign flip is exact).
+        self.register_buffer("signed_sin", torch.cat((-sin, sin), dim=-1), persistent=False)
         self._step_key: torch.Tensor | None = None
 
     def forward(
         self,
         positions: torch.Tensor,  # [num_tokens]
-        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        x: torch.Tensor,  # [num_tokens, heads, head_dim]: q and k heads side by side
+    ) -> torch.Tensor:  # [num_tokens, heads, head_dim]
         if self._step_key is not positions:  # every layer of a step shares one lookup
             self._step_key = positions
-            self._step_cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [tokens, 1, hd]
-            self._step_sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        cos, sin = self._step_cos, self._step_sin
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+            self._step_cos = self.cos[positions].unsqueeze(1).to(x.dtype)  # [tokens, 1, hd]
+            self._step_sin = self.signed_sin[positions].unsqueeze(1).to(x.dtype)
+        half = x.shape[-1] // 2
+        return x * self._step_cos + x.roll(half, dims=-1) * self._step_sin
