@@ -123,3 +123,13 @@ def test_default_model_packed_matches_dense():
         for a, b in zip(d.logprobs[:3], p.logprobs[:3]):
             tok = next(iter(a))
             assert abs(a[tok] - b[tok]) < 0.1
+
+
+def test_auto_dtype_follows_packed_weights():
+    from pagellm.engine.memory import resolve_dtype
+    from pagellm.layers.linear import UPCAST_BF16
+
+    cpu = torch.device("cpu")
+    assert resolve_dtype("auto", cpu, packed_int4=True) == torch.bfloat16
+    assert resolve_dtype("auto", cpu) == (torch.float32 if UPCAST_BF16 else torch.bfloat16)
+    assert resolve_dtype("float32", cpu, packed_int4=True) == torch.float32

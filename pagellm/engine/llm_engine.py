@@ -45,10 +45,11 @@ class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
         self.device = resolve_device(config.device)
-        self.dtype = resolve_dtype(config.dtype, self.device)
         if self.device.type == "cpu":
             keep_freed_memory()
         files = load_model_files(config.model)
+        self.dtype = resolve_dtype(config.dtype, self.device,
+                                   files.int4_linears and config.quantization != "none")
         self.model_path = files.path
         self.tokenizer = files.tokenizer
         self.hf_config = files.config

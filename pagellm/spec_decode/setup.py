@@ -36,7 +36,8 @@ def load_draft(spec: SpeculativeConfig, target_files, target_dtype: torch.dtype,
         config = copy.deepcopy(files.config)
         config.num_hidden_layers = min(spec.draft_num_layers, config.num_hidden_layers)
         files = dataclasses.replace(files, config=config)
-    dtype = resolve_dtype(spec.draft_dtype, device) if spec.draft_dtype else target_dtype
+    dtype = (resolve_dtype(spec.draft_dtype, device, files.int4_linears) if spec.draft_dtype
+             else target_dtype)
     with parallel.single_process():  # the draft runs whole on rank 0
         return files, build_model(files, dtype, device, max_model_len), dtype
 
