@@ -294,7 +294,12 @@ def prepare_hf_folder(spec: ModelSpec, dest: str) -> str:
 
     src = AutoModelForCausalLM.from_pretrained(spec.folder, gguf_file=spec.gguf_file,
                                                dtype=torch.bfloat16)
-    fresh = AutoModelForCausalLM.from_config(src.config, dtype=torch.bfloat16)
+    config = src.config
+    # The weights saved are dequantized: drop the GGUF marker transformers leaves in the config
+    # (vLLM refuses a folder whose config names an unknown quantization method "gguf").
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    fresh = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     fresh.load_state_dict(src.state_dict())
     fresh.save_pretrained(dest)
     AutoTokenizer.from_pretrained(spec.folder, gguf_file=spec.gguf_file).save_pretrained(dest)
