@@ -166,6 +166,7 @@ class PagellmRunner:
         if quantization != "auto":
             self.name = f"pagellm [{quantization}]"
         self.vocab_size = self.llm.engine.vocab_size
+        # dense parameter bytes (the latency floor's weights), not counting packed copies
         self.param_bytes = sum(p.numel() * p.element_size() for p in self.llm.engine.model.parameters())
 
     def _params(self, max_new: int):

@@ -67,11 +67,11 @@ def test_linears_keep_packed_weights_beside_dense_ones():
     a, b = gguf_loader._load_int4(raw_a, ta), gguf_loader._load_int4(raw_b, tb)
     col = ColumnParallelLinear(64, ((32, 1), (16, 1)), bias=False)
     col.load("weight", a, 0)
-    assert col.pack_int4() is False  # one part still missing: stays dense
-    col.load("weight", a, 0)
+    assert col.int4 is None  # one part still missing
     col.load("weight", b, 1)
+    assert col.int4 is not None  # packed once every part is in
     col.to(torch.bfloat16)
-    assert col.pack_int4() is True
+    assert col.int4[1].dtype == torch.bfloat16 and col.int4[0].dtype == torch.uint8
     dense = torch.cat([a.dequantize(), b.dequantize()])
     assert torch.equal(col.weight.float(), dense.bfloat16().float())
     x = torch.randn(2, 64)
@@ -81,7 +81,14 @@ def test_linears_keep_packed_weights_beside_dense_ones():
     row = RowParallelLinear(64, 32)
     row.load("weight", a)
     row.to(torch.bfloat16)
-    assert row.pack_int4() and row.int4 is not None
+    assert row.int4 is not None
+    mixed = ColumnParallelLinear(64, ((32, 1), (16, 1)), bias=False)
+    mixed.load("weight", a, 0)
+    mixed.load("weight", b.dequantize(), 1)  # a dense part: the fused weight stays dense
+    assert mixed.int4 is None and torch.equal(mixed.weight, dense)
+    odd = ColumnParallelLinear(64, ((8, 1),), bias=False)  # 8 outputs: the kernel wants 16k
+    odd.load("weight", a.narrow(0, 0, 8), 0)
+    assert odd.int4 is None and torch.equal(odd.weight, a.dequantize()[:8])
     big = torch.randn(40, 64)  # many rows: the dense path, same values
     assert torch.allclose(row(big.bfloat16()).float(), big @ a.dequantize().t(), rtol=0.03,
                           atol=0.03 * (big @ a.dequantize().t()).abs().max().item())
@@ -112,8 +119,12 @@ def test_default_model_packed_matches_dense():
     outs = {}
     for q in ("none", "gguf"):
         llm = LLM(default_model_path(), dtype="bfloat16", quantization=q, kv_cache_memory="32MiB")
-        packed = sum(m.int4 is not None for m in llm.engine.model.modules() if hasattr(m, "int4"))
-        assert packed == (0 if q == "none" else 30 * 4)  # qkv, o, gate_up, down per layer
+        packed, total = llm.engine.model.num_packed_int4()
+        assert total == 30 * 4  # qkv, o, gate_up, down per layer
+        assert packed == (0 if q == "none" else total)
+        if q == "gguf":
+            dense = sum(p.numel() * p.element_size() for p in llm.engine.model.parameters())
+            assert llm.engine.model.weight_bytes() > dense  # the packed copies are counted
         outs[q] = llm.generate(prompts, params, use_tqdm=False)
         llm.shutdown()
     for dense, packed in zip(outs["none"], outs["gguf"]):

@@ -45,7 +45,7 @@ def _attend(
     q: torch.Tensor,  # [n, rows, head_dim]
     k: torch.Tensor,  # [n, kv_len, head_dim]
     v: torch.Tensor,  # [n, kv_len, head_dim]
-    bias: torch.Tensor,  # [n, rows, kv_len] float32: 0 where a key is visible, -inf elsewhere
+    bias: torch.Tensor,  # [n or 1, rows, kv_len] float32: 0 where a key is visible, else -inf
     scale: float,
 ) -> torch.Tensor:  # [n, rows, head_dim]
     dtype = v.dtype
@@ -61,6 +61,7 @@ def _attend(
 
 def _causal_bias(slens: list[int], qlens: list[int], max_q: int, group: int, kv_len: int,
                  kvh: int) -> torch.Tensor:  # [kvh * batch, group * max_q, kv_len] float32
+    """Additive mask; for one sequence (batch 1) pass kvh=1 and let it broadcast over heads."""
     # Query j of sequence i is at position slen - qlen + j and sees keys <= that position;
     # row r = g * max_q + j (the group's heads share one query position).
     qpos = (torch.tensor(slens) - torch.tensor(qlens)).unsqueeze(1) + torch.arange(max_q)
@@ -160,7 +161,11 @@ class TorchPagedAttention(AttentionBackend):
         k = gather_kv(k_cache, table, slen)[:, 0]  # [kvh, padded_len, hd]
         v = gather_kv(v_cache, table, slen)[:, 0]
         q = q.view(qlen, kvh, group, head_dim).permute(1, 2, 0, 3).reshape(kvh, group * qlen, head_dim)
-        bias = _causal_bias([slen], [qlen], qlen, group, k.shape[1], kvh).to(q.device)
+        key = ("single", b, group)
+        bias = md.cache.get(key)
+        if bias is None:  # [1, group * qlen, kv_len], broadcast over the KV heads
+            bias = md.cache[key] = _causal_bias([slen], [qlen], qlen, group, k.shape[1],
+                                                1).to(q.device)
         o = _attend(q, k, v, bias, scale)  # [kvh, group*qlen, hd]
         o = o.view(kvh, group, qlen, head_dim).permute(2, 0, 1, 3).reshape(qlen, num_heads, head_dim)
         out[starts[b] : starts[b] + qlen] = o

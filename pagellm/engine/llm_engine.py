@@ -78,7 +78,8 @@ class LLMEngine:
             self.spec, self.num_blocks = build_spec_decoder(
                 config.speculative, target_files=files, target_model=self.model,
                 target_dtype=self.dtype, device=self.device, max_model_len=self.max_model_len,
-                eos_token_id=self.eos_token_ids, kv_budget=budget, block_size=cc.block_size)
+                eos_token_id=self.eos_token_ids, kv_budget=budget, block_size=cc.block_size,
+                quantization=config.quantization)
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB, %s, %d tokens)", self.num_blocks,
                     cc.block_size, budget / 2**20, self.dtype, self.num_blocks * cc.block_size)
         self.block_manager = BlockManager(self.num_blocks, cc.block_size, cc.enable_prefix_caching)

@@ -81,4 +81,4 @@ def keep_freed_memory() -> bool:
         return False
     m_trim_threshold, m_top_pad, m_mmap_threshold = -1, -2, -3
     return bool(mallopt(m_mmap_threshold, 32 * 2**20)  # glibc's maximum on 64-bit
-                and mallopt(m_trim_threshold, 2**30) and mallopt(m_top_pad, 64 * 2**20))
+                and mallopt(m_trim_threshold, 256 * 2**20) and mallopt(m_top_pad, 64 * 2**20))

@@ -54,25 +54,25 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 class _PackedInt4:
     """Keeps the 4-bit form of a GGUF Q4 weight beside the dense one, for few-row products.
-    load() records each part's Int4Blocks; pack_int4() packs them once every part is there."""
+    load() records each part's Int4Blocks and packs them as soon as every part is there (a
+    plain attribute: .to(dtype) leaves the packed codes and bf16 scales alone)."""
 
     int4: tuple[torch.Tensor, torch.Tensor] | None = None
     num_parts = 1
 
-    def _keep(self, shard: int, part: quant.Int4Blocks) -> None:
-        if not hasattr(self, "_int4_parts"):
-            self._int4_parts: dict[int, quant.Int4Blocks] = {}
-        self._int4_parts[shard] = part
-
-    def pack_int4(self) -> bool:
-        parts = self.__dict__.pop("_int4_parts", {})
-        if len(parts) != self.num_parts or self.weight.device.type != "cpu":
-            return False
-        blocks = quant.cat_rows([parts[i] for i in range(self.num_parts)])
-        if not quant.packable(*blocks.shape):
-            return False
-        self.int4 = quant.pack(blocks)
-        return True
+    def _keep(self, shard: int, part: quant.Int4Blocks | None) -> None:
+        """part None: this shard came dense (e.g. a Q8_0 v_proj beside Q4 q/k), so the
+        fused weight cannot be packed; parts already kept are dropped."""
+        parts = self.__dict__.setdefault("_int4_parts", {})
+        if part is None or parts is None:
+            self.__dict__["_int4_parts"] = None
+            return
+        parts[shard] = part
+        if len(parts) == self.num_parts:
+            del self._int4_parts
+            blocks = quant.cat_rows([parts[i] for i in range(self.num_parts)])
+            if quant.packable(*blocks.shape):
+                self.int4 = quant.pack(blocks)
 
 
 def _dense(tensor: torch.Tensor | quant.Int4Blocks) -> torch.Tensor:
@@ -99,8 +99,8 @@ class ColumnParallelLinear(_PackedInt4, nn.Module):
         start, size = self.ranges[shard]
         offset = sum(n for _, n in self.ranges[:shard])
         part = tensor.narrow(0, start, size)
-        if isinstance(part, quant.Int4Blocks):
-            self._keep(shard, part)
+        if name == "weight":
+            self._keep(shard, part if isinstance(part, quant.Int4Blocks) else None)
         getattr(self, name).data.narrow(0, offset, size).copy_(_dense(part))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -127,7 +127,7 @@ class RowParallelLinear(_PackedInt4, nn.Module):
             try:
                 self._keep(0, tensor.narrow(1, self.start, self.in_local))
             except ValueError:  # this rank's inputs do not start on a group: dense only
-                pass
+                self._keep(0, None)
         self.weight.data.copy_(_dense(tensor).narrow(1, self.start, self.in_local))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -84,10 +84,16 @@ class LlamaForCausalLM(nn.Module):
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return linear(hidden, weight).float()
 
-    def pack_int4(self) -> int:
-        """Pack every projection loaded from 4-bit blocks (after the final .to(dtype, device));
-        returns how many were packed."""
-        return sum(m.pack_int4() for m in self.modules() if hasattr(m, "pack_int4") and m is not self)
+    def num_packed_int4(self) -> tuple[int, int]:
+        """(projections holding packed 4-bit weights, projections in all)."""
+        linears = [m for m in self.modules() if hasattr(m, "int4") and m is not self]
+        return sum(m.int4 is not None for m in linears), len(linears)
+
+    def weight_bytes(self) -> int:
+        """Parameters plus packed 4-bit copies: what the weights occupy in memory."""
+        packed = sum(t.numel() * t.element_size() for m in self.modules()
+                     if getattr(m, "int4", None) is not None for t in m.int4)
+        return packed + sum(p.numel() * p.element_size() for p in self.parameters())
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load Hugging Face-named tensors; q|k|v and gate|up go into their fused slices."""

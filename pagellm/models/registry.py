@@ -1,10 +1,14 @@
 """Architecture name -> model class, and building a ready model from loaded files."""
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from pagellm.attention.base import get_attention_backend
 from pagellm.models.llama import LlamaForCausalLM
+
+logger = logging.getLogger(__name__)
 
 MODEL_CLASSES = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -33,7 +37,8 @@ def use_int4(quantization: str | None, files, dtype: torch.dtype, device: torch.
     "none": always dequantize at load."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
-    possible = files.int4_linears and device.type == "cpu" and dtype == torch.bfloat16
+    possible = (files.int4_linears and device.type == "cpu" and dtype == torch.bfloat16
+                and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"))
     if quantization == "gguf" and not possible:
         raise ValueError("quantization='gguf' keeps a GGUF file's Q4_0/Q4_1 weights packed; it "
                          "needs such a file, dtype bfloat16 and the CPU (got "
@@ -50,5 +55,10 @@ def build_model(files, dtype: torch.dtype, device: torch.device, max_position: i
     model.load_weights(files.weights(keep_int4=True) if int4 else files.weights())
     model = model.to(dtype=dtype, device=device).eval()
     if int4:
-        model.pack_int4()  # after .to(): the packed tensors must keep their own dtypes
+        packed, total = model.num_packed_int4()
+        if packed < total:  # shapes the kernel does not take, or a split inside a group
+            msg = f"{total - packed} of {total} projections could not stay packed (dense instead)"
+            if quantization == "gguf" and packed == 0:
+                raise ValueError(f"quantization='gguf': {msg}")
+            logger.warning(msg)
     return model

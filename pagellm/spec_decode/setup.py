@@ -21,7 +21,7 @@ logger = logging.getLogger("pagellm")
 
 
 def load_draft(spec: SpeculativeConfig, target_files, target_dtype: torch.dtype,
-               device: torch.device, max_model_len: int):
+               device: torch.device, max_model_len: int, quantization: str | None = None):
     """Load the draft model (default: the target's own files, in a cheaper form) and refuse one
     whose vocabulary or tokenizer differs from the target's."""
     files = load_model_files(spec.model) if spec.model else target_files
@@ -36,18 +36,17 @@ def load_draft(spec: SpeculativeConfig, target_files, target_dtype: torch.dtype,
         config = copy.deepcopy(files.config)
         config.num_hidden_layers = min(spec.draft_num_layers, config.num_hidden_layers)
         files = dataclasses.replace(files, config=config)
-    dtype = (resolve_dtype(spec.draft_dtype, device, files.int4_linears) if spec.draft_dtype
-             else target_dtype)
+    packed = files.int4_linears and quantization != "none"
+    dtype = resolve_dtype(spec.draft_dtype, device, packed) if spec.draft_dtype else target_dtype
     with parallel.single_process():  # the draft runs whole on rank 0
-        return files, build_model(files, dtype, device, max_model_len), dtype
-
-
-def weight_bytes(model) -> int:
-    return sum(p.numel() * p.element_size() for p in model.parameters())
+        # "gguf" is the target's demand; the draft (maybe another dtype) packs when it can.
+        draft_q = "none" if quantization == "none" else None
+        return files, build_model(files, dtype, device, max_model_len, draft_q), dtype
 
 
 def build_spec_decoder(spec: SpeculativeConfig, *, target_files, target_model, target_dtype,
-                       device, max_model_len, eos_token_id, kv_budget: int, block_size: int):
+                       device, max_model_len, eos_token_id, kv_budget: int, block_size: int,
+                       quantization: str | None = None):
     """(SpecDecoder, number of target KV blocks). The KV budget is split so that target and
     draft caches hold the same number of tokens."""
     t_block = kv_bytes_per_block(target_files.config, block_size, target_dtype, parallel.tp_size())
@@ -56,7 +55,8 @@ def build_spec_decoder(spec: SpeculativeConfig, *, target_files, target_model, t
         proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
         logger.info("speculative decoding: n-gram lookup, k=%d", spec.num_speculative_tokens)
     else:
-        files, draft, dtype = load_draft(spec, target_files, target_dtype, device, max_model_len)
+        files, draft, dtype = load_draft(spec, target_files, target_dtype, device, max_model_len,
+                                         quantization)
         d_block = kv_bytes_per_block(files.config, block_size, dtype)
         num_blocks = kv_budget // (t_block + d_block)
         with parallel.single_process():
@@ -67,8 +67,8 @@ def build_spec_decoder(spec: SpeculativeConfig, *, target_files, target_model, t
             "speculative decoding: draft %s (%d layers, %s), k=%d. Memory: target weights "
             "%.0f MiB + KV %.0f MiB; draft weights %.0f MiB + KV %.0f MiB",
             files.path, files.config.num_hidden_layers, dtype, spec.num_speculative_tokens,
-            weight_bytes(target_model) / mib, num_blocks * t_block / mib,
-            weight_bytes(draft) / mib, num_blocks * d_block / mib)
+            target_model.weight_bytes() / mib, num_blocks * t_block / mib,
+            draft.weight_bytes() / mib, num_blocks * d_block / mib)
     if num_blocks < 1:
         raise ValueError("kv_cache_memory is too small for target and draft caches")
     decoder = SpecDecoder(proposer, spec.num_speculative_tokens, spec.adaptive, max_model_len,
