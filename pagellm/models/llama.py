@@ -13,7 +13,7 @@ from torch import nn
 
 from pagellm.attention.base import AttentionBackend, AttentionMetadata
 from pagellm.layers.attention import PagedSelfAttention
-from pagellm.layers.linear import ColumnParallelLinear, RowParallelLinear, linear
+from pagellm.layers.linear import ColumnParallelLinear, RowParallelLinear, linear, upcast
 from pagellm.layers.norm import RMSNorm
 from pagellm.layers.rotary import RotaryEmbedding
 
@@ -82,6 +82,14 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[num_rows, hidden] -> [num_rows, vocab] float32."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        if upcast(hidden):
+            # Several rows of a bf16 model on a CPU without bf16 units: the product runs in
+            # float32, and converting the (vocab x hidden) head at every step cost more than
+            # the product itself (58 of 143 ms of a k=4 verification step, batch 1). The head
+            # is the largest matrix of a small model, so it alone keeps a float32 copy.
+            if getattr(self, "_head_f32", None) is None or self._head_f32[0] is not weight:
+                self._head_f32 = (weight, weight.float())
+            return F.linear(hidden.float(), self._head_f32[1])
         return linear(hidden, weight).float()
 
     def num_packed_int4(self) -> tuple[int, int]:
@@ -93,7 +101,9 @@ class LlamaForCausalLM(nn.Module):
         """Parameters plus packed 4-bit copies: what the weights occupy in memory."""
         packed = sum(t.numel() * t.element_size() for m in self.modules()
                      if getattr(m, "int4", None) is not None for t in m.int4)
-        return packed + sum(p.numel() * p.element_size() for p in self.parameters())
+        head = getattr(self, "_head_f32", None)
+        head = 0 if head is None else head[1].numel() * 4
+        return packed + head + sum(p.numel() * p.element_size() for p in self.parameters())
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load Hugging Face-named tensors; q|k|v and gate|up go into their fused slices."""
