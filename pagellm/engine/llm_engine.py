@@ -16,7 +16,7 @@ from pagellm.engine.scheduler import Scheduler, SchedulerOutput
 from pagellm.engine.memory import (keep_freed_memory, num_kv_blocks, resolve_device,
                                    resolve_dtype)
 from pagellm.models.loader import load_model_files
-from pagellm.models.registry import build_model
+from pagellm.models.registry import build_model, may_pack_int4
 from pagellm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pagellm.sampling.sampler import SamplingRow, sample
 from pagellm.sampling_params import SamplingParams
@@ -49,7 +49,7 @@ class LLMEngine:
             keep_freed_memory()
         files = load_model_files(config.model)
         self.dtype = resolve_dtype(config.dtype, self.device,
-                                   files.int4_linears and config.quantization != "none")
+                                   may_pack_int4(files, config.quantization))
         self.model_path = files.path
         self.tokenizer = files.tokenizer
         self.hf_config = files.config

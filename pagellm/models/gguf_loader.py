@@ -202,10 +202,7 @@ def _load_int4(blob: np.ndarray, tensor: GGUFTensor) -> Int4Blocks:
     else:
         zero = blocks[:, 2:4].copy().view(np.float16).astype(np.float32).reshape(scale.shape)
         zero += 8 * scale
-    packed = blocks[:, type_size - block_size // 2:]  # nibble j: element j (low), j + 16 (high)
-    codes = np.empty((blocks.shape[0], block_size), dtype=np.uint8)
-    np.bitwise_and(packed, 0x0F, out=codes[:, :block_size // 2])
-    np.right_shift(packed, 4, out=codes[:, block_size // 2:])
+    codes = _unpack_nibbles(blocks, np.empty((blocks.shape[0], block_size), dtype=np.uint8))
     codes = codes.reshape(rows, cols)
     if tensor.rope_heads is not None:  # the same row order as the dequantized path
         codes, scale, zero = (_undo_rope_permute(a, tensor.rope_heads) for a in (codes, scale, zero))
@@ -245,10 +242,7 @@ def dequantize_blocks(raw: np.ndarray, ggml_type: GGMLQuantizationType) -> np.nd
         out = blocks[:, 2:].copy().view(np.int8).astype(np.float32)
         out *= d
         return out.reshape(-1)
-    packed = blocks[:, type_size - block_size // 2:]  # [num_blocks, 16]
-    out = np.empty((blocks.shape[0], block_size), dtype=np.float32)  # [num_blocks, 32]
-    np.bitwise_and(packed, 0x0F, out=out[:, :block_size // 2], casting="unsafe")
-    np.right_shift(packed, 4, out=out[:, block_size // 2:], casting="unsafe")
+    out = _unpack_nibbles(blocks, np.empty((blocks.shape[0], block_size), dtype=np.float32))
     if ggml_type == _Q.Q4_0:
         out -= 8
         out *= d
@@ -256,6 +250,17 @@ def dequantize_blocks(raw: np.ndarray, ggml_type: GGMLQuantizationType) -> np.nd
         out *= d
         out += blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
     return out.reshape(-1)
+
+
+def _unpack_nibbles(blocks: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """Q4 blocks [num_blocks, type_size] -> their 32 codes (0..15) in `out` [num_blocks, 32]:
+    the last 16 bytes hold element j in the low nibble of byte j and element j + 16 in its
+    high nibble."""
+    half = out.shape[1] // 2
+    packed = blocks[:, blocks.shape[1] - half:]
+    np.bitwise_and(packed, 0x0F, out=out[:, :half], casting="unsafe")
+    np.right_shift(packed, 4, out=out[:, half:], casting="unsafe")
+    return out
 
 
 def _undo_rope_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:

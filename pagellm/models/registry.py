@@ -27,24 +27,26 @@ def model_class(config):
                      f"supported: {sorted(MODEL_CLASSES)}")
 
 
-QUANTIZATIONS = (None, "gguf", "none")
+def may_pack_int4(files, quantization: str | None) -> bool:
+    """Whether the file has Q4 projections that the quantization setting lets stay packed
+    (what dtype "auto" looks at, before the dtype is known)."""
+    return files.int4_linears and quantization != "none"
 
 
 def use_int4(quantization: str | None, files, dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether to keep GGUF Q4 projections packed. None (auto): when the file has them and the
-    model runs in bfloat16 on the CPU (the packed kernel computes with bf16 activations, so a
-    float32 model stays dense); "gguf": the same, but an error when that is impossible;
-    "none": always dequantize at load."""
-    if quantization not in QUANTIZATIONS:
-        raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
-    possible = (files.int4_linears and device.type == "cpu" and dtype == torch.bfloat16
+    """Whether to keep GGUF Q4 projections packed (EngineConfig validated `quantization`).
+    None (auto): when the file has them and the model runs in bfloat16 on the CPU (the packed
+    kernel computes with bf16 activations, so a float32 model stays dense); "gguf": the same,
+    but an error when that is impossible; "none": always dequantize at load."""
+    possible = (may_pack_int4(files, quantization) and device.type == "cpu"
+                and dtype == torch.bfloat16
                 and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"))
     if quantization == "gguf" and not possible:
         raise ValueError("quantization='gguf' keeps a GGUF file's Q4_0/Q4_1 weights packed; it "
                          "needs such a file, dtype bfloat16 and the CPU (got "
                          f"{'a file with them' if files.int4_linears else 'no Q4 weights'}, "
                          f"{dtype}, {device.type})")
-    return possible and quantization != "none"
+    return possible
 
 
 def build_model(files, dtype: torch.dtype, device: torch.device, max_position: int,
