@@ -53,7 +53,7 @@ def bytes_per_token(runner, context_len: int) -> tuple[int, int]:
     from pagellm.engine.model_runner import kv_bytes_per_block
 
     engine = runner.llm.engine
-    kv_per_token = kv_bytes_per_block(engine.hf_config, 1, engine.dtype)
+    kv_per_token = kv_bytes_per_block(engine.hf_config, 1, engine.kv_dtype)
     return runner.param_bytes, kv_per_token * context_len
 
 

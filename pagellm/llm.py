@@ -23,7 +23,7 @@ class LLM:
                  max_model_len: int | None = None, enable_prefix_caching: bool = True,
                  speculative_config: dict | SpeculativeConfig | None = None, seed: int = 0,
                  device: str = "auto", tensor_parallel_size: int = 1,
-                 quantization: str | None = None):
+                 quantization: str | None = None, kv_cache_dtype: str = "auto"):
         config = EngineConfig(
             model=model, dtype=dtype, device=device, max_model_len=max_model_len, seed=seed,
             tensor_parallel_size=tensor_parallel_size, quantization=quantization,
@@ -31,7 +31,8 @@ class LLM:
                 block_size=block_size,
                 kv_cache_memory=None if kv_cache_memory is None else parse_bytes(
                     kv_cache_memory, "kv_cache_memory"),
-                kv_cache_fraction=kv_cache_fraction, enable_prefix_caching=enable_prefix_caching),
+                kv_cache_fraction=kv_cache_fraction, enable_prefix_caching=enable_prefix_caching,
+                kv_cache_dtype=kv_cache_dtype),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
                                       max_num_batched_tokens=max_num_batched_tokens),
             speculative=SpeculativeConfig.from_dict(speculative_config))

@@ -48,9 +48,9 @@ def _attend(
     bias: torch.Tensor,  # [n or 1, rows, kv_len] float32: 0 where a key is visible, else -inf
     scale: float,
 ) -> torch.Tensor:  # [n, rows, head_dim]
-    dtype = v.dtype
-    if upcast(q):  # float32 K/V copies cost less than bf16 bmm's slow path on such CPUs
-        q, k, v = q.float(), k.float(), v.float()
+    dtype = q.dtype
+    if upcast(q) or q.dtype != k.dtype:  # float32 K/V copies cost less than bf16 bmm's slow
+        q, k, v = q.float(), k.float(), v.float()  # path on such CPUs; or a float32 KV pool
     if q.dtype == torch.float32:  # scale * q k^T + bias in one op
         scores = torch.baddbmm(bias, q, k.transpose(1, 2), alpha=scale)
     else:

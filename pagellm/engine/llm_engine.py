@@ -14,7 +14,7 @@ from pagellm.engine.detokenizer import append_text, find_stop_string
 from pagellm.engine.model_runner import ModelRunner
 from pagellm.engine.scheduler import Scheduler, SchedulerOutput
 from pagellm.engine.memory import (keep_freed_memory, num_kv_blocks, resolve_device,
-                                   resolve_dtype)
+                                   resolve_dtype, resolve_kv_dtype)
 from pagellm.models.loader import load_model_files
 from pagellm.models.registry import build_model, may_pack_int4
 from pagellm.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -69,7 +69,8 @@ class LLMEngine:
                                                    [cfg_eos])} - {None}
         self.vocab_size = files.config.vocab_size
         cc = config.cache
-        self.num_blocks, budget = num_kv_blocks(files.config, cc, self.dtype, self.device,
+        self.kv_dtype = resolve_kv_dtype(cc.kv_cache_dtype, self.dtype, self.device)
+        self.num_blocks, budget = num_kv_blocks(files.config, cc, self.kv_dtype, self.device,
                                                 config.tensor_parallel_size)
         self.spec = None
         if config.speculative is not None:
@@ -77,11 +78,11 @@ class LLMEngine:
 
             self.spec, self.num_blocks = build_spec_decoder(
                 config.speculative, target_files=files, target_model=self.model,
-                target_dtype=self.dtype, device=self.device, max_model_len=self.max_model_len,
+                target_dtype=self.dtype, kv_cache_dtype=cc.kv_cache_dtype, device=self.device, max_model_len=self.max_model_len,
                 eos_token_id=self.eos_token_ids, kv_budget=budget, block_size=cc.block_size,
                 quantization=config.quantization)
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB, %s, %d tokens)", self.num_blocks,
-                    cc.block_size, budget / 2**20, self.dtype, self.num_blocks * cc.block_size)
+                    cc.block_size, budget / 2**20, self.kv_dtype, self.num_blocks * cc.block_size)
         self.block_manager = BlockManager(self.num_blocks, cc.block_size, cc.enable_prefix_caching)
         sc = config.scheduler
         self.scheduler = Scheduler(self.block_manager, sc.max_num_seqs, sc.max_num_batched_tokens)
@@ -89,9 +90,9 @@ class LLMEngine:
             from pagellm.engine.tensor_parallel import TPModelRunner
 
             self.runner = TPModelRunner(self._tp_procs, self.model, self.num_blocks,
-                                        cc.block_size, self.dtype, self.device)
+                                        cc.block_size, self.kv_dtype, self.device)
         else:
-            self.runner = ModelRunner(self.model, self.num_blocks, cc.block_size, self.dtype,
+            self.runner = ModelRunner(self.model, self.num_blocks, cc.block_size, self.kv_dtype,
                                       self.device)
         self.requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()

@@ -60,7 +60,7 @@ def start_workers(config, device: torch.device, max_model_len: int) -> list:
 
 
 def _worker_main(rank: int, port: int, config, device: str, max_model_len: int) -> None:
-    from pagellm.engine.memory import keep_freed_memory, resolve_dtype
+    from pagellm.engine.memory import keep_freed_memory, resolve_dtype, resolve_kv_dtype
     from pagellm.models.loader import load_model_files
     from pagellm.models.registry import build_model, may_pack_int4
 
@@ -78,7 +78,8 @@ def _worker_main(rank: int, port: int, config, device: str, max_model_len: int) 
     dtype = resolve_dtype(config.dtype, dev, may_pack_int4(files, config.quantization))
     model = build_model(files, dtype, dev, max_model_len, config.quantization)
     num_blocks = _recv()
-    runner = ModelRunner(model, num_blocks, config.cache.block_size, dtype, dev)
+    kv_dtype = resolve_kv_dtype(config.cache.kv_cache_dtype, dtype, dev)
+    runner = ModelRunner(model, num_blocks, config.cache.block_size, kv_dtype, dev)
     while True:
         msg = _recv()
         if msg[0] == "step":

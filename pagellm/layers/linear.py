@@ -46,10 +46,25 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if int4 is not None and x.numel() // x.shape[-1] < quant.MAX_ROWS:
         y = quant.int4_linear(x, *int4)
         return y if bias is None else y + bias
-    if upcast(x):
+    if upcast(x) or weight.dtype != x.dtype:  # the latter: a float32 copy (keep_float32)
         b = None if bias is None else bias.float()
         return F.linear(x.float(), weight.float(), b).to(x.dtype)
     return F.linear(x, weight, bias)
+
+
+def keep_float32(model: nn.Module) -> int:
+    """On CPUs without bf16 units, store the dense weights of packed 4-bit projections in
+    float32: those weights serve only products of MAX_ROWS+ rows, which run in float32 there,
+    and upcasting every weight at every batched step cost ~12% of a batch-64 decode step.
+    Returns the number of projections converted."""
+    if not UPCAST_BF16:
+        return 0
+    n = 0
+    for m in model.modules():
+        if isinstance(m, _PackedInt4) and m.int4 is not None and m.weight.dtype == torch.bfloat16:
+            m.weight.data = m.weight.data.float()
+            n += 1
+    return n
 
 
 class _PackedInt4:

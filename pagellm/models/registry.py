@@ -6,6 +6,7 @@ import logging
 import torch
 
 from pagellm.attention.base import get_attention_backend
+from pagellm.layers.linear import keep_float32
 from pagellm.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -63,4 +64,5 @@ def build_model(files, dtype: torch.dtype, device: torch.device, max_position: i
             if quantization == "gguf" and packed == 0:
                 raise ValueError(f"quantization='gguf': {msg}")
             logger.warning(msg)
+        keep_float32(model)
     return model

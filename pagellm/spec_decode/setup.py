@@ -9,7 +9,7 @@ import torch
 
 from pagellm import parallel
 from pagellm.config import SpeculativeConfig
-from pagellm.engine.memory import resolve_dtype
+from pagellm.engine.memory import resolve_dtype, resolve_kv_dtype
 from pagellm.engine.model_runner import kv_bytes_per_block
 from pagellm.models.loader import load_model_files
 from pagellm.models.registry import build_model, may_pack_int4
@@ -46,10 +46,11 @@ def load_draft(spec: SpeculativeConfig, target_files, target_dtype: torch.dtype,
 
 def build_spec_decoder(spec: SpeculativeConfig, *, target_files, target_model, target_dtype,
                        device, max_model_len, eos_token_id, kv_budget: int, block_size: int,
-                       quantization: str | None = None):
+                       quantization: str | None = None, kv_cache_dtype: str = "auto"):
     """(SpecDecoder, number of target KV blocks). The KV budget is split so that target and
     draft caches hold the same number of tokens."""
-    t_block = kv_bytes_per_block(target_files.config, block_size, target_dtype, parallel.tp_size())
+    t_kv = resolve_kv_dtype(kv_cache_dtype, target_dtype, device)
+    t_block = kv_bytes_per_block(target_files.config, block_size, t_kv, parallel.tp_size())
     if spec.method == "ngram":
         num_blocks = kv_budget // t_block
         proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
@@ -57,10 +58,11 @@ def build_spec_decoder(spec: SpeculativeConfig, *, target_files, target_model, t
     else:
         files, draft, dtype = load_draft(spec, target_files, target_dtype, device, max_model_len,
                                          quantization)
-        d_block = kv_bytes_per_block(files.config, block_size, dtype)
+        d_kv = resolve_kv_dtype(kv_cache_dtype, dtype, device)
+        d_block = kv_bytes_per_block(files.config, block_size, d_kv)
         num_blocks = kv_budget // (t_block + d_block)
         with parallel.single_process():
-            proposer = DraftModelProposer(draft, num_blocks, block_size, dtype, device,
+            proposer = DraftModelProposer(draft, num_blocks, block_size, d_kv, device,
                                           eos_token_id, max_model_len)
         mib = 2**20
         logger.info(
