@@ -180,11 +180,16 @@ class LLMEngine:
         request, marks the engine dead and is raised."""
         if self.dead is not None:
             raise RuntimeError(self.dead)
+        start, emitted = time.perf_counter(), self.num_generation_tokens
         if self.spec is not None:
             self.spec.propose(self.scheduler.running)
         out = self.scheduler.schedule()
         try:
-            return self._run_batch(out)
+            outputs = self._run_batch(out)
+            if self.spec is not None:
+                self.spec.observe_engine_step(len(out.seqs), self.num_generation_tokens - emitted,
+                                              time.perf_counter() - start)
+            return outputs
         except Exception as e:
             logger.exception("engine step failed; failing its %d sequences", len(out.seqs))
             from pagellm.engine.tensor_parallel import WorkerDiedError

@@ -57,11 +57,12 @@ class SpecDecoder:
                  eos_token_id: int | set[int] | None):
         self.proposer = proposer
         self.max_k = max_k
-        self.controller = AdaptiveK(max_k, enabled=adaptive)
+        self.controller = AdaptiveK(max_k, enabled=adaptive, draft_cost=proposer.has_cost)
         self.max_model_len = max_model_len
         self.eos_token_id = eos_token_id
         self.stats = SpecStats(max_k)
         self._q: dict[int, torch.Tensor | None] = {}
+        self._step = (0, 0)  # (decoding sequences, most proposals) of the current step
 
     def propose(self, running: list[Sequence]) -> None:
         """Attach proposals to every running sequence that is decoding (only its last token
@@ -83,9 +84,18 @@ class SpecDecoder:
             seq.spec_token_ids = list(prop.token_ids)
             if prop.token_ids:
                 self._q[seq.seq_id] = prop.probs
+        self._step = (len(decoding), max((len(p.token_ids) for p in proposals), default=0))
 
     def observe_step(self, num_tokens: int, seconds: float) -> None:
+        """The target's forward pass over num_tokens tokens took `seconds`."""
         self.controller.observe_step(num_tokens, seconds)
+
+    def observe_engine_step(self, num_seqs: int, tokens: int, seconds: float) -> None:
+        """The whole engine step (proposing included) ran num_seqs sequences and emitted
+        `tokens` tokens in `seconds`; counted when every one of them was decoding."""
+        decoding, k = self._step
+        if num_seqs and num_seqs == decoding:
+            self.controller.observe_decode_step(decoding, tokens, seconds, k)
 
     def verify(self, seqs: list[Sequence], logits: list[torch.Tensor],
                rng: torch.Generator) -> list[Verified]:
