@@ -164,8 +164,7 @@ class Engine:
             res["stats"]["accepted_per_position"] = [a - b for a, b in zip(
                 after["accepted_per_position"], before["accepted_per_position"])]
             res["spec_steps"] = [sum(k > 0 for k in self.ks), len(self.ks)]
-            res["controller"] = {"alpha": ctl.alpha, "a_b_s": ctl.step_time.coefficients(),
-                                 "draft_round_s": ctl.draft_round_time}
+            res["controller"] = ctl.summary()
         return res
 
 
@@ -295,18 +294,16 @@ def targets(rows: list[dict]) -> dict:
             "adaptive_floor_met": worst[1] is None or worst[1] >= 0.95}
 
 
-def controller_view(row: dict, max_k: int) -> str:
-    """The controller's own model at the end of the run: a, b, D and its predicted speedup."""
-    from pagellm.spec_decode.adaptive import expected_tokens
-
+def controller_view(row: dict) -> str:
+    """The controller at the end of the run: acceptance, draft round time, and its measured
+    ms per token at this batch size for each k it used (k=0: plain decoding)."""
     c = row.get("controller")
-    if not c or not c["a_b_s"]:
+    if not c:
         return "-"
-    (a, b), d, al, bs = c["a_b_s"], c["draft_round_s"], c["alpha"], row["batch"]
-    pred = max(expected_tokens(al, k) * (a + b * bs) / (a + b * bs * (k + 1) + k * d)
-               for k in range(1, max_k + 1))
-    return (f"alpha {al:.2f}, a {a * 1e3:.1f} ms, b {b * 1e3:.2f} ms/tok, D {d * 1e3:.1f} ms"
-            f" -> best predicted {pred:.2f}x")
+    per_k = next((v for b, v in c["per_token_s"].items() if int(b) >= row["batch"]), {})
+    measured = ", ".join(f"k={k}: {v * 1e3:.1f}" for k, v in per_k.items() if v is not None)
+    return (f"alpha {c['alpha']:.2f}, D {c['draft_round_s'] * 1e3:.1f} ms; "
+            f"ms/token {measured or '-'}")
 
 
 def render(rows, args, tg) -> str:
@@ -324,7 +321,7 @@ def render(rows, args, tg) -> str:
          "mean accept len", "accept per position", "spec steps", "same tokens as off",
          "out tokens", "preempt"], table)
     ctl = common.markdown_table(["workload", "batch", "engine", "controller at end of run"], [
-        [r["workload"], r["batch"], r["engine"], controller_view(r, args.k)]
+        [r["workload"], r["batch"], r["engine"], controller_view(r)]
         for r in rows if r.get("controller")])
     verdict = (f"\n\nTargets: n-gram on copy-heavy prompts at batch 1 >= 2x: "
                f"{fmt(tg['ngram_copy_b1_speedup'], '{:.2f}x')} "

@@ -79,7 +79,7 @@ def test_step_times_follow_the_measured_sizes():
     st = StepTimes()
     assert st.predict(4) is None
     st.observe(16, 0.05)
-    assert st.predict(32) == pytest.approx(0.10)  # one size: proportional beyond it
+    assert st.predict(32) == pytest.approx(0.075)  # one size: 1/32 of it per token beyond
     st.observe(32, 0.20)  # a kernel switch between 16 and 32 rows
     assert st.predict(8) == pytest.approx(0.05)
     assert st.predict(24) == pytest.approx(0.125)

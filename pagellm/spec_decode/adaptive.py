@@ -12,15 +12,17 @@ Two layers, the second guarding the first:
        B * E(k) / (T(B (k + 1)) + k D)     against     B / T(B) without speculation.
    A sequence whose own acceptance cannot pay for its extra row gets no proposals.
 
-2. A measurement of the result (Arms). Per batch size, the wall time per emitted token of
-   whole engine steps (proposing, verifying and sampling included) is averaged separately for
-   steps with and without speculation. When the measured speculative steps are slower, the
-   model is overruled and speculation stays off for that batch size.
+2. A measurement of the result (Arms). Per batch size and per k, the wall time per emitted
+   token of whole engine steps (proposing, verifying and sampling included) is averaged;
+   k = 0 is plain decoding. A k measured slower than plain decoding is not used, and k grows
+   one step at a time (k + 1 is tried once k measured faster), so the model's mistakes cost a
+   step or two, not a run.
 
-While one arm is in use the other is re-measured now and then: a probe, whose interval
-doubles every time it confirms the current choice (bounded, so a change of workload is seen
-within MAX_PROBE_EVERY steps) and starts short again after a switch. The cost of learning is
-thereby a few steps at the start and a small fraction later.
+While speculating, plain decoding is re-measured now and then, and while not, one proposal
+(k = 1): a probe. Probes of a side measured r times slower per token come every (r - 1) / 2%
+steps (at least MIN_PROBE_EVERY, at most MAX_PROBE_EVERY), so that they cost about 2% of the
+time, and a change of workload is still noticed. A probe starts a fresh average: the old one
+describes an earlier part of the run.
 """
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ _PRIOR_WEIGHT = 2.0  # how many observations the prior acceptance counts for
 _MARGIN = 1.02  # speculation must be predicted (or measured) this much faster
 MIN_PROBE_EVERY, MAX_PROBE_EVERY = 8, 1024
 _PROBE_LOSS = 0.02  # probes of a losing arm may cost this share of the time
+_STALE = 8  # a k not measured for this many steps starts a new average
 _MIN_SAMPLES = 2  # steps of an arm before its measurement may overrule the model (one step
 _CLEAR = 1.5  # suffices when the arms differ by more than this factor)
 
@@ -68,8 +71,8 @@ class StepTimes:
         if i == 0:
             return t[s[0]]
         if i == len(s):
-            if len(s) == 1:  # one size seen: assume time grows in proportion beyond it
-                return t[s[0]] * n / s[0]
+            if len(s) == 1:  # one size seen: as the prior, each token adds 1/32 of it
+                return t[s[0]] * (1 + (n - s[0]) / 32)
             lo, hi = s[-2], s[-1]
         else:
             lo, hi = s[i - 1], s[i]
@@ -87,16 +90,21 @@ class Arms:
     def __init__(self):
         self.sec: dict[int, float] = {}
         self.tok: dict[int, float] = {}
-        self.count: dict[int, int] = {}
-        self.probe_every = MIN_PROBE_EVERY
+        self.count: dict[int, int] = {}  # samples in the current average
+        self.last: dict[int, int] = {}  # when each k was last measured (observation number)
+        self.num_observed = 0
         self.since_probe = 0
         self.last_on: bool | None = None
 
     def observe(self, k: int, tokens: int, seconds: float) -> None:
+        if self.num_observed - self.last.get(k, -_STALE) >= _STALE:
+            self.count[k] = 0  # an isolated probe: fresher than the old average, start anew
         f = 1 - _EMA if self.count.get(k) else 0.0  # ratio of averages: steps emit unequal
         self.sec[k] = f * self.sec.get(k, 0.0) + seconds  # token counts
         self.tok[k] = f * self.tok.get(k, 0.0) + tokens
         self.count[k] = self.count.get(k, 0) + 1
+        self.num_observed += 1
+        self.last[k] = self.num_observed
 
     def per_token(self, k: int) -> float | None:
         return self.sec[k] / self.tok[k] if self.count.get(k) and self.tok[k] > 0 else None
@@ -116,6 +124,8 @@ class Arms:
         best = 0
         for j in range(1, k + 1):
             v = self.verdict(j)
+            if v is False and j > 1 and self.last[j] < self.last[j - 1]:
+                v = None  # measured before k - 1 was measured faster again: retry
             if v is False:
                 break
             best = j
@@ -128,21 +138,20 @@ class Arms:
         decoding while speculating, one proposal while not)."""
         on = current > 0
         if self.last_on is not None and on != self.last_on:
-            self.probe_every, self.since_probe = MIN_PROBE_EVERY, 0  # a switch: probe soon
+            self.since_probe = 0  # a switch: the next probe a full interval later
         self.last_on = on
         self.since_probe += 1
         if on and self.count.get(0, 0) < _MIN_SAMPLES <= self.count.get(current, 0):
             due = True  # speculating, but plain decoding was not measured enough to compare
         else:
-            due = self.since_probe >= self.probe_every
-        if due:
-            # Back off: double the interval, and make it long enough that a probe of a side
-            # measured r times slower per token costs at most _PROBE_LOSS of the time.
+            # Long enough apart that probing a side measured r times slower per token costs
+            # at most _PROBE_LOSS of the time.
             cur, other = self.per_token(current), self.per_token(0 if on else 1)
             ratio = other / cur if cur and other else 1.0
+            due = self.since_probe >= min(max(MIN_PROBE_EVERY, (ratio - 1) / _PROBE_LOSS),
+                                          MAX_PROBE_EVERY)
+        if due:
             self.since_probe = 0
-            self.probe_every = int(min(max(2 * self.probe_every,
-                                           (ratio - 1) / _PROBE_LOSS), MAX_PROBE_EVERY))
         return due
 
 
@@ -246,5 +255,5 @@ class AdaptiveK:
         """The controller's state, for benchmarks and logs."""
         return {"alpha": self.alpha, "draft_round_s": self.draft_round_time,
                 "step_s": self.step_time.summary(),
-                "per_token_s": {b: {"on": a.per_token(True), "off": a.per_token(False)}
+                "per_token_s": {b: {k: a.per_token(k) for k in sorted(a.count)}
                                 for b, a in sorted(self.arms.items())}}
