@@ -81,16 +81,23 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[num_rows, hidden] -> [num_rows, vocab] float32."""
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         if upcast(hidden):
-            # Several rows of a bf16 model on a CPU without bf16 units: the product runs in
-            # float32, and converting the (vocab x hidden) head at every step cost more than
-            # the product itself (58 of 143 ms of a k=4 verification step, batch 1). The head
-            # is the largest matrix of a small model, so it alone keeps a float32 copy.
-            if getattr(self, "_head_f32", None) is None or self._head_f32[0] is not weight:
-                self._head_f32 = (weight, weight.float())
-            return F.linear(hidden.float(), self._head_f32[1])
-        return linear(hidden, weight).float()
+            return F.linear(hidden.float(), self.head_float32())
+        return linear(hidden, self._head()).float()
+
+    def _head(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def head_float32(self) -> torch.Tensor:
+        """A float32 copy of the LM head, for multi-row products of a bf16 model on a CPU
+        without bf16 units: converting the (vocab x hidden) head at every step cost more than
+        the product itself (58 of 143 ms of a k=4 verification step, batch 1). The build
+        makes it at load, so that no step pays for it (a first verification step 3x slower
+        than the rest misleads the speculation controller)."""
+        weight = self._head()
+        if getattr(self, "_head_f32", None) is None or self._head_f32[0] is not weight:
+            self._head_f32 = (weight, weight.float())
+        return self._head_f32[1]
 
     def num_packed_int4(self) -> tuple[int, int]:
         """(projections holding packed 4-bit weights, projections in all)."""

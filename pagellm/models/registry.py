@@ -6,7 +6,7 @@ import logging
 import torch
 
 from pagellm.attention.base import get_attention_backend
-from pagellm.layers.linear import keep_float32
+from pagellm.layers.linear import keep_float32, upcast
 from pagellm.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -65,4 +65,6 @@ def build_model(files, dtype: torch.dtype, device: torch.device, max_position: i
                 raise ValueError(f"quantization='gguf': {msg}")
             logger.warning(msg)
         keep_float32(model)
+    if upcast(torch.empty(2, 1, dtype=dtype, device=device)):
+        model.head_float32()
     return model

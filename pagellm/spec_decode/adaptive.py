@@ -53,13 +53,15 @@ class StepTimes:
     def __init__(self):
         self.sizes: list[int] = []  # sorted
         self.seconds: dict[int, float] = {}
+        self.count: dict[int, int] = {}
 
     def observe(self, n: int, seconds: float) -> None:
         if n not in self.seconds:
             bisect.insort(self.sizes, n)
-            self.seconds[n] = seconds
-        else:
-            self.seconds[n] += _EMA * (seconds - self.seconds[n])
+            self.seconds[n], self.count[n] = seconds, 1
+        else:  # a plain mean of the first samples (one outlier fades fast), then an average
+            self.count[n] += 1  # that follows drift
+            self.seconds[n] += max(_EMA, 1 / self.count[n]) * (seconds - self.seconds[n])
 
     def predict(self, n: int) -> float | None:
         if not self.sizes:
@@ -247,9 +249,12 @@ class AdaptiveK:
             k = 0 if k else 1  # a probe of speculation uses the cheapest k
         if k == 0:
             return [0] * batch
-        # A sequence pays for its first proposal when alpha beats that row's relative cost.
-        marginal = (self._cost(batch, 1) - self._cost(batch, 0)) / self._cost(batch, 0)
-        return [k if probe or al > marginal else 0 for al in alphas]
+        if probe:
+            return [k] * batch
+        # A sequence pays for its k rows when the tokens they add on average, E(k) - 1, beat
+        # their share of the step's extra time, in units of a plain step per sequence.
+        extra = (self._cost(batch, k) - self._cost(batch, 0)) / self._cost(batch, 0)
+        return [k if expected_tokens(al, k) - 1 > extra else 0 for al in alphas]
 
     def summary(self) -> dict:
         """The controller's state, for benchmarks and logs."""
