@@ -295,15 +295,15 @@ def targets(rows: list[dict]) -> dict:
 
 
 def controller_view(row: dict) -> str:
-    """The controller at the end of the run: acceptance, draft round time, and its measured
-    ms per token at this batch size for each k it used (k=0: plain decoding)."""
+    """The controller at the end of the run: acceptance, draft round time, and the measured
+    wall time of a decode step at this batch size for each k it used (k=0: plain decoding)."""
     c = row.get("controller")
     if not c:
         return "-"
-    per_k = next((v for b, v in c["per_token_s"].items() if int(b) >= row["batch"]), {})
-    measured = ", ".join(f"k={k}: {v * 1e3:.1f}" for k, v in per_k.items() if v is not None)
+    walls = next((v for b, v in c["step_wall_s"].items() if int(b) >= row["batch"]), {})
+    measured = ", ".join(f"k={k}: {v * 1e3:.1f}" for k, v in walls.items())
     return (f"alpha {c['alpha']:.2f}, D {c['draft_round_s'] * 1e3:.1f} ms; "
-            f"ms/token {measured or '-'}")
+            f"step ms {measured or '-'}")
 
 
 def render(rows, args, tg) -> str:

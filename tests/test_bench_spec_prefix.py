@@ -34,7 +34,7 @@ def test_spec_smoke(tmp_path):
         assert 0 <= r["same_as_off"] <= 1 and r["preemptions"] == 0
         if e in engines - {"off"}:
             assert 0 <= r["spec_step_share"] <= 1 and set(r["controller"]) == {
-                "alpha", "draft_round_s", "step_s", "per_token_s"}
+                "alpha", "draft_round_s", "step_s", "step_wall_s"}
             assert r["acceptance_rate"] is None or len(r["accepted_per_position"]) == 4
     # Adaptive off always proposes k tokens; its acceptance is therefore always measured.
     fixed = rows[("copy", 1, "draft-L1 fixed-k")]

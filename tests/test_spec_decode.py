@@ -112,7 +112,7 @@ def simulate(ctl, batch: int, steps: int, forward, accept: float, draft_round: f
                 acc += 1
             ctl.observe_acceptance(seq, k, acc)
             tokens += acc + 1
-        ctl.observe_decode_step(batch, tokens, t, max(ks))
+        ctl.observe_decode_step(batch, t, max(ks))
         total_s, total_tok = total_s + t, total_tok + tokens
     return total_s / total_tok
 

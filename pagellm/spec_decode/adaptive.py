@@ -1,6 +1,6 @@
 """Chooses how many tokens to speculate each step, so that speculation never makes decoding slower.
 
-Two layers, the second guarding the first:
+Two layers, measurements overruling the model:
 
 1. A model of the gain. The target's forward over n tokens takes T(n) seconds, learned from the
    steps themselves: an average per n seen, straight lines between them (StepTimes). T is not
@@ -12,17 +12,17 @@ Two layers, the second guarding the first:
        B * E(k) / (T(B (k + 1)) + k D)     against     B / T(B) without speculation.
    A sequence whose own acceptance cannot pay for its extra row gets no proposals.
 
-2. A measurement of the result (Arms). Per batch size and per k, the wall time per emitted
-   token of whole engine steps (proposing, verifying and sampling included) is averaged;
-   k = 0 is plain decoding. A k measured slower than plain decoding is not used, and k grows
-   one step at a time (k + 1 is tried once k measured faster), so the model's mistakes cost a
-   step or two, not a run.
+2. Measured steps (StepWalls). Per batch size and per k (0: plain decoding), the wall time
+   of whole engine steps is averaged: draft rounds, verification, sampling, everything the
+   model does not see. Where a k was measured, its time replaces the model's estimate (other
+   k scale the nearest measured one by the model's cost ratio), so k is the argmax of
+   sum of E(alpha_s, k) over the batch / W(k). Step times, unlike tokens per step, do not
+   depend on luck in acceptance: a few samples pin them down.
 
-While speculating, plain decoding is re-measured now and then, and while not, one proposal
-(k = 1): a probe. Probes of a side measured r times slower per token come every (r - 1) / 2%
-steps (at least MIN_PROBE_EVERY, at most MAX_PROBE_EVERY), so that they cost about 2% of the
-time, and a change of workload is still noticed. A probe starts a fresh average: the old one
-describes an earlier part of the run.
+Probes keep both sides fresh: while speculating, a plain step now and then (the context grows
+and the machine is shared); while not, one proposal now and then, since acceptance is learnt
+only from proposals. A side r times worse is probed every (r - 1) / 2% steps (at least
+MIN_PROBE_EVERY, at most MAX_PROBE_EVERY), so probes cost about 2% of the time.
 """
 from __future__ import annotations
 
@@ -35,9 +35,6 @@ _PRIOR_WEIGHT = 2.0  # how many observations the prior acceptance counts for
 _MARGIN = 1.02  # speculation must be predicted (or measured) this much faster
 MIN_PROBE_EVERY, MAX_PROBE_EVERY = 8, 1024
 _PROBE_LOSS = 0.02  # probes of a losing arm may cost this share of the time
-_STALE = 8  # a k not measured for this many steps starts a new average
-_MIN_SAMPLES = 2  # steps of an arm before its measurement may overrule the model (one step
-_CLEAR = 1.5  # suffices when the arms differ by more than this factor)
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -85,76 +82,29 @@ class StepTimes:
         return {n: self.seconds[n] for n in self.sizes}
 
 
-class Arms:
-    """Measured wall seconds per emitted token of decode steps at one batch size, for each
-    number of proposals k (0: plain decoding), and the schedule of probes."""
+class StepWalls:
+    """Measured wall seconds of whole decode steps at one batch size, per k (0: plain
+    decoding): everything a step costs, the draft's rounds and verification's sampling
+    included. Unlike time per token, a step's time does not depend on luck in acceptance, so
+    a few samples pin it down."""
 
     def __init__(self):
-        self.sec: dict[int, float] = {}
-        self.tok: dict[int, float] = {}
-        self.count: dict[int, int] = {}  # samples in the current average
-        self.last: dict[int, int] = {}  # when each k was last measured (observation number)
+        self.seconds: dict[int, float] = {}
+        self.count: dict[int, int] = {}
         self.num_observed = 0
-        self.since_probe = 0
-        self.last_on: bool | None = None
+        self.last: dict[int, int] = {}  # observation number of each k's latest measurement
 
-    def observe(self, k: int, tokens: int, seconds: float) -> None:
-        if self.num_observed - self.last.get(k, -_STALE) >= _STALE:
-            self.count[k] = 0  # an isolated probe: fresher than the old average, start anew
-        f = 1 - _EMA if self.count.get(k) else 0.0  # ratio of averages: steps emit unequal
-        self.sec[k] = f * self.sec.get(k, 0.0) + seconds  # token counts
-        self.tok[k] = f * self.tok.get(k, 0.0) + tokens
-        self.count[k] = self.count.get(k, 0) + 1
+    def observe(self, k: int, seconds: float) -> None:
+        n = self.count.get(k, 0) + 1
+        prev = self.seconds.get(k, seconds)
+        self.seconds[k] = prev + max(_EMA, 1 / n) * (seconds - prev)
+        self.count[k] = n
         self.num_observed += 1
         self.last[k] = self.num_observed
 
-    def per_token(self, k: int) -> float | None:
-        return self.sec[k] / self.tok[k] if self.count.get(k) and self.tok[k] > 0 else None
-
-    def verdict(self, k: int) -> bool | None:
-        """True: k proposals measured faster than none; False: slower; None: not known."""
-        on, off = self.per_token(k), self.per_token(0)
-        if on is None or off is None:
-            return None
-        if min(self.count[k], self.count[0]) < _MIN_SAMPLES and max(on / off, off / on) < _CLEAR:
-            return None
-        return on * _MARGIN < off
-
-    def allowed(self, k: int) -> int:
-        """The largest k' <= k worth using: not measured slower than plain decoding, and
-        (a ladder) every smaller k measured faster before k' is tried. 0: none."""
-        best = 0
-        for j in range(1, k + 1):
-            v = self.verdict(j)
-            if v is False and j > 1 and self.last[j] < self.last[j - 1]:
-                v = None  # measured before k - 1 was measured faster again: retry
-            if v is False:
-                break
-            best = j
-            if v is None:
-                break  # try j before anything larger
-        return best
-
-    def probe_due(self, current: int) -> bool:
-        """Called once per step with the k about to be used; True: probe the other side (plain
-        decoding while speculating, one proposal while not)."""
-        on = current > 0
-        if self.last_on is not None and on != self.last_on:
-            self.since_probe = 0  # a switch: the next probe a full interval later
-        self.last_on = on
-        self.since_probe += 1
-        if on and self.count.get(0, 0) < _MIN_SAMPLES <= self.count.get(current, 0):
-            due = True  # speculating, but plain decoding was not measured enough to compare
-        else:
-            # Long enough apart that probing a side measured r times slower per token costs
-            # at most _PROBE_LOSS of the time.
-            cur, other = self.per_token(current), self.per_token(0 if on else 1)
-            ratio = other / cur if cur and other else 1.0
-            due = self.since_probe >= min(max(MIN_PROBE_EVERY, (ratio - 1) / _PROBE_LOSS),
-                                          MAX_PROBE_EVERY)
-        if due:
-            self.since_probe = 0
-        return due
+    def since(self, k: int) -> int:
+        """Steps at this batch size since k was last measured."""
+        return self.num_observed - self.last.get(k, 0)
 
 
 class AdaptiveK:
@@ -169,7 +119,7 @@ class AdaptiveK:
         self.seq_alpha: dict[int, float] = {}
         self.step_time = StepTimes()
         self.draft_round_time = 0.0  # seconds per draft forward round (average)
-        self.arms: dict[int, Arms] = {}
+        self.walls: dict[int, StepWalls] = {}
 
     # ---- observations ----------------------------------------------------------------------
     def observe_step(self, num_tokens: int, seconds: float) -> None:
@@ -182,11 +132,11 @@ class AdaptiveK:
             self.draft_round_time = per if not self.draft_round_time else (
                 (1 - _EMA) * self.draft_round_time + _EMA * per)
 
-    def observe_decode_step(self, batch: int, tokens: int, seconds: float, k: int) -> None:
-        """A whole engine step over `batch` decoding sequences (no prefill work in it) emitted
-        `tokens` tokens in `seconds`; k: the most proposals any sequence had (0: none)."""
+    def observe_decode_step(self, batch: int, seconds: float, k: int) -> None:
+        """A whole engine step over `batch` decoding sequences (no prefill work in it) took
+        `seconds`; k: the most proposals any sequence had (0: none)."""
         if self.enabled and batch:
-            self._arms(batch).observe(k, tokens, seconds)
+            self._walls(batch).observe(k, seconds)
 
     def observe_acceptance(self, seq: Sequence, num_draft: int, num_accepted: int) -> None:
         if num_draft == 0:
@@ -207,10 +157,10 @@ class AdaptiveK:
         self.seq_alpha.pop(seq.seq_id, None)
 
     # ---- the decision ----------------------------------------------------------------------
-    def _arms(self, batch: int) -> Arms:
+    def _walls(self, batch: int) -> StepWalls:
         # Batch sizes above 8 share power-of-two buckets: the costs change slowly there.
         key = batch if batch <= 8 else 1 << (batch - 1).bit_length()
-        return self.arms.setdefault(key, Arms())
+        return self.walls.setdefault(key, StepWalls())
 
     def _cost(self, batch: int, k: int) -> float:
         t = self.step_time.predict(batch * (k + 1))
@@ -223,14 +173,6 @@ class AdaptiveK:
             draft = 0.25 * base
         return t + k * draft
 
-    def _model_choice(self, batch: int, alphas: list[float]) -> int:
-        best_k, best = 0, batch / self._cost(batch, 0)
-        for k in range(1, self.max_k + 1):
-            rate = sum(expected_tokens(al, k) for al in alphas) / self._cost(batch, k)
-            if rate > best * _MARGIN:
-                best_k, best = k, rate
-        return best_k
-
     def choose(self, seqs: list[Sequence]) -> list[int]:
         """Proposal count for each decoding sequence this step."""
         if not seqs:
@@ -239,26 +181,52 @@ class AdaptiveK:
             return [self.max_k] * len(seqs)
         batch = len(seqs)
         alphas = [self.seq_alpha.get(s.seq_id, self.alpha) for s in seqs]
-        k = self._model_choice(batch, alphas)
-        arms = self._arms(batch)
-        if not arms.count.get(0):
+        walls = self._walls(batch)
+        w0 = walls.seconds.get(0)
+        if w0 is None:
             return [0] * batch  # a new batch size: measure plain decoding first
-        k = arms.allowed(k)
-        probe = arms.probe_due(k)
-        if probe:
-            k = 0 if k else 1  # a probe of speculation uses the cheapest k
+        # Expected tokens per second for each k: measured step walls where known, else the
+        # model's relative cost applied to the measured plain step.
+        rates = [sum(expected_tokens(al, k) for al in alphas) / self._wall(walls, batch, k)
+                 for k in range(self.max_k + 1)]
+        best = 0
+        for k in range(1, self.max_k + 1):
+            if rates[k] > rates[best] * (_MARGIN if best == 0 else 1.0):
+                best = k
+        k = best
+        if best == 0:
+            # Acceptance is learnt only from proposals: one now and then, spaced so that it
+            # costs about _PROBE_LOSS of the time.
+            if walls.since(1) >= self._wait(walls.seconds.get(1, w0) / w0):
+                k = 1
+        elif walls.since(0) >= self._wait(rates[best] / rates[0]):
+            k = 0  # re-measure plain decoding (the context grows, the machine is shared)
         if k == 0:
             return [0] * batch
-        if probe:
+        if batch == 1 or best == 0:
             return [k] * batch
         # A sequence pays for its k rows when the tokens they add on average, E(k) - 1, beat
         # their share of the step's extra time, in units of a plain step per sequence.
-        extra = (self._cost(batch, k) - self._cost(batch, 0)) / self._cost(batch, 0)
-        return [k if expected_tokens(al, k) - 1 > extra else 0 for al in alphas]
+        extra = (self._wall(walls, batch, k) - w0) / w0
+        ks = [k if expected_tokens(al, k) - 1 > extra else 0 for al in alphas]
+        return ks if any(ks) else [k] * batch
+
+    def _wall(self, walls: StepWalls, batch: int, k: int) -> float:
+        """A step's wall time with k proposals: measured, or the nearest smaller k's measured
+        time scaled by the model's cost ratio."""
+        if k in walls.seconds:
+            return walls.seconds[k]
+        near = max(j for j in walls.seconds if j < k)
+        return walls.seconds[near] * self._cost(batch, k) / self._cost(batch, near)
+
+    @staticmethod
+    def _wait(ratio: float) -> float:
+        """Steps between probes of a side `ratio` times worse than the one in use."""
+        return min(max(MIN_PROBE_EVERY, (ratio - 1) / _PROBE_LOSS), MAX_PROBE_EVERY)
 
     def summary(self) -> dict:
         """The controller's state, for benchmarks and logs."""
         return {"alpha": self.alpha, "draft_round_s": self.draft_round_time,
                 "step_s": self.step_time.summary(),
-                "per_token_s": {b: {k: a.per_token(k) for k in sorted(a.count)}
-                                for b, a in sorted(self.arms.items())}}
+                "step_wall_s": {b: {k: w.seconds[k] for k in sorted(w.seconds)}
+                                for b, w in sorted(self.walls.items())}}

@@ -95,7 +95,7 @@ class SpecDecoder:
         `tokens` tokens in `seconds`; counted when every one of them was decoding."""
         decoding, k = self._step
         if num_seqs and num_seqs == decoding:
-            self.controller.observe_decode_step(decoding, tokens, seconds, k)
+            self.controller.observe_decode_step(decoding, seconds, k)
 
     def verify(self, seqs: list[Sequence], logits: list[torch.Tensor],
                rng: torch.Generator) -> list[Verified]:
