@@ -20,9 +20,10 @@ Two layers, measurements overruling the model:
    depend on luck in acceptance: a few samples pin them down.
 
 Probes keep both sides fresh: while speculating, a plain step now and then (the context grows
-and the machine is shared); while not, one proposal now and then, since acceptance is learnt
-only from proposals. A side r times worse is probed every (r - 1) / 2% steps (at least
-MIN_PROBE_EVERY, at most MAX_PROBE_EVERY), so probes cost about 2% of the time.
+and the machine is shared); while not, a step with the most promising k now and then, since
+acceptance is learnt only from proposals. A side expected r times slower per token is probed
+every (r - 1) / 2% steps (at least MIN_PROBE_EVERY, at most MAX_PROBE_EVERY), so probes cost
+about 2% of the time.
 """
 from __future__ import annotations
 
@@ -93,6 +94,7 @@ class StepWalls:
         self.count: dict[int, int] = {}
         self.num_observed = 0
         self.last: dict[int, int] = {}  # observation number of each k's latest measurement
+        self.one_probes = 0  # draft probes given to one sequence of the batch
 
     def observe(self, k: int, seconds: float) -> None:
         n = self.count.get(k, 0) + 1
@@ -120,6 +122,7 @@ class AdaptiveK:
         self.step_time = StepTimes()
         self.draft_round_time = 0.0  # seconds per draft forward round (average)
         self.walls: dict[int, StepWalls] = {}
+        self._partial_probe = False  # this step's proposals went to one sequence only
 
     # ---- observations ----------------------------------------------------------------------
     def observe_step(self, num_tokens: int, seconds: float) -> None:
@@ -136,7 +139,13 @@ class AdaptiveK:
         """A whole engine step over `batch` decoding sequences (no prefill work in it) took
         `seconds`; k: the most proposals any sequence had (0: none)."""
         if self.enabled and batch:
-            self._walls(batch).observe(k, seconds)
+            walls = self._walls(batch)
+            if self._partial_probe:  # counts as a step for the probe schedule, not a time
+                walls.num_observed += 1
+                walls.last[k] = walls.num_observed
+            else:
+                walls.observe(k, seconds)
+        self._partial_probe = False
 
     def observe_acceptance(self, seq: Sequence, num_draft: int, num_accepted: int) -> None:
         if num_draft == 0:
@@ -151,7 +160,7 @@ class AdaptiveK:
                       / (self._tried + _PRIOR_WEIGHT))
         rate = num_accepted / tried
         prev = self.seq_alpha.get(seq.seq_id, self.alpha)
-        self.seq_alpha[seq.seq_id] = (1 - 2 * _EMA) * prev + 2 * _EMA * rate
+        self.seq_alpha[seq.seq_id] = (1 - _EMA) * prev + _EMA * rate
 
     def forget(self, seq: Sequence) -> None:
         self.seq_alpha.pop(seq.seq_id, None)
@@ -195,14 +204,26 @@ class AdaptiveK:
                 best = k
         k = best
         if best == 0:
-            # Acceptance is learnt only from proposals: one now and then, spaced so that it
-            # costs about _PROBE_LOSS of the time.
-            if walls.since(1) >= self._wait(walls.seconds.get(1, w0) / w0):
-                k = 1
+            # Acceptance is learnt only from proposals: now and then the most promising k,
+            # spaced so that its expected loss is about _PROBE_LOSS of the time.
+            probe = max(range(1, self.max_k + 1), key=lambda j: rates[j])
+            if min(walls.since(j) for j in range(1, self.max_k + 1)) >= self._wait(
+                    rates[0] / rates[probe]):
+                k = probe
         elif walls.since(0) >= self._wait(rates[best] / rates[0]):
             k = 0  # re-measure plain decoding (the context grows, the machine is shared)
         if k == 0:
             return [0] * batch
+        untried = not any(j in walls.seconds for j in range(1, self.max_k + 1))
+        if self.draft_cost and batch > 1 and (best == 0 or (untried and walls.one_probes < 2)):
+            # A draft's first proposals for a sequence run the draft over its whole context
+            # (it lags while speculation is off): probe with the shortest sequence alone, and
+            # learn acceptance that way before the whole batch pays. (Not a measurement of
+            # k for the batch: its step time is not recorded.)
+            self._partial_probe = True
+            walls.one_probes += 1
+            shortest = min(range(batch), key=lambda i: seqs[i].num_tokens)
+            return [k if i == shortest else 0 for i in range(batch)]
         if batch == 1 or best == 0:
             return [k] * batch
         # A sequence pays for its k rows when the tokens they add on average, E(k) - 1, beat
