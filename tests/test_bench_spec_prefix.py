@@ -24,7 +24,8 @@ def test_spec_smoke(tmp_path):
     assert spec.main(["--smoke", "--out", str(tmp_path)]) == 0
     data = outputs(tmp_path, "spec")
     rows = {(r["workload"], r["batch"], r["engine"]): r for r in data["results"]}
-    engines = {"off", "ngram", "ngram fixed-k", "draft-L1", "draft-L1 fixed-k"}
+    engines = {"off", "ngram", "ngram fixed-k", "draft-L1", "draft-L1 fixed-k",
+               "ngram spec-off", "draft-L1 spec-off"}
     peers = {"hf", "hf prompt-lookup", "hf early-exit-L1"}
     assert {e for _, _, e in rows} == engines | peers
     assert {(w, b) for w, b, _ in rows} == {(w, b) for w in ("copy", "chat") for b in (1, 4)}
@@ -32,10 +33,15 @@ def test_spec_smoke(tmp_path):
         assert r["ms_per_token"] > 0 and r["speedup_vs_off"] > 0 and r["tok_s"] > 0
         assert r["mean_output_tokens"] == 8  # --smoke ignores EOS: every request is full length
         assert 0 <= r["same_as_off"] <= 1 and r["preemptions"] == 0
-        if e in engines - {"off"}:
+        if e in engines - {"off", "ngram spec-off", "draft-L1 spec-off"}:
             assert 0 <= r["spec_step_share"] <= 1 and set(r["controller"]) == {
                 "alpha", "draft_round_s", "step_s", "step_wall_s"}
             assert r["acceptance_rate"] is None or len(r["accepted_per_position"]) == 4
+    # "spec-off": the same engine with speculation forced off, the floor's baseline.
+    for e in ("ngram spec-off", "draft-L1 spec-off"):
+        off_row = rows[("copy", 1, e)]
+        assert off_row["spec_step_share"] == 0 and off_row["acceptance_rate"] is None
+        assert rows[("copy", 1, e.removesuffix(" spec-off"))]["speedup_vs_own_off"] > 0
     # Adaptive off always proposes k tokens; its acceptance is therefore always measured.
     fixed = rows[("copy", 1, "draft-L1 fixed-k")]
     assert fixed["spec_step_share"] == 1 and 0 <= fixed["acceptance_rate"] <= 1
