@@ -44,6 +44,10 @@ def test_float32_kv_pool_for_bf16_model(tiny_llama):
         assert eng.kv_dtype == getattr(torch, kv)
         assert all(k.dtype == eng.kv_dtype and v.dtype == eng.kv_dtype
                    for k, v in eng.runner.kv_caches)
+        # The float32 LM head copy exists before the first step (made at load), on CPUs
+        # where multi-row bf16 products run in float32.
+        head = getattr(eng.model, "_head_f32", None)
+        assert (head is not None and head[1].dtype == torch.float32) == lin.UPCAST_BF16
         outs[kv] = (eng.num_blocks, llm.generate(PROMPTS, sp, use_tqdm=False))
     (n32, f32), (n16, b16) = outs["float32"], outs["bfloat16"]
     assert n16 == 2 * n32  # the same budget holds half the float32 blocks

@@ -78,9 +78,9 @@ class LLMEngine:
 
             self.spec, self.num_blocks = build_spec_decoder(
                 config.speculative, target_files=files, target_model=self.model,
-                target_dtype=self.dtype, kv_cache_dtype=cc.kv_cache_dtype, device=self.device, max_model_len=self.max_model_len,
+                target_dtype=self.dtype, device=self.device, max_model_len=self.max_model_len,
                 eos_token_id=self.eos_token_ids, kv_budget=budget, block_size=cc.block_size,
-                quantization=config.quantization)
+                quantization=config.quantization, kv_cache_dtype=cc.kv_cache_dtype)
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB, %s, %d tokens)", self.num_blocks,
                     cc.block_size, budget / 2**20, self.kv_dtype, self.num_blocks * cc.block_size)
         self.block_manager = BlockManager(self.num_blocks, cc.block_size, cc.enable_prefix_caching)
@@ -180,15 +180,14 @@ class LLMEngine:
         request, marks the engine dead and is raised."""
         if self.dead is not None:
             raise RuntimeError(self.dead)
-        start, emitted = time.perf_counter(), self.num_generation_tokens
+        start = time.perf_counter()
         if self.spec is not None:
             self.spec.propose(self.scheduler.running)
         out = self.scheduler.schedule()
         try:
             outputs = self._run_batch(out)
             if self.spec is not None:
-                self.spec.observe_engine_step(len(out.seqs), self.num_generation_tokens - emitted,
-                                              time.perf_counter() - start)
+                self.spec.observe_engine_step(len(out.seqs), time.perf_counter() - start)
             return outputs
         except Exception as e:
             logger.exception("engine step failed; failing its %d sequences", len(out.seqs))

@@ -38,6 +38,12 @@ MIN_PROBE_EVERY, MAX_PROBE_EVERY = 8, 1024
 _PROBE_LOSS = 0.02  # probes of a losing arm may cost this share of the time
 
 
+def _average(prev: float, x: float, n: int) -> float:
+    """Running average with x as the n-th sample: a plain mean of the first samples (one
+    outlier fades fast), then an exponential average that follows drift."""
+    return prev + max(_EMA, 1 / n) * (x - prev)
+
+
 def expected_tokens(alpha: float, k: int) -> float:
     if alpha >= 0.999:
         return k + 1.0
@@ -56,10 +62,8 @@ class StepTimes:
     def observe(self, n: int, seconds: float) -> None:
         if n not in self.seconds:
             bisect.insort(self.sizes, n)
-            self.seconds[n], self.count[n] = seconds, 1
-        else:  # a plain mean of the first samples (one outlier fades fast), then an average
-            self.count[n] += 1  # that follows drift
-            self.seconds[n] += max(_EMA, 1 / self.count[n]) * (seconds - self.seconds[n])
+        self.count[n] = self.count.get(n, 0) + 1
+        self.seconds[n] = _average(self.seconds.get(n, seconds), seconds, self.count[n])
 
     def predict(self, n: int) -> float | None:
         if not self.sizes:
@@ -97,10 +101,8 @@ class StepWalls:
         self.one_probes = 0  # draft probes given to one sequence of the batch
 
     def observe(self, k: int, seconds: float) -> None:
-        n = self.count.get(k, 0) + 1
-        prev = self.seconds.get(k, seconds)
-        self.seconds[k] = prev + max(_EMA, 1 / n) * (seconds - prev)
-        self.count[k] = n
+        self.count[k] = self.count.get(k, 0) + 1
+        self.seconds[k] = _average(self.seconds.get(k, seconds), seconds, self.count[k])
         self.num_observed += 1
         self.last[k] = self.num_observed
 
@@ -184,6 +186,7 @@ class AdaptiveK:
 
     def choose(self, seqs: list[Sequence]) -> list[int]:
         """Proposal count for each decoding sequence this step."""
+        self._partial_probe = False  # (a step not observed must not carry it over)
         if not seqs:
             return []
         if not self.enabled:

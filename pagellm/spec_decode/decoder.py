@@ -90,9 +90,9 @@ class SpecDecoder:
         """The target's forward pass over num_tokens tokens took `seconds`."""
         self.controller.observe_step(num_tokens, seconds)
 
-    def observe_engine_step(self, num_seqs: int, tokens: int, seconds: float) -> None:
-        """The whole engine step (proposing included) ran num_seqs sequences and emitted
-        `tokens` tokens in `seconds`; counted when every one of them was decoding."""
+    def observe_engine_step(self, num_seqs: int, seconds: float) -> None:
+        """The whole engine step (proposing included) ran num_seqs sequences in `seconds`;
+        counted when every one of them was decoding."""
         decoding, k = self._step
         if num_seqs and num_seqs == decoding:
             self.controller.observe_decode_step(decoding, seconds, k)
