@@ -10,6 +10,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
 from pagellm import LLM, SamplingParams
+from pagellm.kernels import cpu_quant
 from pagellm.layers import quant
 from pagellm.layers.linear import ColumnParallelLinear, RowParallelLinear
 from pagellm.models import gguf_loader
@@ -55,10 +56,19 @@ def test_packed_product_matches_dense(rows):
     b = gguf_loader._load_int4(raw, t)
     x = torch.randn(rows, 160)
     ref = x @ b.dequantize().t()
-    out = quant.int4_linear(x.bfloat16(), *quant.pack(b)).float()
+    packed = quant.pack(b)
+    assert isinstance(packed, quant.NativeQ4) == cpu_quant.available()
+    out = packed(x)
+    assert out.dtype == torch.float32 and out.shape == (rows, 48)
+    if isinstance(packed, quant.NativeQ4):  # float32 activations: close to exact
+        assert torch.allclose(out, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
+    out = packed(x.bfloat16())
+    assert out.dtype == torch.bfloat16
     # bf16 activations and output: ~3 significant digits
-    assert torch.allclose(out, ref, rtol=0.02, atol=0.02 * ref.abs().max().item())
-    assert out.shape == (rows, 48)
+    assert torch.allclose(out.float(), ref, rtol=0.02, atol=0.02 * ref.abs().max().item())
+    if hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):  # the fallback kernel too
+        out = quant.TorchInt4(b)(x.bfloat16()).float()
+        assert torch.allclose(out, ref, rtol=0.02, atol=0.02 * ref.abs().max().item())
 
 
 def test_linears_keep_packed_weights_beside_dense_ones():
@@ -71,7 +81,10 @@ def test_linears_keep_packed_weights_beside_dense_ones():
     col.load("weight", b, 1)
     assert col.int4 is not None  # packed once every part is in
     col.to(torch.bfloat16)
-    assert col.int4[1].dtype == torch.bfloat16 and col.int4[0].dtype == torch.uint8
+    # .to(dtype) leaves the packed form alone; its bytes are codes plus block scales
+    assert col.int4.nbytes > 48 * 64 // 2
+    if isinstance(col.int4, quant.NativeQ4):
+        assert col.int4.codes.dtype == torch.uint8 and col.int4.scale_min.dtype == torch.float32
     dense = torch.cat([a.dequantize(), b.dequantize()])
     assert torch.equal(col.weight.float(), dense.bfloat16().float())
     x = torch.randn(2, 64)
@@ -86,9 +99,10 @@ def test_linears_keep_packed_weights_beside_dense_ones():
     mixed.load("weight", a, 0)
     mixed.load("weight", b.dequantize(), 1)  # a dense part: the fused weight stays dense
     assert mixed.int4 is None and torch.equal(mixed.weight, dense)
-    odd = ColumnParallelLinear(64, ((8, 1),), bias=False)  # 8 outputs: the kernel wants 16k
+    odd = ColumnParallelLinear(64, ((8, 1),), bias=False)  # 8 outputs: PyTorch's kernel wants 16k
     odd.load("weight", a.narrow(0, 0, 8), 0)
-    assert odd.int4 is None and torch.equal(odd.weight, a.dequantize()[:8])
+    assert (odd.int4 is None) != cpu_quant.available()  # the native kernel takes any count
+    assert torch.equal(odd.weight, a.dequantize()[:8])
     big = torch.randn(40, 64)  # many rows: the dense path, same values
     assert torch.allclose(row(big.bfloat16()).float(), big @ a.dequantize().t(), rtol=0.03,
                           atol=0.03 * (big @ a.dequantize().t()).abs().max().item())

@@ -40,11 +40,11 @@ def upcast(*tensors: torch.Tensor) -> bool:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           int4: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+           int4: quant.NativeQ4 | quant.TorchInt4 | None = None) -> torch.Tensor:
     """F.linear; from packed 4-bit weights for a few rows when the layer has them; in float32
     for batched bf16 inputs on CPUs without bf16 units."""
-    if int4 is not None and x.numel() // x.shape[-1] < quant.MAX_ROWS:
-        y = quant.int4_linear(x, *int4)
+    if int4 is not None and x.numel() // x.shape[-1] < int4.max_rows:
+        y = int4(x)
         return y if bias is None else y + bias
     if upcast(x) or weight.dtype != x.dtype:  # the latter: a float32 copy (keep_float32)
         b = None if bias is None else bias.float()
@@ -70,9 +70,9 @@ def keep_float32(model: nn.Module) -> int:
 class _PackedInt4:
     """Keeps the 4-bit form of a GGUF Q4 weight beside the dense one, for few-row products.
     load() records each part's Int4Blocks and packs them as soon as every part is there (a
-    plain attribute: .to(dtype) leaves the packed codes and bf16 scales alone)."""
+    plain attribute: .to(dtype) leaves the packed codes and scales alone)."""
 
-    int4: tuple[torch.Tensor, torch.Tensor] | None = None
+    int4: quant.NativeQ4 | quant.TorchInt4 | None = None
     num_parts = 1
 
     def _keep(self, shard: int, part: quant.Int4Blocks | None) -> None:

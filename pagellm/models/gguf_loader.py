@@ -19,7 +19,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import quant_shape_to_byte_shape
 
-from pagellm.layers.quant import Int4Blocks
+from pagellm.layers.quant import Int4Blocks, Int8Blocks
 
 _Q = GGMLQuantizationType
 # Stored as plain floats: handed out in their own dtype, no dequantization needed.
@@ -170,6 +170,7 @@ def _hf_name(path: str, gguf_name: str) -> str:
 
 _LINEAR = re.compile(r".*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)\.weight")
 _INT4_TYPES = {_Q.Q4_0, _Q.Q4_1}
+_HEADS = {"model.embed_tokens.weight", "lm_head.weight"}
 
 
 def has_int4_linears(gguf_file: GGUFFile) -> bool:
@@ -177,17 +178,37 @@ def has_int4_linears(gguf_file: GGUFFile) -> bool:
     return any(t.ggml_type in _INT4_TYPES and _LINEAR.fullmatch(t.hf_name) for t in gguf_file.tensors)
 
 
-def iter_gguf_weights(gguf_file: GGUFFile,
-                      keep_int4: bool = False) -> Iterator[tuple[str, torch.Tensor | Int4Blocks]]:
+def has_q8_head(gguf_file: GGUFFile) -> bool:
+    """Whether the LM head (the embedding when there is no output tensor) is stored as Q8_0."""
+    heads = {t.hf_name: t.ggml_type for t in gguf_file.tensors if t.hf_name in _HEADS}
+    head = heads.get("lm_head.weight", heads.get("model.embed_tokens.weight"))
+    return head == _Q.Q8_0
+
+
+def iter_gguf_weights(gguf_file: GGUFFile, keep_int4: bool = False, keep_q8_head: bool = False,
+                      ) -> Iterator[tuple[str, torch.Tensor | Int4Blocks | Int8Blocks]]:
     """Yield (HF name, tensor) one at a time, so peak memory is one dequantized tensor.
-    keep_int4: Q4_0 / Q4_1 projection weights come as Int4Blocks (codes, scales, zeros)."""
+    keep_int4: Q4_0 / Q4_1 projection weights come as Int4Blocks (codes, scales, zeros);
+    keep_q8_head: a Q8_0 embedding / LM head comes as Int8Blocks."""
     # np.asarray drops the memmap subclass: its per-slice bookkeeping is slow; pages stay mapped.
     blob = np.asarray(np.memmap(gguf_file.path, dtype=np.uint8, mode="r"))
     for tensor in gguf_file.tensors:
         if keep_int4 and tensor.ggml_type in _INT4_TYPES and _LINEAR.fullmatch(tensor.hf_name):
             yield tensor.hf_name, _load_int4(blob, tensor)
+        elif keep_q8_head and tensor.ggml_type == _Q.Q8_0 and tensor.hf_name in _HEADS:
+            yield tensor.hf_name, _load_int8(blob, tensor)
         else:
             yield tensor.hf_name, _load_tensor(blob, tensor)
+
+
+def _load_int8(blob: np.ndarray, tensor: GGUFTensor) -> Int8Blocks:
+    """A Q8_0 matrix as int8 codes and float32 scales (w = scale * q, as in the file)."""
+    block_size, type_size = GGML_QUANT_SIZES[tensor.ggml_type]
+    rows, cols = tensor.hf_shape
+    blocks = blob[tensor.offset:tensor.offset + tensor.nbytes].reshape(-1, type_size)
+    scale = blocks[:, :2].copy().view(np.float16).astype(np.float32).reshape(rows, cols // block_size)
+    codes = blocks[:, 2:].copy().view(np.int8).reshape(rows, cols)
+    return Int8Blocks(torch.from_numpy(codes), torch.from_numpy(scale))
 
 
 def _load_int4(blob: np.ndarray, tensor: GGUFTensor) -> Int4Blocks:

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagellm.attention.base import AttentionBackend, AttentionMetadata
+from pagellm.layers import quant
 from pagellm.layers.attention import PagedSelfAttention
 from pagellm.layers.linear import ColumnParallelLinear, RowParallelLinear, linear, upcast
 from pagellm.layers.norm import RMSNorm
@@ -67,6 +68,9 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None if self.tie_word_embeddings else nn.Linear(
             config.hidden_size, config.vocab_size, bias=False)
         self.requires_grad_(False)
+        # The LM head kept in its Q8_0 form when the loader hands it out so (GGUF, native
+        # kernels available): a plain attribute, so .to(dtype) leaves it alone.
+        self.head_q8: quant.NativeQ8 | None = None
 
     def forward(
         self,
@@ -81,12 +85,17 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[num_rows, hidden] -> [num_rows, vocab] float32."""
+        if self.head_q8 is not None and hidden.shape[0] < self.head_q8.max_rows:
+            return self.head_q8(hidden)
         if upcast(hidden):
             return F.linear(hidden.float(), self.head_float32())
         return linear(hidden, self._head()).float()
 
     def _head(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def _head_name(self) -> str:
+        return "embed_tokens.weight" if self.lm_head is None else "lm_head.weight"
 
     def head_float32(self) -> torch.Tensor:
         """A float32 copy of the LM head, for multi-row products of a bf16 model on a CPU
@@ -106,8 +115,8 @@ class LlamaForCausalLM(nn.Module):
 
     def weight_bytes(self) -> int:
         """Parameters plus packed 4-bit copies: what the weights occupy in memory."""
-        packed = sum(t.numel() * t.element_size() for m in self.modules()
-                     if getattr(m, "int4", None) is not None for t in m.int4)
+        packed = sum(m.int4.nbytes for m in self.modules() if getattr(m, "int4", None) is not None)
+        packed += self.head_q8.nbytes if self.head_q8 is not None else 0
         head = getattr(self, "_head_f32", None)
         head = 0 if head is None else head[1].numel() * 4
         return packed + head + sum(p.numel() * p.element_size() for p in self.parameters())
@@ -137,6 +146,10 @@ class LlamaForCausalLM(nn.Module):
                 if params[name].shape != tensor.shape:
                     raise ValueError(f"weight {name}: shape {tuple(tensor.shape)} does not match "
                                      f"the config's {tuple(params[name].shape)}")
+                if isinstance(tensor, quant.Int8Blocks):  # a Q8_0 embedding or LM head
+                    if name == self._head_name():
+                        self.head_q8 = quant.NativeQ8(tensor)
+                    tensor = tensor.dequantize()
                 params[name].data.copy_(tensor)
                 loaded.add(name)
         missing = set(params) - loaded

@@ -38,6 +38,9 @@ class ModelFiles:
     # A GGUF file whose projections are Q4_0 / Q4_1: weights(keep_int4=True) hands them out
     # as Int4Blocks, which the linears can keep packed (pagellm/layers/quant.py).
     int4_linears: bool = False
+    # ... and whose LM head (or tied embedding) is Q8_0: weights(keep_q8_head=True) hands it
+    # out as Int8Blocks, for the native Q8 head kernel.
+    q8_head: bool = False
 
 
 def default_model_path() -> str:
@@ -89,6 +92,7 @@ def _load_gguf(path: str, load_tokenizer: bool) -> ModelFiles:
         weights=functools.partial(gguf_loader.iter_gguf_weights, gguf_file),
         path=gguf_file.path,
         int4_linears=gguf_loader.has_int4_linears(gguf_file),
+        q8_head=gguf_loader.has_q8_head(gguf_file),
     )
 
 

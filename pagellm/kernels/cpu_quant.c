@@ -1,0 +1,217 @@
+/* Few-row products with block-quantized weights, for CPU decode steps.
+ *
+ * y[r, n] = sum_k x[r, k] * w[n, k] for R rows of float32 activations, where w stays in the
+ * GGUF block form it was stored in (32 inputs per block, one scale per block):
+ *
+ *   Q4 (from Q4_0 / Q4_1): w = scale * q + min, q in 0..15, two codes per byte: byte j of a
+ *       block holds element j (low nibble) and element j + 16 (high nibble), as in the file.
+ *   Q8 (from Q8_0):        w = scale * q, q in -128..127.
+ *
+ * Each 32-value block of x is scaled to int16 (x ~ dx * xq, |xq| <= 32767): the per-element
+ * error, max|x_block| / 65534, is ~250x below a bfloat16 rounding of the largest value, so the
+ * product matches the float32 product with the dequantized weight to ~1e-5 relative. The
+ * integer sums sum_j q_j xq_j are exact (|sum| < 32 * 128 * 32767 < 2^31), and
+ *
+ *   sum_j w_j x_j ~ scale * dx * sum_j q_j xq_j + min * sum_j x_j
+ *
+ * Widening a block's codes is shared by all rows, which keeps 2..8-row steps (speculative
+ * verification, small batches) cheap. Output features are split across OpenMP threads.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+
+#define GROUP 32
+#define ROW_BLOCK 8
+
+/* x [R, K] -> xq [R, K] int16, dx [R, G] (block scales), xs8 [R, G, 8] (block sums of x
+ * folded to 8 partial sums, for the Q4 min term; NULL to skip). */
+static void quantize_rows(const float *x, int64_t R, int64_t K, int16_t *xq, float *dx, float *xs8) {
+    const int64_t blocks = R * (K / GROUP);
+    for (int64_t b = 0; b < blocks; b++) {
+        const float *xb = x + b * GROUP;
+        float mx = 0.f;
+        for (int j = 0; j < GROUP; j++) mx = fmaxf(mx, fabsf(xb[j]));
+        const float inv = mx > 0.f ? 32767.f / mx : 0.f;
+        for (int j = 0; j < GROUP; j++) xq[b * GROUP + j] = (int16_t)lrintf(xb[j] * inv);
+        dx[b] = mx / 32767.f;
+        if (xs8)
+            for (int j = 0; j < 8; j++) xs8[b * 8 + j] = (xb[j] + xb[j + 8]) + (xb[j + 16] + xb[j + 24]);
+    }
+}
+
+#ifdef __AVX2__
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* sum_j a_j b_j over 32 int16 pairs (a in two halves), as 8 float partial sums. */
+static inline __m256 dot32(__m256i a0, __m256i a1, const int16_t *b) {
+    return _mm256_cvtepi32_ps(_mm256_add_epi32(
+        _mm256_madd_epi16(a0, _mm256_loadu_si256((const __m256i *)b)),
+        _mm256_madd_epi16(a1, _mm256_loadu_si256((const __m256i *)(b + 16)))));
+}
+
+/* One output feature, rows [0, rb) (rb <= ROW_BLOCK; a literal after inlining, so the row
+ * loops unroll and the accumulators stay in registers). Q4 when sm has (scale, min) pairs. */
+static inline __attribute__((always_inline)) void dot_q4(
+        int rb, const int16_t *xq, const float *dx, const float *xs8, int64_t K, int64_t G,
+        const uint8_t *codes, const float *sm, float *y, int64_t N) {
+    const __m256i low = _mm256_set1_epi16(0x0F);
+    /* One row alternates two accumulators (even / odd blocks): its multiply-adds would
+     * otherwise form one dependency chain. */
+    __m256 acc[ROW_BLOCK], acc2 = _mm256_setzero_ps();
+    for (int r = 0; r < rb; r++) acc[r] = _mm256_setzero_ps();
+    int64_t g = 0;
+#define Q4_BLOCK(g, r, a) do { \
+        __m256i b_ = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(codes + (g) * 16))); \
+        __m256 f_ = dot32(_mm256_and_si256(b_, low), _mm256_srli_epi16(b_, 4), xq + (r) * K + (g) * GROUP); \
+        __m256 sc_ = _mm256_mul_ps(_mm256_broadcast_ss(sm + 2 * (g)), _mm256_broadcast_ss(dx + (r) * G + (g))); \
+        a = _mm256_fmadd_ps(f_, sc_, _mm256_fmadd_ps(_mm256_loadu_ps(xs8 + ((r) * G + (g)) * 8), \
+                                                      _mm256_broadcast_ss(sm + 2 * (g) + 1), a)); } while (0)
+    if (rb == 1) {
+        for (; g + 1 < G; g += 2) {
+            Q4_BLOCK(g, 0, acc[0]);
+            Q4_BLOCK(g + 1, 0, acc2);
+        }
+        if (g < G) Q4_BLOCK(g, 0, acc[0]);
+        acc[0] = _mm256_add_ps(acc[0], acc2);
+    } else {
+        for (; g < G; g++) {
+            /* widen once, use for every row (the compiler hoists the common loads) */
+            __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(codes + g * 16)));
+            __m256i lo = _mm256_and_si256(b, low), hi = _mm256_srli_epi16(b, 4);
+            __m256 s = _mm256_broadcast_ss(sm + 2 * g), m = _mm256_broadcast_ss(sm + 2 * g + 1);
+            for (int r = 0; r < rb; r++) {
+                __m256 f = dot32(lo, hi, xq + r * K + g * GROUP);
+                __m256 sc = _mm256_mul_ps(s, _mm256_broadcast_ss(dx + r * G + g));
+                acc[r] = _mm256_fmadd_ps(f, sc, _mm256_fmadd_ps(_mm256_loadu_ps(xs8 + (r * G + g) * 8), m, acc[r]));
+            }
+        }
+    }
+#undef Q4_BLOCK
+    for (int r = 0; r < rb; r++) y[r * N] = hsum(acc[r]);
+}
+
+static inline __attribute__((always_inline)) void dot_q8(
+        int rb, const int16_t *xq, const float *dx, int64_t K, int64_t G, const int8_t *codes,
+        const float *scale, float *y, int64_t N) {
+    __m256 acc[ROW_BLOCK], acc2 = _mm256_setzero_ps();
+    for (int r = 0; r < rb; r++) acc[r] = _mm256_setzero_ps();
+#define Q8_WIDEN(g, c0, c1) \
+        __m256i c0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(codes + (g) * GROUP))); \
+        __m256i c1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(codes + (g) * GROUP + 16)))
+#define Q8_ROW(g, r, c0, c1, a) \
+        a = _mm256_fmadd_ps(dot32(c0, c1, xq + (r) * K + (g) * GROUP), \
+                            _mm256_mul_ps(_mm256_broadcast_ss(scale + (g)), _mm256_broadcast_ss(dx + (r) * G + (g))), a)
+    int64_t g = 0;
+    if (rb == 1) {  /* two accumulators, as in dot_q4 */
+        for (; g + 1 < G; g += 2) {
+            Q8_WIDEN(g, a0, a1);
+            Q8_ROW(g, 0, a0, a1, acc[0]);
+            Q8_WIDEN(g + 1, b0, b1);
+            Q8_ROW(g + 1, 0, b0, b1, acc2);
+        }
+        if (g < G) { Q8_WIDEN(g, a0, a1); Q8_ROW(g, 0, a0, a1, acc[0]); }
+        acc[0] = _mm256_add_ps(acc[0], acc2);
+    } else {
+        for (; g < G; g++) {
+            Q8_WIDEN(g, c0, c1);
+            for (int r = 0; r < rb; r++) Q8_ROW(g, r, c0, c1, acc[r]);
+        }
+    }
+#undef Q8_WIDEN
+#undef Q8_ROW
+    for (int r = 0; r < rb; r++) y[r * N] = hsum(acc[r]);
+}
+#else
+/* Portable version: the same arithmetic (exact integer block sums), scalar. */
+static inline void dot_q4(int rb, const int16_t *xq, const float *dx, const float *xs8, int64_t K,
+                          int64_t G, const uint8_t *codes, const float *sm, float *y, int64_t N) {
+    for (int r = 0; r < rb; r++) {
+        float total = 0.f;
+        for (int64_t g = 0; g < G; g++) {
+            const uint8_t *c = codes + g * 16;
+            const int16_t *xr = xq + r * K + g * GROUP;
+            int32_t t = 0;
+            float xs = 0.f;
+            for (int j = 0; j < 16; j++) t += (int32_t)(c[j] & 15) * xr[j] + (int32_t)(c[j] >> 4) * xr[j + 16];
+            for (int j = 0; j < 8; j++) xs += xs8[(r * G + g) * 8 + j];
+            total += (float)t * (sm[2 * g] * dx[r * G + g]) + sm[2 * g + 1] * xs;
+        }
+        y[r * N] = total;
+    }
+}
+
+static inline void dot_q8(int rb, const int16_t *xq, const float *dx, int64_t K, int64_t G,
+                          const int8_t *codes, const float *scale, float *y, int64_t N) {
+    for (int r = 0; r < rb; r++) {
+        float total = 0.f;
+        for (int64_t g = 0; g < G; g++) {
+            const int8_t *c = codes + g * GROUP;
+            const int16_t *xr = xq + r * K + g * GROUP;
+            int32_t t = 0;
+            for (int j = 0; j < GROUP; j++) t += (int32_t)c[j] * xr[j];
+            total += (float)t * (scale[g] * dx[r * G + g]);
+        }
+        y[r * N] = total;
+    }
+}
+#endif
+
+/* rb as a literal per case, so each call inlines into a fully unrolled row loop. */
+#define DISPATCH(rb, CALL) switch (rb) { \
+    case 1: CALL(1); break; case 2: CALL(2); break; case 3: CALL(3); break; \
+    case 4: CALL(4); break; case 5: CALL(5); break; case 6: CALL(6); break; \
+    case 7: CALL(7); break; default: CALL(8); break; }
+
+/* x [R, K] float32, codes [N, K / 2] uint8, sm [N, K / 32, 2] float32 (scale, min) -> y [R, N].
+ * Returns 0, or -1 when out of memory. */
+int q4_linear(const float *x, int64_t R, int64_t K, const uint8_t *codes, const float *sm,
+              int64_t N, float *y, int threads) {
+    const int64_t G = K / GROUP;
+    int16_t *xq = malloc(sizeof(int16_t) * R * K);
+    float *dx = malloc(sizeof(float) * R * G), *xs8 = malloc(sizeof(float) * R * G * 8);
+    if (!xq || !dx || !xs8) { free(xq); free(dx); free(xs8); return -1; }
+    quantize_rows(x, R, K, xq, dx, xs8);
+    #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+    for (int64_t n = 0; n < N; n++) {
+        for (int64_t r0 = 0; r0 < R; r0 += ROW_BLOCK) {
+            const int64_t rb = R - r0 < ROW_BLOCK ? R - r0 : ROW_BLOCK;
+#define Q4(RB) dot_q4(RB, xq + r0 * K, dx + r0 * G, xs8 + r0 * G * 8, K, G, codes + n * (K / 2), \
+                      sm + n * G * 2, y + r0 * N + n, N)
+            DISPATCH(rb, Q4)
+#undef Q4
+        }
+    }
+    free(xq); free(dx); free(xs8);
+    return 0;
+}
+
+/* x [R, K] float32, codes [N, K] int8, scale [N, K / 32] float32 -> y [R, N]. */
+int q8_linear(const float *x, int64_t R, int64_t K, const int8_t *codes, const float *scale,
+              int64_t N, float *y, int threads) {
+    const int64_t G = K / GROUP;
+    int16_t *xq = malloc(sizeof(int16_t) * R * K);
+    float *dx = malloc(sizeof(float) * R * G);
+    if (!xq || !dx) { free(xq); free(dx); return -1; }
+    quantize_rows(x, R, K, xq, dx, NULL);
+    #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+    for (int64_t n = 0; n < N; n++) {
+        for (int64_t r0 = 0; r0 < R; r0 += ROW_BLOCK) {
+            const int64_t rb = R - r0 < ROW_BLOCK ? R - r0 : ROW_BLOCK;
+#define Q8(RB) dot_q8(RB, xq + r0 * K, dx + r0 * G, K, G, codes + n * K, scale + n * G, \
+                      y + r0 * N + n, N)
+            DISPATCH(rb, Q8)
+#undef Q8
+        }
+    }
+    free(xq); free(dx);
+    return 0;
+}
