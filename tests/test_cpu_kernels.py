@@ -1,18 +1,17 @@
-"""The native block-quantized kernels (pagellm/kernels/cpu_quant.c) against float64 products
+"""The native block-quantized kernels (pagellm/kernels/cpu_quant.c, built by
+pagellm/kernels/native.py) against float64 products
 with the dequantized weights: every row count 1..20 (row blocks of 8, the one-row path with an
 odd number of blocks), Q4 with and without mins, Q8, thread counts, and the portable (non-AVX2)
 build of the same source."""
 from __future__ import annotations
 
-import ctypes
-
 import pytest
 import torch
 
-from pagellm.kernels import cpu_quant
+from pagellm.kernels import native
 from pagellm.layers import quant
 
-pytestmark = pytest.mark.skipif(not cpu_quant.available(), reason="no C compiler on this machine")
+pytestmark = pytest.mark.skipif(not native.available(), reason="no C compiler on this machine")
 
 
 def _q4(n, k, seed, with_min=True):
@@ -29,15 +28,16 @@ def _q8(n, k, seed):
     return quant.Int8Blocks(q, torch.rand(n, k // 32, generator=g) * 0.01)
 
 
-def _close(out, x, w):
+def _close(out, x, blocks):
     """out within the error of int16 block activations: per element half a step of
-    max|x_block| / 32767 (~250x finer than a bf16 rounding), plus float32 summation."""
-    x, w = x.double(), w.double()
+    max|x_block| / 32767 (~250x finer than a bf16 rounding) times the coded part of the weight
+    (scale * q; a Q4 block's min multiplies the exact sum of x), plus float32 summation."""
+    x, w = x.double(), blocks.dequantize().double()
     ref = x @ w.t()
-    k = x.shape[-1]
+    n, k = w.shape
     step = x.abs().view(x.shape[0], k // 32, 32).amax(-1) / 32767  # [R, G]
-    wsum = w.abs().view(w.shape[0], k // 32, 32).sum(-1)  # [N, G]
-    bound = 0.5 * step @ wsum.t() + 1e-6 * (x.abs() @ w.abs().t()) + 1e-9
+    coded = blocks.q.view(n, k // 32, 32).double().abs().sum(-1) * blocks.scale.double()  # [N, G]
+    bound = 0.5 * step @ coded.t() + 1e-6 * (x.abs() @ w.abs().t()) + 1e-9
     err = (out.double() - ref).abs()
     assert bool((err <= bound).all()), (err / bound).max().item()
 
@@ -46,17 +46,17 @@ def _close(out, x, w):
 def test_q4_matches_dequantized_product_for_every_row_count(k):
     w = _q4(40, k, seed=k)
     packed = quant.NativeQ4(w)
-    ref_w = w.dequantize()
+    g = torch.Generator().manual_seed(k)
     for rows in range(1, 21):
-        x = torch.randn(rows, k) * 3
-        _close(packed(x), x, ref_w)
+        x = torch.randn(rows, k, generator=g) * 3
+        _close(packed(x), x, w)
 
 
 def test_q4_without_mins_and_with_large_activations():
     w = _q4(24, 64, seed=1, with_min=False)  # Q4_0: min = -8 * scale
     x = torch.randn(5, 64)
     x[:, 3] = 500.0  # one outlier per block leaves the others 15 bits
-    _close(quant.NativeQ4(w)(x), x, w.dequantize())
+    _close(quant.NativeQ4(w)(x), x, w)
     zero = torch.zeros(2, 64)
     assert torch.equal(quant.NativeQ4(w)(zero), torch.zeros(2, 24))
 
@@ -68,7 +68,7 @@ def test_q8_head_matches_dequantized_product():
         x = torch.randn(rows, 128)
         out = head(x.bfloat16())  # logits come back float32 whatever the input dtype
         assert out.dtype == torch.float32
-        _close(out, x.bfloat16(), w.dequantize())
+        _close(out, x.bfloat16(), w)
 
 
 def test_threads_split_outputs_without_changing_them():
@@ -88,27 +88,25 @@ def test_threads_split_outputs_without_changing_them():
 def test_portable_build_gives_the_same_products(tmp_path, monkeypatch):
     """The scalar code path (CPUs without AVX2) built from the same source."""
     monkeypatch.setenv("PAGELLM_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(cpu_quant, "_FLAGS", [f for f in cpu_quant._FLAGS if f != "-march=native"])
-    lib = ctypes.CDLL(str(cpu_quant._build("cc")))
+    lib = native.load(native.build("cc", [f for f in native.FLAGS if f != "-march=native"]))
     assert any(tmp_path.iterdir())
     w, w8 = _q4(16, 96, seed=4), _q8(16, 96, seed=5)
-    native, native8 = quant.NativeQ4(w), quant.NativeQ8(w8)
+    q4, q8 = quant.NativeQ4(w), quant.NativeQ8(w8)
     for rows in (1, 3, 9):
         x = torch.randn(rows, 96)
-        for fn, packed, blocks in ((lib.q4_linear, native, w), (lib.q8_linear, native8, w8)):
-            fn.argtypes, fn.restype = cpu_quant.library().q4_linear.argtypes, ctypes.c_int
+        for fn, packed, blocks in ((lib.q4_linear, q4, w), (lib.q8_linear, q8, w8)):
             codes = packed.codes
-            scales = packed.scale_min if packed is native else packed.scale
+            scales = packed.scale_min if packed is q4 else packed.scale
             y = torch.empty(rows, 16)
             assert fn(x.data_ptr(), rows, 96, codes.data_ptr(), scales.data_ptr(), 16, y.data_ptr(), 1) == 0
-            _close(y, x, blocks.dequantize())
+            _close(y, x, blocks)
 
 
 def test_disabled_kernels_fall_back(monkeypatch):
     monkeypatch.setenv("PAGELLM_NATIVE_KERNELS", "0")
-    cpu_quant.library.cache_clear()
+    native.library.cache_clear()
     try:
-        assert not cpu_quant.available()
+        assert not native.available()
         w = _q4(32, 64, seed=6)
         packed = quant.pack(w)
         assert isinstance(packed, quant.TorchInt4)
@@ -117,5 +115,5 @@ def test_disabled_kernels_fall_back(monkeypatch):
         assert torch.allclose(packed(x.bfloat16()).float(), ref, rtol=0.02, atol=0.02 * ref.abs().max().item())
     finally:
         monkeypatch.delenv("PAGELLM_NATIVE_KERNELS")
-        cpu_quant.library.cache_clear()
-    assert cpu_quant.available()
+        native.library.cache_clear()
+    assert native.available()

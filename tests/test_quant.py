@@ -10,7 +10,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
 from pagellm import LLM, SamplingParams
-from pagellm.kernels import cpu_quant
+from pagellm.kernels import native
 from pagellm.layers import quant
 from pagellm.layers.linear import ColumnParallelLinear, RowParallelLinear
 from pagellm.models import gguf_loader
@@ -57,7 +57,7 @@ def test_packed_product_matches_dense(rows):
     x = torch.randn(rows, 160)
     ref = x @ b.dequantize().t()
     packed = quant.pack(b)
-    assert isinstance(packed, quant.NativeQ4) == cpu_quant.available()
+    assert isinstance(packed, quant.NativeQ4) == native.available()
     out = packed(x)
     assert out.dtype == torch.float32 and out.shape == (rows, 48)
     if isinstance(packed, quant.NativeQ4):  # float32 activations: close to exact
@@ -101,7 +101,7 @@ def test_linears_keep_packed_weights_beside_dense_ones():
     assert mixed.int4 is None and torch.equal(mixed.weight, dense)
     odd = ColumnParallelLinear(64, ((8, 1),), bias=False)  # 8 outputs: PyTorch's kernel wants 16k
     odd.load("weight", a.narrow(0, 0, 8), 0)
-    assert (odd.int4 is None) != cpu_quant.available()  # the native kernel takes any count
+    assert (odd.int4 is None) != native.available()  # the native kernel takes any count
     assert torch.equal(odd.weight, a.dequantize()[:8])
     big = torch.randn(40, 64)  # many rows: the dense path, same values
     assert torch.allclose(row(big.bfloat16()).float(), big @ a.dequantize().t(), rtol=0.03,

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from pagellm.attention.base import AttentionBackend, AttentionMetadata
+from pagellm.kernels import cpu_attention
 from pagellm.layers.linear import upcast
 
 # Sequences whose query is at most this long go through the batched path.
@@ -97,6 +98,12 @@ class TorchPagedAttention(AttentionBackend):
         return store.permute(1, 2, 0, 3)
 
     def write_kv(self, key, value, k_cache, v_cache, slot_mapping):
+        k_store, v_store = k_cache.permute(2, 0, 1, 3), v_cache.permute(2, 0, 1, 3)
+        if (cpu_attention.usable(key, k_store) and v_store.is_contiguous()
+                and value.dtype == torch.float32 and slot_mapping.dtype == torch.int64):
+            cpu_attention.write_kv(key.contiguous(), value.contiguous(), k_store, v_store,
+                                   slot_mapping)
+            return
         for new, cache in ((key, k_cache), (value, v_cache)):
             nb, bs, kvh, hd = cache.shape
             hm = cache.permute(2, 0, 1, 3)
@@ -110,6 +117,18 @@ class TorchPagedAttention(AttentionBackend):
         out = torch.empty_like(query)
         starts = metadata.query_start_loc.tolist()
         short = [b for b, n in enumerate(metadata.query_lens_cpu) if n <= _BATCHED_MAX_QUERY_LEN]
+        k_store, v_store = k_cache.permute(2, 0, 1, 3), v_cache.permute(2, 0, 1, 3)
+        if (short and cpu_attention.usable(query, k_store) and v_store.is_contiguous()
+                and all(t.dtype == torch.int32 and t.is_contiguous() for t in (
+                    metadata.block_tables, metadata.seq_lens, metadata.query_start_loc))):
+            # reads K/V in place through the block tables: no gathered copy, no padding
+            seqs = metadata.cache.get("native_seqs")
+            if seqs is None:
+                seqs = metadata.cache["native_seqs"] = torch.tensor(short, dtype=torch.int32)
+            cpu_attention.paged_attention(
+                query.contiguous(), k_store, v_store, metadata.block_tables, metadata.seq_lens,
+                metadata.query_start_loc, seqs, scale, out)
+            short = []
         if short:
             self._batched(query, k_cache, v_cache, metadata, starts, short, scale, out)
         for b, qlen in enumerate(metadata.query_lens_cpu):

@@ -46,7 +46,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if int4 is not None and x.numel() // x.shape[-1] < int4.max_rows:
         y = int4(x)
         return y if bias is None else y + bias
-    if upcast(x) or weight.dtype != x.dtype:  # the latter: a float32 copy (keep_float32)
+    if weight.dtype == torch.bfloat16 and x.dtype == torch.float32 and x.numel() == x.shape[-1]:
+        # float32 activations, bf16 weight (use_float32_activations), one row: bf16 is faster
+        return F.linear(x.to(weight.dtype), weight, bias).to(x.dtype)
+    if upcast(x) or weight.dtype != x.dtype:  # a float32 copy (keep_float32) or activations
         b = None if bias is None else bias.float()
         return F.linear(x.float(), weight.float(), b).to(x.dtype)
     return F.linear(x, weight, bias)

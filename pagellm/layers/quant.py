@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagellm.kernels import cpu_quant
+from pagellm.kernels import cpu_quant, native
 
 GROUP = 32
 # Products with fewer rows than this use the packed weights. Measured on AVX2 for a
@@ -68,7 +68,7 @@ def packable(n: int, k: int) -> bool:
     kernel, outputs a multiple of 16)."""
     if k % GROUP:
         return False
-    return cpu_quant.available() or (n % 16 == 0 and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"))
+    return native.available() or (n % 16 == 0 and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"))
 
 
 class NativeQ4:
@@ -121,7 +121,7 @@ class TorchInt4:
 
 def pack(w: Int4Blocks) -> NativeQ4 | TorchInt4:
     """The fastest packed form this machine can multiply."""
-    return NativeQ4(w) if cpu_quant.available() else TorchInt4(w)
+    return NativeQ4(w) if native.available() else TorchInt4(w)
 
 
 @dataclass

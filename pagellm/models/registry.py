@@ -6,7 +6,7 @@ import logging
 import torch
 
 from pagellm.attention.base import get_attention_backend
-from pagellm.kernels import cpu_quant
+from pagellm.kernels import native
 from pagellm.layers.linear import keep_float32, upcast
 from pagellm.models.llama import LlamaForCausalLM
 
@@ -42,7 +42,7 @@ def use_int4(quantization: str | None, files, dtype: torch.dtype, device: torch.
     but an error when that is impossible; "none": always dequantize at load."""
     possible = (may_pack_int4(files, quantization) and device.type == "cpu"
                 and dtype == torch.bfloat16
-                and (cpu_quant.available() or hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")))
+                and (native.available() or hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")))
     if quantization == "gguf" and not possible:
         raise ValueError("quantization='gguf' keeps a GGUF file's Q4_0/Q4_1 weights packed; it "
                          "needs such a file, dtype bfloat16 and the CPU (got "
@@ -57,7 +57,7 @@ def build_model(files, dtype: torch.dtype, device: torch.device, max_position: i
     model = cls(files.config, get_attention_backend(device), max_position)
     int4 = use_int4(quantization, files, dtype, device)
     # the Q8_0 head kernel is native only; it follows the packing decision of the projections
-    q8_head = int4 and files.q8_head and cpu_quant.available()
+    q8_head = int4 and files.q8_head and native.available()
     model.load_weights(files.weights(keep_int4=True, keep_q8_head=q8_head) if int4 else files.weights())
     model = model.to(dtype=dtype, device=device).eval()
     if int4:
@@ -69,5 +69,6 @@ def build_model(files, dtype: torch.dtype, device: torch.device, max_position: i
             logger.warning(msg)
         keep_float32(model)
     if upcast(torch.empty(2, 1, dtype=dtype, device=device)):
+        model.use_float32_activations()
         model.head_float32()
     return model
