@@ -166,8 +166,10 @@ class PagellmRunner:
         if quantization != "auto":
             self.name = f"pagellm [{quantization}]"
         self.vocab_size = self.llm.engine.vocab_size
-        # dense parameter bytes (the latency floor's weights), not counting packed copies
-        self.param_bytes = sum(p.numel() * p.element_size() for p in self.llm.engine.model.parameters())
+        # the dense model's bytes in the benchmark's dtype (the latency floor's weights): not
+        # the packed copies, nor float32 copies kept for batched products
+        size = 2 if dtype == "bfloat16" else 4
+        self.param_bytes = sum(p.numel() for p in self.llm.engine.model.parameters()) * size
 
     def _params(self, max_new: int):
         from pagellm import SamplingParams

@@ -31,6 +31,7 @@ SIGNATURES = {
     "paged_attention": ([_P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _P, _I64, _P, _P, _P, _I64,
                          _F32, _I32], ctypes.c_int),
     "write_kv": ([_P, _P, _P, _P, _P, _I64, _I64, _I64, _I64], None),
+    "rms_norm": ([_P, _P, _P, _P, _P, _I64, _I64, _F32], None),
 }
 
 

@@ -44,8 +44,9 @@ class DecoderLayer(nn.Module):
                        bool(getattr(config, "mlp_bias", False)))
 
     def forward(self, positions, x, md):
-        x = x + self.self_attn(positions, self.input_layernorm(x), md)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x, h = self.post_attention_layernorm.add_forward(
+            x, self.self_attn(positions, self.input_layernorm(x), md))
+        return x + self.mlp(h)
 
 
 class LlamaForCausalLM(nn.Module):
