@@ -89,14 +89,15 @@ def test_step_times_follow_the_measured_sizes():
 
 
 def simulate(ctl, batch: int, steps: int, forward, accept: float, draft_round: float = 0.0,
-             overhead: float = 0.0) -> float:
+             overhead: float = 0.0, first_id: int = 0, spec_steps: list | None = None) -> float:
     """Run the controller against a synthetic engine; seconds per emitted token. forward(n):
     forward time of n tokens; each proposal is accepted with probability `accept`; overhead:
-    seconds per verified row beyond the forward (sampling)."""
+    seconds per verified row beyond the forward (sampling); first_id: sequence ids start here
+    (new ids: requests the controller has not seen); spec_steps collects each step's k."""
     import random
 
     rnd = random.Random(0)
-    seqs = [Sequence(i, str(i), 0, [1, 2], SamplingParams(), None) for i in range(batch)]
+    seqs = [Sequence(first_id + i, str(i), 0, [1, 2], SamplingParams(), None) for i in range(batch)]
     total_s = total_tok = 0.0
     for _ in range(steps):
         ks = ctl.choose(seqs)
@@ -112,7 +113,9 @@ def simulate(ctl, batch: int, steps: int, forward, accept: float, draft_round: f
                 acc += 1
             ctl.observe_acceptance(seq, k, acc)
             tokens += acc + 1
-        ctl.observe_decode_step(batch, t, max(ks))
+        ctl.observe_decode_step(batch, t, max(ks), tokens)
+        if spec_steps is not None:
+            spec_steps.append(max(ks))
         total_s, total_tok = total_s + t, total_tok + tokens
     return total_s / total_tok
 
@@ -126,10 +129,10 @@ def test_draft_probe_at_batch_uses_one_sequence():
     ctl = AdaptiveK(max_k=4, draft_cost=True)
     seqs = [Sequence(i, str(i), 0, [1] * (40 - i), SamplingParams(), None) for i in range(8)]
     ctl.observe_step(8, 0.05)
-    ctl.observe_decode_step(8, 0.05, 0)
+    ctl.observe_decode_step(8, 0.05, 0, 8)
     ks = ctl.choose(seqs)
     assert sorted(ks) == [0] * 7 + [ks[7]] and ks[7] >= 1  # seq 7 has the fewest tokens
-    ctl.observe_decode_step(8, 5.0, max(ks))  # its catch-up: not the batch's step time
+    ctl.observe_decode_step(8, 5.0, max(ks), 8)  # its catch-up: not the batch's step time
     assert 1 not in ctl.walls[8].seconds and ctl.walls[8].seconds[0] == 0.05
 
 
@@ -145,8 +148,29 @@ def test_adaptive_never_much_slower_than_off(case):
         ctl, kw = AdaptiveK(max_k=4), dict(batch=4, forward=MEMORY_BOUND, accept=0.5,
                                            overhead=0.01)
     off = kw["forward"](kw["batch"]) / kw["batch"]  # plain decoding, seconds per token
-    got = simulate(ctl, steps=400, **kw)
+    ks = []
+    got = simulate(ctl, steps=400, spec_steps=ks, **kw)
     assert got < off / 0.95, (got, off)
+    if case == "useless draft b1":
+        # each failed probe spaces the next one further apart
+        at = [i for i, k in enumerate(ks) if k]
+        gaps = [b - a for a, b in zip(at, at[1:])]
+        assert len(at) <= 6 and gaps == sorted(gaps) and gaps[-1] >= 4 * gaps[0], at
+
+
+def test_workload_switch_to_low_acceptance_turns_speculation_off_fast():
+    """Batch 16: copy-like requests (high acceptance), then new chat-like requests whose
+    proposals mostly fail. The per-request estimates start from the pooled acceptance; the
+    measured tokens per second of speculating steps must turn it off within a few steps."""
+    ctl = AdaptiveK(max_k=4)
+    forward = lambda n: 0.05 + 0.002 * n  # noqa: E731  verification rows cost
+    simulate(ctl, batch=16, steps=150, forward=forward, accept=0.9)
+    off = forward(16) / 16
+    ks = []
+    got = simulate(ctl, batch=16, steps=200, forward=forward, accept=0.05, first_id=100,
+                   spec_steps=ks)
+    assert got < off / 0.95, (got, off)
+    assert sum(k > 0 for k in ks[:20]) <= 6, ks[:20]
 
 
 def test_adaptive_speculates_when_it_pays_and_resumes():

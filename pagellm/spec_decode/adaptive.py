@@ -35,6 +35,7 @@ _EMA = 0.2  # weight of a new observation in acceptance and timing averages
 _PRIOR_WEIGHT = 2.0  # how many observations the prior acceptance counts for
 _MARGIN = 1.02  # speculation must be predicted (or measured) this much faster
 MIN_PROBE_EVERY, MAX_PROBE_EVERY = 8, 1024
+MAX_BACKOFF = 16
 _PROBE_LOSS = 0.02  # probes of a losing arm may cost this share of the time
 
 
@@ -95,16 +96,29 @@ class StepWalls:
 
     def __init__(self):
         self.seconds: dict[int, float] = {}
+        self.tokens: dict[int, float] = {}  # tokens emitted per step, averaged like seconds
         self.count: dict[int, int] = {}
         self.num_observed = 0
         self.last: dict[int, int] = {}  # observation number of each k's latest measurement
         self.one_probes = 0  # draft probes given to one sequence of the batch
+        # Probes of speculation that did not turn it on space the next one further apart
+        # (x2 each, up to MAX_BACKOFF): a useless draft also pays to catch up on each new
+        # request's context at its first probe, which the step walls do not show.
+        self.backoff = 1
+        self.probing = False
 
-    def observe(self, k: int, seconds: float) -> None:
+    def observe(self, k: int, seconds: float, tokens: float) -> None:
         self.count[k] = self.count.get(k, 0) + 1
         self.seconds[k] = _average(self.seconds.get(k, seconds), seconds, self.count[k])
+        self.tokens[k] = _average(self.tokens.get(k, tokens), tokens, self.count[k])
         self.num_observed += 1
         self.last[k] = self.num_observed
+
+    def measured_rate(self, k: int) -> float | None:
+        """Tokens per second of steps with k proposals, once measured twice."""
+        if self.count.get(k, 0) < 2:
+            return None
+        return self.tokens[k] / self.seconds[k]
 
     def since(self, k: int) -> int:
         """Steps at this batch size since k was last measured."""
@@ -137,16 +151,16 @@ class AdaptiveK:
             self.draft_round_time = per if not self.draft_round_time else (
                 (1 - _EMA) * self.draft_round_time + _EMA * per)
 
-    def observe_decode_step(self, batch: int, seconds: float, k: int) -> None:
+    def observe_decode_step(self, batch: int, seconds: float, k: int, tokens: int) -> None:
         """A whole engine step over `batch` decoding sequences (no prefill work in it) took
-        `seconds`; k: the most proposals any sequence had (0: none)."""
+        `seconds` and emitted `tokens`; k: the most proposals any sequence had (0: none)."""
         if self.enabled and batch:
             walls = self._walls(batch)
             if self._partial_probe:  # counts as a step for the probe schedule, not a time
                 walls.num_observed += 1
                 walls.last[k] = walls.num_observed
             else:
-                walls.observe(k, seconds)
+                walls.observe(k, seconds, tokens)
         self._partial_probe = False
 
     def observe_acceptance(self, seq: Sequence, num_draft: int, num_accepted: int) -> None:
@@ -201,18 +215,29 @@ class AdaptiveK:
         # model's relative cost applied to the measured plain step.
         rates = [sum(expected_tokens(al, k) for al in alphas) / self._wall(walls, batch, k)
                  for k in range(self.max_k + 1)]
+        for k in range(1, self.max_k + 1):
+            # The tokens per second a k actually delivered overrule the acceptance model
+            # when lower: per-sequence estimates lag behind a change of workload (a chat
+            # request after copy-heavy ones starts from the pooled, high, acceptance).
+            measured = walls.measured_rate(k)
+            if measured is not None:
+                rates[k] = min(rates[k], measured)
         best = 0
         for k in range(1, self.max_k + 1):
             if rates[k] > rates[best] * (_MARGIN if best == 0 else 1.0):
                 best = k
+        if walls.probing:  # the outcome of the last probe of speculation
+            walls.backoff = 1 if best else min(2 * walls.backoff, MAX_BACKOFF)
+            walls.probing = False
         k = best
         if best == 0:
             # Acceptance is learnt only from proposals: now and then the most promising k,
             # spaced so that its expected loss is about _PROBE_LOSS of the time.
             probe = max(range(1, self.max_k + 1), key=lambda j: rates[j])
-            if min(walls.since(j) for j in range(1, self.max_k + 1)) >= self._wait(
-                    rates[0] / rates[probe]):
+            wait = min(walls.backoff * self._wait(rates[0] / rates[probe]), MAX_PROBE_EVERY)
+            if min(walls.since(j) for j in range(1, self.max_k + 1)) >= wait:
                 k = probe
+                walls.probing = True
         elif walls.since(0) >= self._wait(rates[best] / rates[0]):
             k = 0  # re-measure plain decoding (the context grows, the machine is shared)
         if k == 0:
