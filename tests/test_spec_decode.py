@@ -7,7 +7,7 @@ import torch
 from pagellm import LLM, SamplingParams
 from pagellm.sampling.rejection import rejection_sample, rejection_sample_reference
 from pagellm.sequence import Sequence
-from pagellm.spec_decode.adaptive import AdaptiveK, StepTimes, expected_tokens
+from pagellm.spec_decode.adaptive import AdaptiveK, StepTimes
 from tests.conftest import make_tiny_model
 
 
@@ -182,7 +182,12 @@ def test_adaptive_speculates_when_it_pays_and_resumes():
     assert slow < off / 0.95  # acceptance collapses: back off quickly
     again = simulate(ctl, batch=1, steps=300, forward=MEMORY_BOUND, accept=0.9)
     assert again < off / 2  # and resumes within a probe interval
-    assert expected_tokens(0.5, 2) == pytest.approx(1.75)
+    fresh = AdaptiveK(max_k=4)  # nothing observed: independent tries, 1 + a + a^2
+    assert fresh.expected(0.5, 2) == pytest.approx(1.75)
+    for _ in range(50):  # runs: the first proposal fails half the time, the rest never
+        fresh.observe_acceptance(Sequence(0, "0", 0, [1], SamplingParams(), None), 4, 0)
+        fresh.observe_acceptance(Sequence(0, "0", 0, [1], SamplingParams(), None), 4, 4)
+    assert fresh.expected(0.5, 4) == pytest.approx(1 + 0.5 * 4, rel=0.05)
 
 
 PROMPTS = [[5, 17, 33, 4, 90, 12, 7] * 3, [3, 3, 3], list(range(10, 51)),

@@ -7,8 +7,10 @@ Two layers, measurements overruling the model:
    a + b n: a CPU engine switches kernels with the row count (packed 4-bit weights below ~16
    rows, dense float32 above), so a 16-row decode step can be cheap and a 32-row verification
    step not. A proposal round of the draft model takes D seconds (0 for n-gram lookup). With
-   acceptance rate alpha, k proposals emit on average E(k) = (1 - alpha^(k+1)) / (1 - alpha)
-   tokens per sequence, so for B decoding sequences k is the argmax of
+   acceptance rate alpha, k proposals emit on average E(k) = 1 + alpha (1 + c2 + c2 c3 + ...)
+   tokens per sequence, where c_j is the pooled rate of accepting proposal j given j - 1
+   (= alpha for independent tries, (1 - alpha^(k+1)) / (1 - alpha) in all; copied text comes
+   in runs, so c_j is higher there), so for B decoding sequences k is the argmax of
        B * E(k) / (T(B (k + 1)) + k D)     against     B / T(B) without speculation.
    A sequence whose own acceptance cannot pay for its extra row gets no proposals.
 
@@ -43,12 +45,6 @@ def _average(prev: float, x: float, n: int) -> float:
     """Running average with x as the n-th sample: a plain mean of the first samples (one
     outlier fades fast), then an exponential average that follows drift."""
     return prev + max(_EMA, 1 / n) * (x - prev)
-
-
-def expected_tokens(alpha: float, k: int) -> float:
-    if alpha >= 0.999:
-        return k + 1.0
-    return (1 - alpha ** (k + 1)) / (1 - alpha)
 
 
 class StepTimes:
@@ -134,6 +130,11 @@ class AdaptiveK:
         self.prior_alpha = prior_alpha
         self.alpha = prior_alpha  # overall acceptance estimate
         self._acc = self._tried = 0.0  # forgetting sums behind self.alpha
+        # Pooled acceptance at proposal position j given that j - 1 was accepted (forgetting
+        # sums, index j): copied text is accepted in runs, so later positions are accepted
+        # more often than a per-token rate says (copy prompts: 0.90 then 0.98, 1.0, 0.95).
+        self._reach = [0.0] * (max_k + 1)
+        self._hit = [0.0] * (max_k + 1)
         self.seq_alpha: dict[int, float] = {}
         self.step_time = StepTimes()
         self.draft_round_time = 0.0  # seconds per draft forward round (average)
@@ -174,9 +175,23 @@ class AdaptiveK:
         self._tried = (1 - _EMA) * self._tried + tried
         self.alpha = ((self._acc + _PRIOR_WEIGHT * self.prior_alpha)
                       / (self._tried + _PRIOR_WEIGHT))
+        for j in range(2, tried + 1):  # positions reached after an accepted first one
+            self._reach[j] = (1 - _EMA / 4) * self._reach[j] + 1
+            self._hit[j] = (1 - _EMA / 4) * self._hit[j] + (j <= num_accepted)
         rate = num_accepted / tried
         prev = self.seq_alpha.get(seq.seq_id, self.alpha)
         self.seq_alpha[seq.seq_id] = (1 - _EMA) * prev + _EMA * rate
+
+    def expected(self, alpha: float, k: int) -> float:
+        """Tokens a step with k proposals emits on average for a sequence whose proposals are
+        accepted at rate alpha: its first proposal with probability alpha, each later one
+        with the pooled rate given the one before (alpha where not yet seen)."""
+        total, run = 1.0, alpha
+        for j in range(1, k + 1):
+            if j > 1:
+                run *= ((self._hit[j] + _PRIOR_WEIGHT * alpha) / (self._reach[j] + _PRIOR_WEIGHT))
+            total += run
+        return total
 
     def forget(self, seq: Sequence) -> None:
         self.seq_alpha.pop(seq.seq_id, None)
@@ -213,7 +228,7 @@ class AdaptiveK:
             return [0] * batch  # a new batch size: measure plain decoding first
         # Expected tokens per second for each k: measured step walls where known, else the
         # model's relative cost applied to the measured plain step.
-        rates = [sum(expected_tokens(al, k) for al in alphas) / self._wall(walls, batch, k)
+        rates = [sum(self.expected(al, k) for al in alphas) / self._wall(walls, batch, k)
                  for k in range(self.max_k + 1)]
         for k in range(1, self.max_k + 1):
             # The tokens per second a k actually delivered overrule the acceptance model
@@ -257,7 +272,7 @@ class AdaptiveK:
         # A sequence pays for its k rows when the tokens they add on average, E(k) - 1, beat
         # their share of the step's extra time, in units of a plain step per sequence.
         extra = (self._wall(walls, batch, k) - w0) / w0
-        ks = [k if expected_tokens(al, k) - 1 > extra else 0 for al in alphas]
+        ks = [k if self.expected(al, k) - 1 > extra else 0 for al in alphas]
         return ks if any(ks) else [k] * batch
 
     def _wall(self, walls: StepWalls, batch: int, k: int) -> float:
