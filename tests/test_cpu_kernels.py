@@ -28,14 +28,16 @@ def _q8(n, k, seed):
     return quant.Int8Blocks(q, torch.rand(n, k // 32, generator=g) * 0.01)
 
 
-def _close(out, x, blocks):
-    """out within the error of int16 block activations: per element half a step of
-    max|x_block| / 32767 (~250x finer than a bf16 rounding) times the coded part of the weight
-    (scale * q; a Q4 block's min multiplies the exact sum of x), plus float32 summation."""
+def _close(out, x, blocks, per_block=False):
+    """out within the error of int16 activations: per element half a step of max|x| / 32767
+    over the row (or, per_block, over the 32-value block: rows with a block far below the
+    row's largest value are scaled block by block), times the coded part of the weight (scale
+    * q; a Q4 block's min multiplies the exact sum of x), plus float32 summation."""
     x, w = x.double(), blocks.dequantize().double()
     ref = x @ w.t()
     n, k = w.shape
-    step = x.abs().view(x.shape[0], k // 32, 32).amax(-1) / 32767  # [R, G]
+    blocks_max = x.abs().view(x.shape[0], k // 32, 32).amax(-1)  # [R, G]
+    step = (blocks_max if per_block else blocks_max.amax(-1, keepdim=True).expand_as(blocks_max)) / 32767
     coded = blocks.q.view(n, k // 32, 32).double().abs().sum(-1) * blocks.scale.double()  # [N, G]
     bound = 0.5 * step @ coded.t() + 1e-6 * (x.abs() @ w.abs().t()) + 1e-9
     err = (out.double() - ref).abs()
@@ -52,10 +54,13 @@ def test_q4_matches_dequantized_product_for_every_row_count(k):
         _close(packed(x), x, w)
 
 
-def test_q4_without_mins_and_with_large_activations():
+def test_q4_without_mins_and_with_outliers():
     w = _q4(24, 64, seed=1, with_min=False)  # Q4_0: min = -8 * scale
     x = torch.randn(5, 64)
-    x[:, 3] = 500.0  # one outlier per block leaves the others 15 bits
+    x[:, 3] = 5000.0  # an outlier 1000x the rest: the other block gets a scale of its own
+    _close(quant.NativeQ4(w)(x), x, w, per_block=True)
+    _close(quant.NativeQ8(_q8(24, 64, seed=7))(x), x, _q8(24, 64, seed=7), per_block=True)
+    x[:, 3] = 50.0  # within 128x: one scale per row, still >= 8 significant bits everywhere
     _close(quant.NativeQ4(w)(x), x, w)
     zero = torch.zeros(2, 64)
     assert torch.equal(quant.NativeQ4(w)(zero), torch.zeros(2, 24))
