@@ -171,6 +171,9 @@ def test_workload_switch_to_low_acceptance_turns_speculation_off_fast():
                    spec_steps=ks)
     assert got < off / 0.95, (got, off)
     assert sum(k > 0 for k in ks[:20]) <= 6, ks[:20]
+    # and back to copy-like requests: speculation resumes at the next probe
+    again = simulate(ctl, batch=16, steps=200, forward=forward, accept=0.9, first_id=200)
+    assert again < off / 1.5, (again, off)
 
 
 def test_adaptive_speculates_when_it_pays_and_resumes():

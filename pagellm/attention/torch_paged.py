@@ -114,7 +114,9 @@ class TorchPagedAttention(AttentionBackend):
                 cache.view(nb * bs, kvh, hd).index_copy_(0, slot_mapping, new.to(cache.dtype))
 
     def forward(self, query, k_cache, v_cache, metadata: AttentionMetadata, scale: float):
-        out = torch.empty_like(query)
+        # contiguous whatever query's layout (empty_like would copy a dense permutation's
+        # strides, and the native kernel writes rows of [T, H, D])
+        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         starts = metadata.query_start_loc.tolist()
         short = [b for b, n in enumerate(metadata.query_lens_cpu) if n <= _BATCHED_MAX_QUERY_LEN]
         k_store, v_store = k_cache.permute(2, 0, 1, 3), v_cache.permute(2, 0, 1, 3)

@@ -97,16 +97,20 @@ class StepWalls:
         self.num_observed = 0
         self.last: dict[int, int] = {}  # observation number of each k's latest measurement
         self.one_probes = 0  # draft probes given to one sequence of the batch
-        # Probes of speculation that did not turn it on space the next one further apart
-        # (x2 each, up to MAX_BACKOFF): a useless draft also pays to catch up on each new
-        # request's context at its first probe, which the step walls do not show.
+        # Draft-model probes that did not turn speculation on space the next one further
+        # apart (x2 each, up to MAX_BACKOFF): a useless draft also pays to catch up on each
+        # new request's context at its first probe, which the step walls do not show.
         self.backoff = 1
         self.probing = False
 
     def observe(self, k: int, seconds: float, tokens: float) -> None:
+        # Tokens per step follow the workload, a step's time does not: a probe after a long
+        # pause replaces the old token count instead of averaging into it.
+        stale = self.since(k) > MIN_PROBE_EVERY
         self.count[k] = self.count.get(k, 0) + 1
         self.seconds[k] = _average(self.seconds.get(k, seconds), seconds, self.count[k])
-        self.tokens[k] = _average(self.tokens.get(k, tokens), tokens, self.count[k])
+        self.tokens[k] = tokens if stale else _average(self.tokens.get(k, tokens), tokens,
+                                                       self.count[k])
         self.num_observed += 1
         self.last[k] = self.num_observed
 
@@ -242,8 +246,12 @@ class AdaptiveK:
             if rates[k] > rates[best] * (_MARGIN if best == 0 else 1.0):
                 best = k
         if walls.probing:  # the outcome of the last probe of speculation
-            walls.backoff = 1 if best else min(2 * walls.backoff, MAX_BACKOFF)
             walls.probing = False
+            # Only a draft model backs off: its probes also pay a catch-up the walls do not
+            # show, while an n-gram probe costs what its wall says, and backing off would
+            # only delay noticing copy-heavy requests again.
+            if self.draft_cost:
+                walls.backoff = 1 if best else min(2 * walls.backoff, MAX_BACKOFF)
         k = best
         if best == 0:
             # Acceptance is learnt only from proposals: now and then the most promising k,
