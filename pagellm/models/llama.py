@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagellm.attention.base import AttentionBackend, AttentionMetadata
+from pagellm.kernels.cpu_layer import FusedDecodeLayer
 from pagellm.layers import quant
 from pagellm.layers.attention import PagedSelfAttention
 from pagellm.layers.linear import ColumnParallelLinear, RowParallelLinear, linear, upcast
@@ -43,7 +44,11 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config.hidden_size, config.intermediate_size,
                        bool(getattr(config, "mlp_bias", False)))
 
+    fused = None  # a FusedDecodeLayer (kernels/cpu_layer.py) once enabled
+
     def forward(self, positions, x, md):
+        if self.fused is not None and positions.dtype == torch.int64 and self.fused.usable(x, md):
+            return self.fused(positions, x, md)
         x, h = self.post_attention_layernorm.add_forward(
             x, self.self_attn(positions, self.input_layernorm(x), md))
         return x + self.mlp(h)
@@ -83,6 +88,17 @@ class LlamaForCausalLM(nn.Module):
         for m in self.modules():
             if isinstance(m, RMSNorm):
                 m.weight.data = m.weight.data.float()
+
+    def enable_fused_decode(self) -> int:
+        """Steps of up to 16 rows run each layer as one native call where the layer allows it
+        (packed Q4 projections without biases, float32 activations, one process). Returns
+        the number of layers that do."""
+        n = 0
+        for layer in self.layers:
+            if FusedDecodeLayer.supports(layer):
+                layer.fused = FusedDecodeLayer(layer)
+                n += 1
+        return n
 
     def forward(
         self,

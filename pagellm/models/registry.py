@@ -71,4 +71,6 @@ def build_model(files, dtype: torch.dtype, device: torch.device, max_position: i
     if upcast(torch.empty(2, 1, dtype=dtype, device=device)):
         model.use_float32_activations()
         model.head_float32()
+        if int4:
+            model.enable_fused_decode()
     return model

@@ -1,0 +1,85 @@
+/* One Llama decoder layer for a step of a few rows (decode, speculative verification), as a
+ * single call: the same kernels the PyTorch modules call one by one (RMSNorm, Q4 products,
+ * paged attention), plus rotary embedding and SiLU-gating written here. At batch 1 the ~25
+ * module and op dispatches per layer cost about as much as the layer's arithmetic.
+ *
+ *   h = norm(x); q, k, v = h Wqkv; rotate q, k; write k, v; a = attention(q);
+ *   x += a Wo; h = norm(x); g, u = h Wgu; x += (silu(g) * u) Wdown
+ *
+ * Everything is float32; x [T, D] is updated in place. Returns 0, or -1 when out of memory.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+int q4_linear(const float *x, int64_t R, int64_t K, const uint8_t *codes, const float *sm,
+              int64_t N, float *y, int threads);
+int paged_attention(const float *q, float *out, const float *kc, const float *vc,
+                    int64_t H, int64_t KVH, int64_t D, int64_t NB, int64_t BS,
+                    const int32_t *tables, int64_t MB, const int32_t *seq_lens,
+                    const int32_t *qstart, const int32_t *seqs, int64_t n_seqs,
+                    float scale, int threads);
+void rms_norm(const float *x, const float *add, float *x_out, const float *weight, float *out,
+              int64_t T, int64_t D, float eps);
+
+/* x * cos + roll(x, half) * signed_sin over each head of one row (the rotate-half layout). */
+static void rotate(float *x, int64_t heads, int64_t hd, const float *cos, const float *ssin) {
+    const int64_t half = hd / 2;
+    float tmp[512];
+    for (int64_t h = 0; h < heads; h++) {
+        float *xh = x + h * hd;
+        for (int64_t i = 0; i < hd; i++) tmp[i] = xh[i];
+        for (int64_t i = 0; i < hd; i++)
+            xh[i] = tmp[i] * cos[i] + tmp[(i + half) % hd] * ssin[i];
+    }
+}
+
+int decode_layer(float *x, int64_t T, int64_t D, float eps, const float *norm_in,
+                 const float *norm_post, const uint8_t *qkv_codes, const float *qkv_sm,
+                 const uint8_t *o_codes, const float *o_sm, const uint8_t *gu_codes,
+                 const float *gu_sm, const uint8_t *down_codes, const float *down_sm,
+                 int64_t I, int64_t H, int64_t KVH, int64_t hd, const float *cos,
+                 const float *ssin, const int64_t *positions, float *kc, float *vc, int64_t NB,
+                 int64_t BS, const int64_t *slots, const int32_t *tables, int64_t MB,
+                 const int32_t *seq_lens, const int32_t *qstart, const int32_t *seqs,
+                 int64_t n_seqs, float scale, int threads) {
+    if (hd > 512) return -2;
+    const int64_t nq = H * hd, nkv = KVH * hd, nqkv = nq + 2 * nkv;
+    const int64_t width = nqkv > 2 * I ? nqkv : 2 * I;
+    float *h = malloc(sizeof(float) * T * D), *y = malloc(sizeof(float) * T * width);
+    float *q = malloc(sizeof(float) * T * nq), *a = malloc(sizeof(float) * T * (nq > I ? nq : I));
+    float *d = malloc(sizeof(float) * T * D);
+    int rc = -1;
+    if (!h || !y || !q || !a || !d) goto done;
+
+    rms_norm(x, NULL, NULL, norm_in, h, T, D, eps);
+    if (q4_linear(h, T, D, qkv_codes, qkv_sm, nqkv, y, threads)) goto done;
+    for (int64_t t = 0; t < T; t++) {
+        float *row = y + t * nqkv;
+        const float *c = cos + positions[t] * hd, *s = ssin + positions[t] * hd;
+        rotate(row, H + KVH, hd, c, s);  /* q and k heads are adjacent */
+        memcpy(q + t * nq, row, sizeof(float) * nq);
+        for (int64_t kh = 0; kh < KVH; kh++) {  /* head-major pool [KVH, NB * BS, hd] */
+            const int64_t dst = (kh * NB * BS + slots[t]) * hd;
+            memcpy(kc + dst, row + nq + kh * hd, sizeof(float) * hd);
+            memcpy(vc + dst, row + nq + nkv + kh * hd, sizeof(float) * hd);
+        }
+    }
+    if (paged_attention(q, a, kc, vc, H, KVH, hd, NB, BS, tables, MB, seq_lens, qstart, seqs,
+                        n_seqs, scale, threads)) goto done;
+    if (q4_linear(a, T, nq, o_codes, o_sm, D, d, threads)) goto done;
+    rms_norm(x, d, x, norm_post, h, T, D, eps);  /* x += attention; h = norm(x) */
+    if (q4_linear(h, T, D, gu_codes, gu_sm, 2 * I, y, threads)) goto done;
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t i = 0; i < I; i++) {
+            const float g = y[t * 2 * I + i], u = y[t * 2 * I + I + i];
+            a[t * I + i] = g / (1.f + expf(-g)) * u;
+        }
+    if (q4_linear(a, T, I, down_codes, down_sm, D, d, threads)) goto done;
+    for (int64_t i = 0; i < T * D; i++) x[i] += d[i];
+    rc = 0;
+done:
+    free(h); free(y); free(q); free(a); free(d);
+    return rc;
+}
