@@ -191,6 +191,10 @@ def test_adaptive_speculates_when_it_pays_and_resumes():
         fresh.observe_acceptance(Sequence(0, "0", 0, [1], SamplingParams(), None), 4, 0)
         fresh.observe_acceptance(Sequence(0, "0", 0, [1], SamplingParams(), None), 4, 4)
     assert fresh.expected(0.5, 4) == pytest.approx(1 + 0.5 * 4, rel=0.05)
+    for _ in range(50):  # chat-like: later positions rejected
+        fresh.observe_acceptance(Sequence(0, "0", 0, [1], SamplingParams(), None), 4, 1)
+    # a request accepting 90% is not held to the low pooled rates of later positions
+    assert fresh.expected(0.9, 4) >= 1 + 0.9 + 0.81 + 0.729 + 0.6561 - 1e-9
 
 
 PROMPTS = [[5, 17, 33, 4, 90, 12, 7] * 3, [3, 3, 3], list(range(10, 51)),

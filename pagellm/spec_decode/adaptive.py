@@ -189,11 +189,14 @@ class AdaptiveK:
     def expected(self, alpha: float, k: int) -> float:
         """Tokens a step with k proposals emits on average for a sequence whose proposals are
         accepted at rate alpha: its first proposal with probability alpha, each later one
-        with the pooled rate given the one before (alpha where not yet seen)."""
+        with the pooled rate given the one before, but never below alpha. (The pooled rates
+        mix workloads: after chat requests they are low, and a copy request held to k=1 by
+        them would never reach the later positions that would show otherwise.)"""
         total, run = 1.0, alpha
         for j in range(1, k + 1):
             if j > 1:
-                run *= ((self._hit[j] + _PRIOR_WEIGHT * alpha) / (self._reach[j] + _PRIOR_WEIGHT))
+                pooled = (self._hit[j] + _PRIOR_WEIGHT * alpha) / (self._reach[j] + _PRIOR_WEIGHT)
+                run *= max(alpha, pooled)
             total += run
         return total
 
