@@ -22,8 +22,8 @@ Two layers, measurements overruling the model:
    depend on luck in acceptance: a few samples pin them down.
 
 Probes keep both sides fresh: while speculating, a plain step now and then (the context grows
-and the machine is shared); while not, a step with the most promising k now and then, since
-acceptance is learnt only from proposals. A side expected r times slower per token is probed
+and the machine is shared) and the runner-up k; while not, a step with the most promising k
+now and then, since acceptance is learnt only from proposals. A side expected r times slower per token is probed
 every (r - 1) / 2% steps (at least MIN_PROBE_EVERY, at most MAX_PROBE_EVERY), so probes cost
 about 2% of the time.
 """
@@ -140,6 +140,7 @@ class AdaptiveK:
         self._reach = [0.0] * (max_k + 1)
         self._hit = [0.0] * (max_k + 1)
         self.seq_alpha: dict[int, float] = {}
+        self.seq_count: dict[int, int] = {}  # verified drafts behind each seq_alpha
         self.step_time = StepTimes()
         self.draft_round_time = 0.0  # seconds per draft forward round (average)
         self.walls: dict[int, StepWalls] = {}
@@ -183,8 +184,13 @@ class AdaptiveK:
             self._reach[j] = (1 - _EMA / 4) * self._reach[j] + 1
             self._hit[j] = (1 - _EMA / 4) * self._hit[j] + (j <= num_accepted)
         rate = num_accepted / tried
+        # A request starts from the pooled estimate, counted as one observation, so its own
+        # first drafts move it fast (a chat request after copy-heavy ones), then it follows
+        # its own recent drafts.
+        n = self.seq_count.get(seq.seq_id, 0) + 1
+        self.seq_count[seq.seq_id] = n
         prev = self.seq_alpha.get(seq.seq_id, self.alpha)
-        self.seq_alpha[seq.seq_id] = (1 - _EMA) * prev + _EMA * rate
+        self.seq_alpha[seq.seq_id] = prev + max(_EMA, 1 / (n + 1)) * (rate - prev)
 
     def expected(self, alpha: float, k: int) -> float:
         """Tokens a step with k proposals emits on average for a sequence whose proposals are
@@ -202,6 +208,7 @@ class AdaptiveK:
 
     def forget(self, seq: Sequence) -> None:
         self.seq_alpha.pop(seq.seq_id, None)
+        self.seq_count.pop(seq.seq_id, None)
 
     # ---- the decision ----------------------------------------------------------------------
     def _walls(self, batch: int) -> StepWalls:
@@ -266,6 +273,13 @@ class AdaptiveK:
                 walls.probing = True
         elif walls.since(0) >= self._wait(rates[best] / rates[0]):
             k = 0  # re-measure plain decoding (the context grows, the machine is shared)
+        else:
+            # The runner-up k is re-measured too: a step time measured once in a noisy moment
+            # would otherwise keep a better k unused for good.
+            alt = max((j for j in range(1, self.max_k + 1) if j != best), key=lambda j: rates[j],
+                      default=None)
+            if alt is not None and walls.since(alt) >= self._wait(rates[best] / rates[alt]):
+                k = alt
         if k == 0:
             return [0] * batch
         untried = not any(j in walls.seconds for j in range(1, self.max_k + 1))
