@@ -122,3 +122,17 @@ def test_disabled_kernels_fall_back(monkeypatch):
         monkeypatch.delenv("PAGELLM_NATIVE_KERNELS")
         native.library.cache_clear()
     assert native.available()
+
+
+def test_failed_build_falls_back(monkeypatch, tmp_path):
+    """No compiler on the machine: a warning, and PyTorch kernels instead of a crash."""
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("PAGELLM_CACHE_DIR", str(tmp_path))
+    native.library.cache_clear()
+    try:
+        assert not native.available()
+        assert isinstance(quant.pack(_q4(16, 64, seed=8)), quant.TorchInt4)
+    finally:
+        monkeypatch.delenv("CC")
+        native.library.cache_clear()
+    assert native.available()

@@ -89,7 +89,9 @@ def library() -> ctypes.CDLL | None:
         return None
     try:
         return load(build(os.environ.get("CC", "cc")))
-    except (OSError, subprocess.CalledProcessError) as e:
+    except (OSError, RuntimeError, subprocess.CalledProcessError) as e:
+        # no compiler, a failed build, an unwritable cache, no home folder (RuntimeError
+        # from Path.home()): run on PyTorch ops instead
         detail = getattr(e, "stderr", "") or e
         logger.warning("native CPU kernels unavailable (%s); using PyTorch ops", str(detail)[:500])
         return None
