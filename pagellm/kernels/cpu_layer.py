@@ -5,9 +5,7 @@ import torch
 
 from pagellm.attention.base import AttentionMetadata
 from pagellm.kernels import native
-
-MAX_ROWS = 16  # the Q4 kernels' few-row regime; larger steps take the module path
-
+from pagellm.layers.quant import NativeQ4
 
 class FusedDecodeLayer:
     """Holds one DecoderLayer's weights as the C function wants them. Built only for layers
@@ -31,11 +29,13 @@ class FusedDecodeLayer:
     @staticmethod
     def supports(layer) -> bool:
         from pagellm import parallel
-        from pagellm.layers.quant import NativeQ4
+        from pagellm.attention.torch_paged import TorchPagedAttention
 
         attn, mlp = layer.self_attn, layer.mlp
         linears = [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
+        # the C layer attends itself over the CPU backend's head-major pool: only there
         return (native.available() and parallel.tp_size() == 1
+                and isinstance(attn.backend, TorchPagedAttention)
                 and all(isinstance(m.int4, NativeQ4) and m.bias is None for m in linears)
                 and all(n.weight.dtype == torch.float32 for n in (
                     layer.input_layernorm, layer.post_attention_layernorm))
@@ -43,7 +43,8 @@ class FusedDecodeLayer:
 
     def usable(self, x: torch.Tensor, md: AttentionMetadata) -> bool:
         attn = self.layer.self_attn
-        return (x.dtype == torch.float32 and x.shape[0] <= MAX_ROWS and x.is_contiguous()
+        # the packed kernels' few-row regime; larger steps (prefill, big batches) take modules
+        return (x.dtype == torch.float32 and x.shape[0] < NativeQ4.max_rows and x.is_contiguous()
                 and attn.k_cache is not None and attn.k_cache.dtype == torch.float32
                 and attn.k_cache.permute(2, 0, 1, 3).is_contiguous()
                 and attn.v_cache.permute(2, 0, 1, 3).is_contiguous() and _step_ok(md))
