@@ -1,7 +1,8 @@
 """The fused native decoder layer (pagellm/kernels/cpu_layer.c) gives the module path's
 results on the default model: greedy tokens and their log-probabilities, at batch 1 and for a
-batch of prompts of different lengths (several sequences, block tables, prefill rows > 16
-taking the module path in the same run)."""
+batch of prompts of different lengths (several sequences, block tables, short prefills
+through the fused layer, a prefill of more than 40 rows taking the module path in the same
+run)."""
 from __future__ import annotations
 
 import pytest
@@ -12,7 +13,10 @@ from pagellm.kernels import native
 pytestmark = pytest.mark.skipif(not native.available(), reason="no C compiler on this machine")
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ",
-           "List three colours of the rainbow and one fruit that has one of those colours:"]
+           "List three colours of the rainbow and one fruit that has one of those colours:",
+           "Summarize: the river runs through the middle of the town, and every morning the "
+           "fishermen push their boats into the water before the sun comes up. Children walk "
+           "along the bank on their way to school."]
 
 
 def _run(llm, fused_on: bool):

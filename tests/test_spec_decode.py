@@ -75,6 +75,69 @@ def test_emitted_tokens_follow_target_distribution(one_hot_q):
     assert tv(p, q) > 0.15
 
 
+def test_one_hot_acceptance_has_the_emission_probability():
+    """The basis of scoring unverified n-gram proposals: with q one-hot at x the sampler
+    accepts x with probability p(x), the probability that plain sampling emits x; so counting
+    matches with emitted tokens estimates acceptance without verifying."""
+    vocab, n = 6, 40_000
+    g = torch.Generator().manual_seed(7)
+    p_row = torch.softmax(torch.randn(vocab, generator=g) * 1.5, -1)
+    p = p_row.expand(n, 2, vocab).contiguous()
+    draft = torch.arange(n).remainder(vocab).view(n, 1)  # every token proposed equally often
+    acc, _ = rejection_sample(p, draft, torch.ones(n, dtype=torch.long), None,
+                              torch.rand(n, 1, generator=g),
+                              torch.empty(n, vocab).exponential_(generator=g))
+    rate = torch.zeros(vocab).index_add_(0, draft[:, 0], acc.float()) / (n / vocab)
+    sigma = (p_row * (1 - p_row) / (n / vocab)).sqrt()
+    assert ((rate - p_row).abs() < 4 * sigma + 1e-6).all(), (rate, p_row)
+
+
+def test_ngram_index_equals_the_scan():
+    import random
+
+    from pagellm.spec_decode.ngram import NgramIndex, ngram_lookup
+
+    rng = random.Random(0)
+    for _ in range(200):
+        vocab, length = rng.choice([2, 4, 30]), rng.randrange(1, 60)
+        tokens = [rng.randrange(vocab) for _ in range(length)]
+        lo = rng.randint(1, 3)
+        hi = rng.randint(lo, 5)
+        index = NgramIndex(lo, hi)
+        for end in range(1, length + 1):  # the sequence grows one token at a time
+            k = rng.randint(1, 5)
+            assert index.lookup(tokens[:end], k) == ngram_lookup(tokens[:end], lo, hi, k)
+    index = NgramIndex(1, 2)  # tokens replaced, not extended: rebuilt
+    assert index.lookup([1, 2, 3, 1, 2], 2) == [3, 1]
+    assert index.lookup([7, 8, 7], 2) == [8, 7]
+
+
+def test_unverified_ngram_proposals_are_scored_against_emitted_tokens():
+    """Speculation held back: the proposal is kept and, once the target's tokens show how
+    many of its leading tokens verification would have accepted, scored as acceptance."""
+    from pagellm.spec_decode.decoder import SpecDecoder
+    from pagellm.spec_decode.ngram import NgramProposer
+
+    dec = SpecDecoder(NgramProposer(1, 3), max_k=3, adaptive=True, max_model_len=100,
+                      eos_token_id=None)
+    seen, avail = [], []
+    dec.controller.choose = lambda seqs, av=None: (avail.append(av), [0] * len(seqs))[1]
+    dec.controller.observe_acceptance = lambda seq, n, a: seen.append((seq.seq_id, n, a))
+    seq = Sequence(0, "r", 0, [5, 6, 7, 8, 5, 6], SamplingParams(max_tokens=50), None)
+    seq.output_token_ids.append(7)  # tail "5 6 7" follows with "8 5 6"
+    seq.num_computed_tokens = seq.num_tokens - 1
+    dec.propose([seq])
+    assert avail[-1] == [3] and seq.spec_token_ids == []  # proposed, but held back
+    for token, scored in [(8, []), (5, []), (9, [(0, 3, 2)])]:  # 8 and 5 match, 9 does not
+        seq.output_token_ids.append(token)
+        seq.num_computed_tokens += 1
+        dec.propose([seq])
+        assert seen == scored
+    assert dec.num_unverified == 1
+    dec.release(seq)
+    assert not dec._unverified and not dec.proposer.indexes
+
+
 def test_step_times_follow_the_measured_sizes():
     st = StepTimes()
     assert st.predict(4) is None
@@ -93,14 +156,16 @@ def simulate(ctl, batch: int, steps: int, forward, accept: float, draft_round: f
     """Run the controller against a synthetic engine; seconds per emitted token. forward(n):
     forward time of n tokens; each proposal is accepted with probability `accept`; overhead:
     seconds per verified row beyond the forward (sampling); first_id: sequence ids start here
-    (new ids: requests the controller has not seen); spec_steps collects each step's k."""
+    (new ids: requests the controller has not seen); spec_steps collects each step's k. A
+    controller that scores unverified proposals (n-gram) gets a held-back proposal of max_k
+    scored every other step for each sequence that had none (their average resolution)."""
     import random
 
     rnd = random.Random(0)
     seqs = [Sequence(first_id + i, str(i), 0, [1, 2], SamplingParams(), None) for i in range(batch)]
     total_s = total_tok = 0.0
-    for _ in range(steps):
-        ks = ctl.choose(seqs)
+    for step in range(steps):
+        ks = ctl.choose(seqs, [ctl.max_k] * batch if ctl.scores_unverified else None)
         n = sum(k + 1 for k in ks)
         t = forward(n) + max(ks) * draft_round + overhead * (n - batch)
         ctl.observe_step(n, forward(n))
@@ -108,16 +173,24 @@ def simulate(ctl, batch: int, steps: int, forward, accept: float, draft_round: f
             ctl.observe_draft(max(ks), max(ks) * draft_round)
         tokens = 0
         for seq, k in zip(seqs, ks):
-            acc = 0
-            while acc < k and rnd.random() < accept:
-                acc += 1
+            acc = _leading(rnd, accept, k)
             ctl.observe_acceptance(seq, k, acc)
             tokens += acc + 1
+            if not k and ctl.scores_unverified and step % 2:  # held back, scored on emission
+                ctl.observe_acceptance(seq, ctl.max_k, _leading(rnd, accept, ctl.max_k))
         ctl.observe_decode_step(batch, t, max(ks), tokens)
         if spec_steps is not None:
             spec_steps.append(max(ks))
         total_s, total_tok = total_s + t, total_tok + tokens
     return total_s / total_tok
+
+
+def _leading(rnd, accept: float, k: int) -> int:
+    """Proposals accepted of k, each with probability `accept` until the first rejection."""
+    acc = 0
+    while acc < k and rnd.random() < accept:
+        acc += 1
+    return acc
 
 
 MEMORY_BOUND = lambda n: 0.050 + 0.0005 * n  # noqa: E731  batch-1 CPU: weights dominate
@@ -136,21 +209,29 @@ def test_draft_probe_at_batch_uses_one_sequence():
     assert 1 not in ctl.walls[8].seconds and ctl.walls[8].seconds[0] == 0.05
 
 
+@pytest.mark.parametrize("unverified", [False, True], ids=["verified only", "scores unverified"])
 @pytest.mark.parametrize("case", ["useless draft b1", "kernel switch b16", "hidden cost b4"])
-def test_adaptive_never_much_slower_than_off(case):
-    """Synthetic engines where speculation cannot pay: the controller costs < 5% over 400 steps."""
+def test_adaptive_never_much_slower_than_off(case, unverified):
+    """Synthetic engines where speculation cannot pay: the controller costs < 5% over 400 steps
+    (and much less where unverified proposals teach it acceptance: only timing probes)."""
     if case == "useless draft b1":
+        if unverified:
+            pytest.skip("a draft model's proposals are never free")
         ctl, kw = AdaptiveK(max_k=4, draft_cost=True), dict(
             batch=1, forward=MEMORY_BOUND, accept=0.02, draft_round=0.015)
     elif case == "kernel switch b16":  # a step model a + b n would keep speculating here
-        ctl, kw = AdaptiveK(max_k=4), dict(batch=16, forward=KERNEL_SWITCH, accept=0.5)
+        ctl, kw = AdaptiveK(max_k=4, scores_unverified=unverified), dict(
+            batch=16, forward=KERNEL_SWITCH, accept=0.5)
     else:  # the model predicts a gain; per-row sampling costs (not in T) eat it: measured off
-        ctl, kw = AdaptiveK(max_k=4), dict(batch=4, forward=MEMORY_BOUND, accept=0.5,
-                                           overhead=0.01)
+        ctl, kw = AdaptiveK(max_k=4, scores_unverified=unverified), dict(
+            batch=4, forward=MEMORY_BOUND, accept=0.5, overhead=0.01)
     off = kw["forward"](kw["batch"]) / kw["batch"]  # plain decoding, seconds per token
     ks = []
     got = simulate(ctl, steps=400, spec_steps=ks, **kw)
+    print(case, unverified, got / off, sum(k > 0 for k in ks))
     assert got < off / 0.95, (got, off)
+    if unverified:
+        assert got < off / 0.98, (got, off)
     if case == "useless draft b1":
         # each failed probe spaces the next one further apart
         at = [i for i, k in enumerate(ks) if k]
@@ -158,11 +239,13 @@ def test_adaptive_never_much_slower_than_off(case):
         assert len(at) <= 6 and gaps == sorted(gaps) and gaps[-1] >= 4 * gaps[0], at
 
 
-def test_workload_switch_to_low_acceptance_turns_speculation_off_fast():
+@pytest.mark.parametrize("unverified", [False, True], ids=["verified only", "scores unverified"])
+def test_workload_switch_to_low_acceptance_turns_speculation_off_fast(unverified):
     """Batch 16: copy-like requests (high acceptance), then new chat-like requests whose
     proposals mostly fail. The per-request estimates start from the pooled acceptance; the
-    measured tokens per second of speculating steps must turn it off within a few steps."""
-    ctl = AdaptiveK(max_k=4)
+    measured tokens per second of speculating steps (or the scored unverified proposals) must
+    turn it off within a few steps."""
+    ctl = AdaptiveK(max_k=4, scores_unverified=unverified)
     forward = lambda n: 0.05 + 0.002 * n  # noqa: E731  verification rows cost
     simulate(ctl, batch=16, steps=150, forward=forward, accept=0.9)
     off = forward(16) / 16
@@ -176,8 +259,9 @@ def test_workload_switch_to_low_acceptance_turns_speculation_off_fast():
     assert again < off / 1.5, (again, off)
 
 
-def test_adaptive_speculates_when_it_pays_and_resumes():
-    ctl = AdaptiveK(max_k=4)
+@pytest.mark.parametrize("unverified", [False, True], ids=["verified only", "scores unverified"])
+def test_adaptive_speculates_when_it_pays_and_resumes(unverified):
+    ctl = AdaptiveK(max_k=4, scores_unverified=unverified)
     off = MEMORY_BOUND(1)
     fast = simulate(ctl, batch=1, steps=200, forward=MEMORY_BOUND, accept=0.9)
     assert fast < off / 2.5  # copy-like acceptance at batch 1: most of k=4's gain

@@ -11,8 +11,8 @@ kept here (Int4Blocks) in PyTorch's grouped int4 convention `w = (q - 8) * scale
 scale = d and zero = 0 (Q4_0) or m + 8 d (Q4_1). Two kernels take such weights for few-row
 products: pagellm's own (pagellm/kernels/cpu_quant.c, NativeQ4; needs a C compiler at first
 use) and, where it cannot be built, `torch.ops.aten._weight_int4pack_mm_for_cpu` (TorchInt4).
-Past ~16 rows a dense float32 product is as fast, so a linear keeps both its dense weight and,
-when available, the packed one. Q8_0 (w = d * q, int8 q) serves the LM head (NativeQ8).
+Past ~40 rows (NativeQ4) or ~16 (TorchInt4) a dense float32 product is as fast, so a linear
+keeps both its dense weight and, when available, the packed one. Q8_0 (w = d * q, int8 q) serves the LM head (NativeQ8).
 """
 from __future__ import annotations
 
@@ -77,9 +77,12 @@ class NativeQ4:
     than PyTorch's packed kernel for 1-5 rows on AVX2 (benchmarks: `latency`)."""
 
     # Measured on AVX2 (ms, 3072 x 576): rows 1: 0.12 / torch packed 0.25; 5: 0.32 / 0.60;
-    # 16: 0.99 / dense float32 1.11 (weights hot in cache; a step streams them from memory,
-    # where the 8x smaller codes win more); 24: 1.63 / 1.55.
-    max_rows = 17
+    # 16: 0.99 / dense float32 1.11 (weights hot in cache); 24: 1.63 / 1.55. A whole step
+    # streams the weights from memory, where the 8x smaller codes win more: default model,
+    # one thread, ms per decode step with these products (and the fused layer) up to 16 rows
+    # / up to 40 rows: 20 rows 270 / 137; 24: 324 / 185; 32: 335 / 291; 40: 422 / 351; 48:
+    # 464 / 451 (speculative verification at batch 8-16 lands there).
+    max_rows = 41
 
     def __init__(self, w: Int4Blocks):
         n, k = w.shape

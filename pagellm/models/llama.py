@@ -90,9 +90,9 @@ class LlamaForCausalLM(nn.Module):
                 m.weight.data = m.weight.data.float()
 
     def enable_fused_decode(self) -> int:
-        """Steps of up to 16 rows run each layer as one native call where the layer allows it
-        (packed Q4 projections without biases, float32 activations, one process). Returns
-        the number of layers that do."""
+        """Steps in the packed kernel's few-row regime (up to 40 rows) run each layer as one
+        native call where the layer allows it (packed Q4 projections without biases, float32
+        activations, one process). Returns the number of layers that do."""
         n = 0
         for layer in self.layers:
             if FusedDecodeLayer.supports(layer):

@@ -127,9 +127,13 @@ class StepWalls:
 
 class AdaptiveK:
     def __init__(self, max_k: int, enabled: bool = True, prior_alpha: float = 0.6,
-                 draft_cost: bool = False):
+                 draft_cost: bool = False, scores_unverified: bool = False):
         self.max_k = max_k
         self.draft_cost = draft_cost  # whether proposing runs a model (its cost unknown yet)
+        # Whether proposals held back are scored against the emitted tokens (a free proposer,
+        # SpecDecoder._score_unverified): acceptance then stays fresh without verification,
+        # and probes only re-measure step times, which need far fewer samples.
+        self.scores_unverified = scores_unverified
         self.enabled = enabled
         self.prior_alpha = prior_alpha
         self.alpha = prior_alpha  # overall acceptance estimate
@@ -227,8 +231,9 @@ class AdaptiveK:
             draft = 0.25 * base
         return t + k * draft
 
-    def choose(self, seqs: list[Sequence]) -> list[int]:
-        """Proposal count for each decoding sequence this step."""
+    def choose(self, seqs: list[Sequence], avail: list[int] | None = None) -> list[int]:
+        """Proposal count for each decoding sequence this step. avail: how many proposals
+        each sequence has (a free proposer looks first), None: as many as asked for."""
         self._partial_probe = False  # (a step not observed must not carry it over)
         if not seqs:
             return []
@@ -236,18 +241,20 @@ class AdaptiveK:
             return [self.max_k] * len(seqs)
         batch = len(seqs)
         alphas = [self.seq_alpha.get(s.seq_id, self.alpha) for s in seqs]
+        avail = avail if avail is not None else [self.max_k] * batch
         walls = self._walls(batch)
         w0 = walls.seconds.get(0)
         if w0 is None:
             return [0] * batch  # a new batch size: measure plain decoding first
         # Expected tokens per second for each k: measured step walls where known, else the
         # model's relative cost applied to the measured plain step.
-        rates = [sum(self.expected(al, k) for al in alphas) / self._wall(walls, batch, k)
-                 for k in range(self.max_k + 1)]
-        for k in range(1, self.max_k + 1):
+        rates = [sum(self.expected(al, min(k, n)) for al, n in zip(alphas, avail))
+                 / self._wall(walls, batch, k) for k in range(self.max_k + 1)]
+        for k in range(1, self.max_k + 1) if not self.scores_unverified else ():
             # The tokens per second a k actually delivered overrule the acceptance model
             # when lower: per-sequence estimates lag behind a change of workload (a chat
-            # request after copy-heavy ones starts from the pooled, high, acceptance).
+            # request after copy-heavy ones starts from the pooled, high, acceptance). Not
+            # needed where unverified proposals keep acceptance fresh.
             measured = walls.measured_rate(k)
             if measured is not None:
                 rates[k] = min(rates[k], measured)
@@ -267,7 +274,8 @@ class AdaptiveK:
             # Acceptance is learnt only from proposals: now and then the most promising k,
             # spaced so that its expected loss is about _PROBE_LOSS of the time.
             probe = max(range(1, self.max_k + 1), key=lambda j: rates[j])
-            wait = min(walls.backoff * self._wait(rates[0] / rates[probe]), MAX_PROBE_EVERY)
+            wait = min(walls.backoff * self._wait(rates[0] / rates[probe], self._probe_loss()),
+                       MAX_PROBE_EVERY)
             if min(walls.since(j) for j in range(1, self.max_k + 1)) >= wait:
                 k = probe
                 walls.probing = True
@@ -297,7 +305,8 @@ class AdaptiveK:
         # A sequence pays for its k rows when the tokens they add on average, E(k) - 1, beat
         # their share of the step's extra time, in units of a plain step per sequence.
         extra = (self._wall(walls, batch, k) - w0) / w0
-        ks = [k if self.expected(al, k) - 1 > extra else 0 for al in alphas]
+        ks = [k if self.expected(al, min(k, n)) - 1 > extra else 0
+              for al, n in zip(alphas, avail)]
         return ks if any(ks) else [k] * batch
 
     def _wall(self, walls: StepWalls, batch: int, k: int) -> float:
@@ -308,10 +317,16 @@ class AdaptiveK:
         near = max(j for j in walls.seconds if j < k)
         return walls.seconds[near] * self._cost(batch, k) / self._cost(batch, near)
 
+    def _probe_loss(self) -> float:
+        """Share of the time probes of speculation may cost while it is off: a quarter of
+        the usual where acceptance is learnt without them (they only re-measure times)."""
+        return _PROBE_LOSS / 4 if self.scores_unverified else _PROBE_LOSS
+
     @staticmethod
-    def _wait(ratio: float) -> float:
-        """Steps between probes of a side `ratio` times worse than the one in use."""
-        return min(max(MIN_PROBE_EVERY, (ratio - 1) / _PROBE_LOSS), MAX_PROBE_EVERY)
+    def _wait(ratio: float, loss: float = _PROBE_LOSS) -> float:
+        """Steps between probes of a side `ratio` times worse than the one in use, so that
+        they cost about `loss` of the time."""
+        return min(max(MIN_PROBE_EVERY, (ratio - 1) / loss), MAX_PROBE_EVERY)
 
     def summary(self) -> dict:
         """The controller's state, for benchmarks and logs."""

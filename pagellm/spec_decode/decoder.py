@@ -15,7 +15,7 @@ from pagellm.sampling.rejection import rejection_sample
 from pagellm.sampling.sampler import SamplingRow, processed_logits, token_logprobs
 from pagellm.sequence import Sequence
 from pagellm.spec_decode.adaptive import AdaptiveK
-from pagellm.spec_decode.base import Proposer
+from pagellm.spec_decode.base import Proposal, Proposer
 
 
 @dataclass
@@ -57,12 +57,17 @@ class SpecDecoder:
                  eos_token_id: int | set[int] | None):
         self.proposer = proposer
         self.max_k = max_k
-        self.controller = AdaptiveK(max_k, enabled=adaptive, draft_cost=proposer.has_cost)
+        self.controller = AdaptiveK(max_k, enabled=adaptive, draft_cost=proposer.has_cost,
+                                    scores_unverified=not proposer.has_cost)
         self.max_model_len = max_model_len
         self.eos_token_id = eos_token_id
         self.stats = SpecStats(max_k)
         self._q: dict[int, torch.Tensor | None] = {}
         self._step = (0, 0)  # (decoding sequences, most proposals) of the current step
+        # Free proposers: per sequence, a proposal not verified (output index it was made at,
+        # tokens), scored against the emitted tokens; and how many were scored so.
+        self._unverified: dict[int, tuple[int, list[int]]] = {}
+        self.num_unverified = 0
         self._verified = [0, 0]
 
     def propose(self, running: list[Sequence]) -> None:
@@ -71,22 +76,57 @@ class SpecDecoder:
         # Decoding: only the newest token lacks KV, and the first token came from a plain step
         # (n > 1 siblings fork at that step).
         decoding = [s for s in running if s.num_tokens_to_compute == 1 and s.num_output_tokens]
-        ks = self.controller.choose(decoding)
-        for i, seq in enumerate(decoding):
+        rooms = []
+        for seq in decoding:
             room = self.max_model_len - seq.num_tokens - 1
             if seq.params.max_tokens is not None:
                 room = min(room, seq.params.max_tokens - seq.num_output_tokens - 1)
-            ks[i] = max(0, min(ks[i], room))
-        proposals = self.proposer.propose(decoding, ks)
+            rooms.append(max(0, min(room, self.max_k)))
         if self.proposer.has_cost:
+            ks = [min(k, r) for k, r in zip(self.controller.choose(decoding), rooms)]
+            proposals = self.proposer.propose(decoding, ks)
             rounds = getattr(self.proposer, "last_rounds", 0)
             self.controller.observe_draft(rounds, getattr(self.proposer, "last_seconds", 0.0))
+        else:
+            # A free proposer (n-gram) proposes for everyone first: the controller then knows
+            # who has a proposal, and those it holds back are scored against the tokens the
+            # target emits instead (_score_unverified).
+            self._score_unverified(decoding)
+            full = self.proposer.propose(decoding, rooms)
+            ks = self.controller.choose(decoding, [len(p.token_ids) for p in full])
+            proposals = [Proposal(p.token_ids[:k], p.probs) for p, k in zip(full, ks)]
+            for seq, prop, k in zip(decoding, full, ks):
+                if k:
+                    self._unverified.pop(seq.seq_id, None)  # verified for real instead
+                elif prop.token_ids and seq.seq_id not in self._unverified:
+                    self._unverified[seq.seq_id] = (seq.num_output_tokens, prop.token_ids)
         for seq, prop in zip(decoding, proposals):
             seq.spec_token_ids = list(prop.token_ids)
             if prop.token_ids:
                 self._q[seq.seq_id] = prop.probs
         self._step = (len(decoding), max((len(p.token_ids) for p in proposals), default=0))
         self._verified = [0, 0]  # this step's verified sequences and the tokens they emitted
+
+    def _score_unverified(self, seqs: list[Sequence]) -> None:
+        """Score proposals that were held back against what the target emitted since.
+        Verification with a one-hot q accepts token x with probability p(x) (the processed
+        distribution, greedy included), and plain decoding emits x with that same probability,
+        at each position given the ones before: the count of leading matches is distributed
+        as the count of accepted proposals. So the controller learns acceptance without
+        paying for verification steps (a probe at batch 16 cost 2-3 plain steps)."""
+        for seq in seqs:
+            held = self._unverified.get(seq.seq_id)
+            if held is None:
+                continue
+            start, prop = held
+            emitted = seq.output_token_ids[start:start + len(prop)]
+            a = 0
+            while a < len(emitted) and emitted[a] == prop[a]:
+                a += 1
+            if a < len(emitted) or a == len(prop):  # a rejection seen, or all accepted
+                del self._unverified[seq.seq_id]
+                self.num_unverified += 1
+                self.controller.observe_acceptance(seq, len(prop), a)
 
     def observe_step(self, num_tokens: int, seconds: float) -> None:
         """The target's forward pass over num_tokens tokens took `seconds`."""
@@ -195,5 +235,6 @@ class SpecDecoder:
     def release(self, seq: Sequence) -> None:
         seq.spec_token_ids = []
         self._q.pop(seq.seq_id, None)
+        self._unverified.pop(seq.seq_id, None)
         self.proposer.release(seq)
         self.controller.forget(seq)

@@ -5,6 +5,11 @@ Worked example, n from 3 down to 1, k = 3:
                                    tail of length 2 "b c" occurred at positions 1..2,
     propose the tokens that followed it: [d x b] (stopping at the end of the sequence).
 The most recent earlier occurrence wins: it is the likeliest to be repeated (code edits, quotes).
+
+Each sequence keeps an index (n-gram -> latest start) that grows with its tokens, so a lookup
+costs O(max_n) however long the context: a scan of a 300-token context took ~240 us, 4 ms a
+step at batch 16, and the engine looks up every decoding sequence at every step (the
+controller needs to know who has a proposal; unverified proposals still teach it acceptance).
 """
 from __future__ import annotations
 
@@ -15,7 +20,8 @@ from pagellm.spec_decode.base import Proposal, Proposer
 
 
 def ngram_lookup(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
-    """The up-to-k tokens following the most recent earlier match of the longest tail n-gram."""
+    """The up-to-k tokens following the most recent earlier match of the longest tail n-gram.
+    (A plain scan: the reference NgramIndex is tested against.)"""
     length = len(tokens)
     arr = np.asarray(tokens, dtype=np.int64)
     for n in range(min(max_n, length - 1), min_n - 1, -1):
@@ -28,10 +34,48 @@ def ngram_lookup(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]
     return []
 
 
+class NgramIndex:
+    """ngram_lookup over a token list that only grows: every n-gram (min_n <= n <= max_n)
+    ending before the last token, mapped to its latest start."""
+
+    def __init__(self, min_n: int, max_n: int):
+        self.min_n, self.max_n = min_n, max_n
+        self.starts: dict[int, dict[tuple[int, ...], int]] = {
+            n: {} for n in range(min_n, max_n + 1)}
+        self.indexed = 0  # n-grams ending at positions < indexed are in the maps
+
+    def lookup(self, tokens: list[int], k: int) -> list[int]:
+        length = len(tokens)
+        if length - 1 < self.indexed:  # the tokens were replaced, not extended
+            self.__init__(self.min_n, self.max_n)
+        for end in range(self.indexed, length - 1):  # n-grams ending at `end`, in order,
+            for n, starts in self.starts.items():  # so later starts overwrite earlier ones
+                if end + 1 >= n:
+                    starts[tuple(tokens[end + 1 - n:end + 1])] = end + 1 - n
+        self.indexed = max(self.indexed, length - 1)
+        for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
+            start = self.starts[n].get(tuple(tokens[length - n:]))
+            if start is not None:
+                return tokens[start + n:start + n + k]
+        return []
+
+
 class NgramProposer(Proposer):
     def __init__(self, min_n: int, max_n: int):
         self.min_n, self.max_n = min_n, max_n
+        self.indexes: dict[int, NgramIndex] = {}
 
     def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> list[Proposal]:
-        return [Proposal(ngram_lookup(s.token_ids, self.min_n, self.max_n, k) if k > 0 else [],
-                         None) for s, k in zip(seqs, num_tokens)]
+        out = []
+        for s, k in zip(seqs, num_tokens):
+            tokens: list[int] = []
+            if k > 0:
+                index = self.indexes.get(s.seq_id)
+                if index is None:
+                    index = self.indexes[s.seq_id] = NgramIndex(self.min_n, self.max_n)
+                tokens = index.lookup(s.token_ids, k)
+            out.append(Proposal(tokens, None))
+        return out
+
+    def release(self, seq: Sequence) -> None:
+        self.indexes.pop(seq.seq_id, None)
