@@ -305,7 +305,14 @@ SPECS = {
     "draft_1layer": {"method": "draft_model", "num_speculative_tokens": 3, "draft_num_layers": 1,
                      "adaptive": False},
     "adaptive": {"method": "draft_model", "num_speculative_tokens": 3, "draft_num_layers": 1},
+    # a draft from files ("model"): its own weights and paged cache, not the target's layers
+    "draft_files": {"method": "draft_model", "model": "<target>", "num_speculative_tokens": 3,
+                    "draft_num_layers": 1, "adaptive": False},
 }
+
+
+def _spec(name: str, path: str) -> dict:
+    return {k: path if v == "<target>" else v for k, v in SPECS[name].items()}
 
 
 @pytest.mark.parametrize("spec", list(SPECS))
@@ -320,7 +327,9 @@ def test_greedy_identical_with_speculation(tiny_pair, spec, setting):
     if setting == "no_prefix_cache":
         kw.update(enable_prefix_caching=False)
     base = _greedy(LLM(path, **kw))
-    llm = LLM(path, speculative_config=SPECS[spec], **kw)
+    llm = LLM(path, speculative_config=_spec(spec, path), **kw)
+    shares = spec.startswith("draft") and spec != "draft_files" or spec == "adaptive"
+    assert (getattr(llm.engine.spec.proposer, "target_blocks", None) is not None) == shares
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
                         use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == base
@@ -333,6 +342,24 @@ def test_greedy_identical_with_speculation(tiny_pair, spec, setting):
         assert stats.num_accepted_tokens == stats.num_draft_tokens
     if setting == "preempt":
         assert llm.engine.scheduler.num_preemptions > 0
+
+
+def test_early_exit_draft_reads_copied_blocks_of_parallel_samples(tiny_pair):
+    """n = 3 samples share their prompt's partly filled last block; each one's first draft
+    round writes into it, so the block is copied for it first (copy-on-write) and the copy
+    must hold the prompt's KV before the draft reads it: a draft equal to the target then
+    still accepts everything."""
+    path, _ = tiny_pair
+    kw = {"dtype": "float32", "kv_cache_memory": 2**20, "block_size": 4}
+    sp = SamplingParams(n=3, temperature=0, max_tokens=10, ignore_eos=True)
+    prompts = [p for p in PROMPTS if len(p) % 4]
+    base = LLM(path, **kw).generate(prompts, sp, use_tqdm=False)
+    llm = LLM(path, speculative_config=SPECS["draft_self"], **kw)
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    assert [[c.token_ids for c in o.outputs] for o in outs] == \
+        [[c.token_ids for c in o.outputs] for o in base]
+    stats = llm.engine.spec.stats
+    assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens == stats.num_draft_tokens
 
 
 def test_speculation_respects_max_tokens_stop_and_seed(tiny_pair):

@@ -94,6 +94,8 @@ class LLMEngine:
         else:
             self.runner = ModelRunner(self.model, self.num_blocks, cc.block_size, self.kv_dtype,
                                       self.device)
+        if self.spec is not None:
+            self.spec.proposer.bind_target(self.block_manager, self.runner)
         self.requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
         self._rng = torch.Generator().manual_seed(config.seed)

@@ -35,6 +35,15 @@ class ModelRunner:
         for layer, (k, v) in zip(model.layers, self.kv_caches):
             layer.self_attn.k_cache, layer.self_attn.v_cache = k, v
 
+    @classmethod
+    def over_bound_caches(cls, model, runner: "ModelRunner") -> "ModelRunner":
+        """A runner for another model whose attention layers are already bound to `runner`'s
+        caches (a draft made of the target's own layers); it allocates nothing."""
+        self = cls.__new__(cls)
+        self.model, self.block_size, self.device = model, runner.block_size, runner.device
+        self.kv_caches = runner.kv_caches
+        return self
+
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: duplicate whole blocks (every layer's K and V) src -> dst."""
         if not copies:

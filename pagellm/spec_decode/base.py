@@ -20,6 +20,10 @@ class Proposer(ABC):
     def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> list[Proposal]:
         """Propose up to num_tokens[i] tokens to follow each sequence's current tokens."""
 
+    def bind_target(self, block_manager, runner) -> None:
+        """The engine's block manager and model runner, once built (for proposers that share
+        the target's cache)."""
+
     def on_verified(self, seq: Sequence) -> None:
         """The target verified seq's proposals; seq.num_computed_tokens is its new valid length."""
 

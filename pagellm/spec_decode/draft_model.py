@@ -45,17 +45,26 @@ class DraftModelProposer(Proposer):
             self.shadows[seq.seq_id] = shadow
         return shadow
 
+    def _start(self, seq: Sequence, k: int) -> Sequence | None:
+        """The shadow that proposes k tokens for seq this step (None: none this step)."""
+        return self._shadow(seq)
+
+    def _room(self, shadow: Sequence, n: int) -> bool:
+        """Cache slots for the shadow's next n tokens (its catch-up, then one per round)."""
+        return self.block_manager.allocate_slots(shadow, n)
+
     def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> list[Proposal]:
         start = time.perf_counter()
         proposals = {s.seq_id: Proposal([], None) for s in seqs}
         probs: dict[int, list[torch.Tensor]] = {s.seq_id: [] for s in seqs}
-        active = [(s, self._shadow(s), k) for s, k in zip(seqs, num_tokens) if k > 0]
+        active = [(s, shadow, k) for s, k in zip(seqs, num_tokens)
+                  if k > 0 and (shadow := self._start(s, k)) is not None]
         rounds = 0
         while active:
             batch, counts = [], []
             for seq, shadow, k in active:
-                n = shadow.num_tokens_to_compute  # catch-up, then one token per round
-                if self.block_manager.allocate_slots(shadow, n):
+                n = shadow.num_tokens_to_compute
+                if self._room(shadow, n):
                     batch.append((seq, shadow, k))
                     counts.append(n)
                 else:
@@ -105,3 +114,76 @@ class DraftModelProposer(Proposer):
         shadow = self.shadows.pop(seq.seq_id, None)
         if shadow is not None:
             self.block_manager.forget(shadow)
+
+
+class EarlyExitModel:
+    """The target's own first N layers, final norm and LM head, called as a model: the same
+    modules (no copy of the weights), bound to the target's KV cache."""
+
+    def __init__(self, target, num_layers: int):
+        self.target, self.config = target, target.config
+        self.layers = target.layers[:num_layers]
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, md) -> torch.Tensor:
+        t = self.target
+        x = t.embed_tokens(input_ids)
+        if t.act_dtype is not None:
+            x = x.to(t.act_dtype)
+        for layer in self.layers:
+            x = layer(positions, x, md)
+        return t.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.target.compute_logits(hidden)
+
+
+class EarlyExitProposer(DraftModelProposer):
+    """A draft made of the target's first N layers (self-speculation, as with early-exit
+    models), sharing the target's weights and its KV cache: the first N layers' KV of the
+    context is the target's own, so the draft never catches up on a context (a separate draft
+    prefills each request's whole context at its first proposals, ~1.5 ms per token on one
+    core for 8 of the default model's 30 layers), and it costs no memory of its own.
+
+    The draft writes its rounds' KV (first N layers) into the slots verification is about to
+    fill, which are taken in the target's cache before the draft runs (the scheduler then
+    finds them there); verification overwrites them with the same values, and the target's
+    rollback returns what was rejected."""
+
+    def __init__(self, target, num_layers: int, eos_token_id, max_model_len: int):
+        self.model = EarlyExitModel(target, num_layers)
+        self.eos_token_id = eos_token_id
+        self.max_model_len = max_model_len
+        self.shadows: dict[int, Sequence] = {}
+        self.rng = torch.Generator().manual_seed(1234)
+        self.last_rounds = 0
+        self.last_seconds = 0.0
+        self.target_blocks: BlockManager | None = None
+        self.runner: ModelRunner | None = None
+
+    def bind_target(self, block_manager: BlockManager, runner: ModelRunner) -> None:
+        self.target_blocks = block_manager
+        self.runner = ModelRunner.over_bound_caches(self.model, runner)
+
+    def _start(self, seq: Sequence, k: int) -> Sequence | None:
+        # Slots for the last token and the k proposals, as the scheduler would take them.
+        if not self.target_blocks.allocate_slots(seq, 1 + k):
+            return None
+        # A shared partly filled block (n > 1 siblings) was just copied for seq: the copy
+        # must hold the context before the draft reads it.
+        self.runner.copy_blocks(self.target_blocks.take_pending_copies())
+        shadow = self._shadow(seq)
+        shadow.block_table = seq.block_table
+        shadow.num_computed_tokens = seq.num_computed_tokens
+        shadow.spec_token_ids = []
+        return shadow
+
+    def _room(self, shadow: Sequence, n: int) -> bool:
+        return True  # taken in _start
+
+    def on_verified(self, seq: Sequence) -> None:
+        shadow = self.shadows.get(seq.seq_id)
+        if shadow is not None:
+            shadow.spec_token_ids = []
+
+    def release(self, seq: Sequence) -> None:
+        self.shadows.pop(seq.seq_id, None)  # the blocks are the target's

@@ -14,7 +14,7 @@ from pagellm.engine.model_runner import kv_bytes_per_block
 from pagellm.models.loader import load_model_files
 from pagellm.models.registry import build_model, may_pack_int4
 from pagellm.spec_decode.decoder import SpecDecoder
-from pagellm.spec_decode.draft_model import DraftModelProposer
+from pagellm.spec_decode.draft_model import DraftModelProposer, EarlyExitProposer
 from pagellm.spec_decode.ngram import NgramProposer
 
 logger = logging.getLogger("pagellm")
@@ -44,6 +44,13 @@ def load_draft(spec: SpeculativeConfig, target_files, target_dtype: torch.dtype,
         return files, build_model(files, dtype, device, max_model_len, draft_q), dtype
 
 
+def shares_target(spec: SpeculativeConfig, target_dtype: torch.dtype, device) -> bool:
+    """Whether the draft can be the target's own first layers, run in place: no other
+    model, the target's dtype, and the whole target in this process."""
+    same_dtype = spec.draft_dtype is None or resolve_dtype(spec.draft_dtype, device) == target_dtype
+    return spec.model is None and same_dtype and parallel.tp_size() == 1
+
+
 def build_spec_decoder(spec: SpeculativeConfig, *, target_files, target_model, target_dtype,
                        device, max_model_len, eos_token_id, kv_budget: int, block_size: int,
                        quantization: str | None = None, kv_cache_dtype: str = "auto"):
@@ -55,6 +62,16 @@ def build_spec_decoder(spec: SpeculativeConfig, *, target_files, target_model, t
         num_blocks = kv_budget // t_block
         proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
         logger.info("speculative decoding: n-gram lookup, k=%d", spec.num_speculative_tokens)
+    elif shares_target(spec, target_dtype, device):
+        num_blocks = kv_budget // t_block
+        n = min(spec.draft_num_layers or 10**9, target_files.config.num_hidden_layers)
+        proposer = EarlyExitProposer(target_model, n, eos_token_id, max_model_len)
+        logger.info(
+            "speculative decoding: draft = the target's first %d of %d layers, sharing its "
+            "weights and KV cache (no memory of its own), k=%d. Memory: weights %.0f MiB + "
+            "KV %.0f MiB", n, target_files.config.num_hidden_layers,
+            spec.num_speculative_tokens, target_model.weight_bytes() / 2**20,
+            num_blocks * t_block / 2**20)
     else:
         files, draft, dtype = load_draft(spec, target_files, target_dtype, device, max_model_len,
                                          quantization)
