@@ -209,6 +209,29 @@ def test_draft_probe_at_batch_uses_one_sequence():
     assert 1 not in ctl.walls[8].seconds and ctl.walls[8].seconds[0] == 0.05
 
 
+def test_unmeasured_k_is_not_cheaper_than_the_measured_line():
+    """Batch 16: plain steps 80 ms, k=1 250 ms (rows past the packed kernels' sweet spot).
+    The forward-time model, fitted on prefill chunks too, calls k=4 only 1.25x a k=1 step;
+    the measured line says 0.08 + 4 * 0.17. With copy-like acceptance k=4 must not look like a
+    gain (a cold start used to try each unmeasured k once, ~300 ms extra each)."""
+    ctl = AdaptiveK(max_k=4, scores_unverified=True)
+    ctl.observe_step(16, 0.08)
+    ctl.observe_step(2048, 1.0)  # a prefill chunk
+    for _ in range(2):
+        ctl.observe_decode_step(16, 0.08, 0, 16)
+    ctl.observe_decode_step(16, 0.25, 1, 30)
+    walls = ctl.walls[16]
+    assert ctl._wall(walls, 16, 4) == pytest.approx(0.08 + 4 * 0.17)
+    assert ctl._wall(walls, 16, 1) == 0.25
+    seqs = [Sequence(i, str(i), 0, [1, 2], SamplingParams(), None) for i in range(16)]
+    for seq in seqs:
+        for _ in range(3):
+            ctl.observe_acceptance(seq, 4, 4)
+    assert ctl.choose(seqs, [4] * 16) == [0] * 16
+    ctl.observe_decode_step(16, 0.50, 3, 40)  # measured k on both sides: in between, a line
+    assert ctl._wall(walls, 16, 2) == pytest.approx(0.375)
+
+
 @pytest.mark.parametrize("unverified", [False, True], ids=["verified only", "scores unverified"])
 @pytest.mark.parametrize("case", ["useless draft b1", "kernel switch b16", "hidden cost b4"])
 def test_adaptive_never_much_slower_than_off(case, unverified):

@@ -17,15 +17,19 @@ Two layers, measurements overruling the model:
 2. Measured steps (StepWalls). Per batch size and per k (0: plain decoding), the wall time
    of whole engine steps is averaged: draft rounds, verification, sampling, everything the
    model does not see. Where a k was measured, its time replaces the model's estimate (other
-   k scale the nearest measured one by the model's cost ratio), so k is the argmax of
-   sum of E(alpha_s, k) over the batch / W(k). Step times, unlike tokens per step, do not
-   depend on luck in acceptance: a few samples pin them down.
+   k scale the nearest measured one by the model's cost ratio, never below the straight line
+   through measured ones), so k is the argmax of sum of E(alpha_s, min(k, avail_s)) over the
+   batch / W(k), avail_s: the proposals sequence s has (a free proposer looks first). Step
+   times, unlike tokens per step, do not depend on luck in acceptance: a few samples pin
+   them down.
 
 Probes keep both sides fresh: while speculating, a plain step now and then (the context grows
 and the machine is shared) and the runner-up k; while not, a step with the most promising k
-now and then, since acceptance is learnt only from proposals. A side expected r times slower per token is probed
-every (r - 1) / 2% steps (at least MIN_PROBE_EVERY, at most MAX_PROBE_EVERY), so probes cost
-about 2% of the time.
+now and then. A probe whose step takes s times as long as the ones in use and delivers r times
+fewer tokens per second loses s (1 - 1/r) steps, so it comes every s (1 - 1/r) / 2% steps (at
+least MIN_PROBE_EVERY, at most MAX_PROBE_EVERY) and probes cost about 2% of the time. Where
+held-back proposals are scored against the emitted tokens (n-gram: proposing is free),
+acceptance stays fresh without probes, which then only re-time steps: 0.5%.
 """
 from __future__ import annotations
 
@@ -274,19 +278,23 @@ class AdaptiveK:
             # Acceptance is learnt only from proposals: now and then the most promising k,
             # spaced so that its expected loss is about _PROBE_LOSS of the time.
             probe = max(range(1, self.max_k + 1), key=lambda j: rates[j])
-            wait = min(walls.backoff * self._wait(rates[0] / rates[probe], self._probe_loss()),
+            wait = min(walls.backoff * self._wait(self._wall(walls, batch, probe) / w0,
+                                                  rates[0] / rates[probe], self._probe_loss()),
                        MAX_PROBE_EVERY)
             if min(walls.since(j) for j in range(1, self.max_k + 1)) >= wait:
                 k = probe
                 walls.probing = True
-        elif walls.since(0) >= self._wait(rates[best] / rates[0]):
+        elif walls.since(0) >= self._wait(w0 / self._wall(walls, batch, best),
+                                          rates[best] / rates[0]):
             k = 0  # re-measure plain decoding (the context grows, the machine is shared)
         else:
             # The runner-up k is re-measured too: a step time measured once in a noisy moment
             # would otherwise keep a better k unused for good.
             alt = max((j for j in range(1, self.max_k + 1) if j != best), key=lambda j: rates[j],
                       default=None)
-            if alt is not None and walls.since(alt) >= self._wait(rates[best] / rates[alt]):
+            if alt is not None and walls.since(alt) >= self._wait(
+                    self._wall(walls, batch, alt) / self._wall(walls, batch, best),
+                    rates[best] / rates[alt]):
                 k = alt
         if k == 0:
             return [0] * batch
@@ -310,12 +318,27 @@ class AdaptiveK:
         return ks if any(ks) else [k] * batch
 
     def _wall(self, walls: StepWalls, batch: int, k: int) -> float:
-        """A step's wall time with k proposals: measured, or the nearest smaller k's measured
-        time scaled by the model's cost ratio."""
-        if k in walls.seconds:
-            return walls.seconds[k]
-        near = max(j for j in walls.seconds if j < k)
-        return walls.seconds[near] * self._cost(batch, k) / self._cost(batch, near)
+        """A step's wall time with k proposals: measured; else the nearest smaller k's
+        measured time scaled by the model's cost ratio, but never below the straight line
+        through the measured k around it (or the two largest below it). Each proposal adds
+        about the same rows' worth of time, and the model, fitted on every step size
+        including prefill chunks, underrated verification at batch 16 by 2-3x: each unmeasured
+        k looked cheap once, and a cold start tried them all (~300 ms extra each)."""
+        seconds = walls.seconds
+        if k in seconds:
+            return seconds[k]
+        below = sorted(j for j in seconds if j < k)
+        near = below[-1]
+        scaled = seconds[near] * self._cost(batch, k) / self._cost(batch, near)
+        above = [j for j in seconds if j > k]
+        if above:
+            lo, hi = near, min(above)
+        elif len(below) >= 2:
+            lo, hi = below[-2], near
+        else:
+            return scaled
+        line = seconds[lo] + (seconds[hi] - seconds[lo]) * (k - lo) / (hi - lo)
+        return max(scaled, line) if not above else line
 
     def _probe_loss(self) -> float:
         """Share of the time probes of speculation may cost while it is off: a quarter of
@@ -323,10 +346,12 @@ class AdaptiveK:
         return _PROBE_LOSS / 4 if self.scores_unverified else _PROBE_LOSS
 
     @staticmethod
-    def _wait(ratio: float, loss: float = _PROBE_LOSS) -> float:
-        """Steps between probes of a side `ratio` times worse than the one in use, so that
-        they cost about `loss` of the time."""
-        return min(max(MIN_PROBE_EVERY, (ratio - 1) / loss), MAX_PROBE_EVERY)
+    def _wait(step_ratio: float, ratio: float, loss: float = _PROBE_LOSS) -> float:
+        """Steps between probes of a side whose steps take step_ratio times as long as the
+        ones in use and deliver `ratio` times fewer tokens per second, so that probes cost
+        about `loss` of the time: a probe step loses step_ratio * (1 - 1 / ratio) steps."""
+        per_probe = step_ratio * (1 - 1 / ratio) if ratio > 0 else step_ratio
+        return min(max(MIN_PROBE_EVERY, per_probe / loss), MAX_PROBE_EVERY)
 
     def summary(self) -> dict:
         """The controller's state, for benchmarks and logs."""
