@@ -35,6 +35,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-speculative-tokens", type=int, default=4)
     g.add_argument("--speculative-draft-dtype", default=None,
                    help="dtype of the draft (e.g. the target's own weights in bfloat16)")
+    g.add_argument("--speculative-draft-num-layers", type=int, default=None,
+                   help="keep the draft's first N layers (without --speculative-model: the "
+                        "target's own first N layers, sharing its weights and KV cache)")
+    g.add_argument("--speculative-fixed-k", action="store_true",
+                   help="always propose --num-speculative-tokens (no adaptive controller)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -42,7 +47,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     if args.speculative_method:
         spec = {"method": args.speculative_method, "model": args.speculative_model,
                 "num_speculative_tokens": args.num_speculative_tokens,
-                "draft_dtype": args.speculative_draft_dtype}
+                "draft_dtype": args.speculative_draft_dtype,
+                "draft_num_layers": args.speculative_draft_num_layers,
+                "adaptive": not args.speculative_fixed_k}
     return dict(
         model=getattr(args, "model", None) or args.model_opt, dtype=args.dtype,
         device=args.device, block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,

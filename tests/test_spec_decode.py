@@ -203,10 +203,36 @@ def test_draft_probe_at_batch_uses_one_sequence():
     seqs = [Sequence(i, str(i), 0, [1] * (40 - i), SamplingParams(), None) for i in range(8)]
     ctl.observe_step(8, 0.05)
     ctl.observe_decode_step(8, 0.05, 0, 8)
-    ks = ctl.choose(seqs)
+    for _ in range(20):  # plain steps until the first probe
+        ks = ctl.choose(seqs)
+        if any(ks):
+            break
+        ctl.observe_decode_step(8, 0.05, 0, 8)
     assert sorted(ks) == [0] * 7 + [ks[7]] and ks[7] >= 1  # seq 7 has the fewest tokens
     ctl.observe_decode_step(8, 5.0, max(ks), 8)  # its catch-up: not the batch's step time
     assert 1 not in ctl.walls[8].seconds and ctl.walls[8].seconds[0] == 0.05
+
+
+def test_draft_needs_a_clear_predicted_gain_before_a_whole_batch_step():
+    """Batch 16, draft model, only plain steps measured: a modest predicted gain (the
+    forward-time model knows only step sizes up to 16) is no reason for a whole-batch draft
+    step; at most one sequence probes."""
+    ctl = AdaptiveK(max_k=4, draft_cost=True)
+    for n in (8, 16):
+        ctl.observe_step(n, 0.07)  # flat up to 16 rows: the model extrapolates it flat
+    ctl.observe_draft(1, 0.01)
+    ctl.observe_decode_step(16, 0.07, 0, 16)
+    seqs = [Sequence(i, str(i), 0, [1, 2], SamplingParams(), None) for i in range(16)]
+    for seq in seqs:  # acceptance about 0.3: the model predicts ~1.1x
+        ctl.observe_acceptance(seq, 2, 0)
+        ctl.observe_acceptance(seq, 2, 1)
+    rates = [sum(ctl.expected(ctl.seq_alpha[s.seq_id], k) for s in seqs)
+             / ctl._wall(ctl.walls[16], 16, k) for k in range(5)]
+    assert 1.02 < max(rates[1:]) / rates[0] < 1.25
+    for _ in range(20):
+        ks = ctl.choose(seqs)
+        assert sum(k > 0 for k in ks) <= 1, ks
+        ctl.observe_decode_step(16, 0.07, max(ks), 16)
 
 
 def test_unmeasured_k_is_not_cheaper_than_the_measured_line():
@@ -402,6 +428,31 @@ def test_speculation_respects_max_tokens_stop_and_seed(tiny_pair):
     b = llm.generate(PROMPTS, sampled, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
     assert all(len(o.outputs[0].logprobs) == 12 for o in a)
+
+
+def test_cli_flags_build_the_early_exit_draft(tiny_pair):
+    import argparse
+
+    from pagellm.cli import add_engine_args, engine_kwargs
+    from pagellm.spec_decode.draft_model import EarlyExitProposer
+
+    path, _ = tiny_pair
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    args = p.parse_args(["--model", path, "--dtype", "float32", "--kv-cache-memory", "1MiB",
+                         "--speculative-method", "draft_model", "--num-speculative-tokens", "2",
+                         "--speculative-draft-num-layers", "1", "--speculative-fixed-k"])
+    kw = engine_kwargs(args)
+    assert kw["speculative_config"]["draft_num_layers"] == 1
+    assert kw["speculative_config"]["adaptive"] is False
+    kw["model"] = path
+    llm = LLM(**kw)
+    proposer = llm.engine.spec.proposer
+    assert isinstance(proposer, EarlyExitProposer) and len(proposer.model.layers) == 1
+    assert proposer.model.layers[0] is llm.engine.model.layers[0]  # the same module, in place
+    out = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=6),
+                       use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 6 and llm.engine.spec.stats.num_drafts > 0
 
 
 def test_mismatched_vocab_refused(tiny_pair):

@@ -219,7 +219,7 @@ class LLMEngine:
         start = time.perf_counter()
         logits = self.runner.execute(out, rows)
         if self.spec is not None:
-            self.spec.observe_step(out.total_tokens, time.perf_counter() - start)
+            self.spec.observe_step(out.total_tokens, time.perf_counter() - start, len(out.seqs))
         for seq, n in zip(out.seqs, out.num_tokens):
             seq.num_computed_tokens += n
         touched = self._process_samples(owners, logits)
