@@ -98,6 +98,7 @@ class StepWalls:
     def __init__(self):
         self.seconds: dict[int, float] = {}
         self.tokens: dict[int, float] = {}  # tokens emitted per step, averaged like seconds
+        self.rows: dict[int, float] = {}  # proposals verified per step (extra rows), likewise
         self.count: dict[int, int] = {}
         self.num_observed = 0
         self.last: dict[int, int] = {}  # observation number of each k's latest measurement
@@ -108,7 +109,7 @@ class StepWalls:
         self.backoff = 1
         self.probing = False
 
-    def observe(self, k: int, seconds: float, tokens: float) -> None:
+    def observe(self, k: int, seconds: float, tokens: float, rows: int | None = None) -> None:
         # Tokens per step follow the workload, a step's time does not: a probe after a long
         # pause replaces the old token count instead of averaging into it.
         stale = self.since(k) > MIN_PROBE_EVERY
@@ -116,6 +117,8 @@ class StepWalls:
         self.seconds[k] = _average(self.seconds.get(k, seconds), seconds, self.count[k])
         self.tokens[k] = tokens if stale else _average(self.tokens.get(k, tokens), tokens,
                                                        self.count[k])
+        if rows is not None:
+            self.rows[k] = _average(self.rows.get(k, rows), rows, self.count[k])
         self.num_observed += 1
         self.last[k] = self.num_observed
 
@@ -166,7 +169,8 @@ class AdaptiveK:
             self.draft_round_time = per if not self.draft_round_time else (
                 (1 - _EMA) * self.draft_round_time + _EMA * per)
 
-    def observe_decode_step(self, batch: int, seconds: float, k: int, tokens: int) -> None:
+    def observe_decode_step(self, batch: int, seconds: float, k: int, tokens: int,
+                            rows: int | None = None) -> None:
         """A whole engine step over `batch` decoding sequences (no prefill work in it) took
         `seconds` and emitted `tokens`; k: the most proposals any sequence had (0: none)."""
         if self.enabled and batch:
@@ -175,7 +179,7 @@ class AdaptiveK:
                 walls.num_observed += 1
                 walls.last[k] = walls.num_observed
             else:
-                walls.observe(k, seconds, tokens)
+                walls.observe(k, seconds, tokens, rows)
         self._partial_probe = False
 
     def observe_acceptance(self, seq: Sequence, num_draft: int, num_accepted: int) -> None:
@@ -253,8 +257,9 @@ class AdaptiveK:
             return [0] * batch  # a new batch size: measure plain decoding first
         # Expected tokens per second for each k: measured step walls where known, else the
         # model's relative cost applied to the measured plain step.
-        rates = [sum(self.expected(al, min(k, n)) for al, n in zip(alphas, avail))
-                 / self._wall(walls, batch, k) for k in range(self.max_k + 1)]
+        walls_k = [self._wall(walls, batch, k, avail) for k in range(self.max_k + 1)]
+        rates = [sum(self.expected(al, min(k, n)) for al, n in zip(alphas, avail)) / walls_k[k]
+                 for k in range(self.max_k + 1)]
         for k in range(1, self.max_k + 1) if not self.scores_unverified else ():
             # The tokens per second a k actually delivered overrule the acceptance model
             # when lower: per-sequence estimates lag behind a change of workload (a chat
@@ -283,13 +288,13 @@ class AdaptiveK:
             # Acceptance is learnt only from proposals: now and then the most promising k,
             # spaced so that its expected loss is about _PROBE_LOSS of the time.
             probe = max(range(1, self.max_k + 1), key=lambda j: rates[j])
-            wait = min(walls.backoff * self._wait(self._wall(walls, batch, probe) / w0,
+            wait = min(walls.backoff * self._wait(walls_k[probe] / w0,
                                                   rates[0] / rates[probe], self._probe_loss()),
                        MAX_PROBE_EVERY)
             if min(walls.since(j) for j in range(1, self.max_k + 1)) >= wait:
                 k = probe
                 walls.probing = True
-        elif walls.since(0) >= self._wait(w0 / self._wall(walls, batch, best),
+        elif walls.since(0) >= self._wait(w0 / walls_k[best],
                                           rates[best] / rates[0]):
             k = 0  # re-measure plain decoding (the context grows, the machine is shared)
         else:
@@ -298,7 +303,7 @@ class AdaptiveK:
             alt = max((j for j in range(1, self.max_k + 1) if j != best), key=lambda j: rates[j],
                       default=None)
             if alt is not None and walls.since(alt) >= self._wait(
-                    self._wall(walls, batch, alt) / self._wall(walls, batch, best),
+                    walls_k[alt] / walls_k[best],
                     rates[best] / rates[alt]):
                 k = alt
         if k == 0:
@@ -317,12 +322,25 @@ class AdaptiveK:
             return [k] * batch
         # A sequence pays for its k rows when the tokens they add on average, E(k) - 1, beat
         # their share of the step's extra time, in units of a plain step per sequence.
-        extra = (self._wall(walls, batch, k) - w0) / w0
-        ks = [k if self.expected(al, min(k, n)) - 1 > extra else 0
+        rows = sum(min(k, n) for n in avail) or 1
+        per_row = (walls_k[k] - w0) / rows * batch / w0  # in plain steps per sequence
+        ks = [k if self.expected(al, min(k, n)) - 1 > min(k, n) * per_row else 0
               for al, n in zip(alphas, avail)]
         return ks if any(ks) else [k] * batch
 
-    def _wall(self, walls: StepWalls, batch: int, k: int) -> float:
+    def _wall(self, walls: StepWalls, batch: int, k: int,
+              avail: list[int] | None = None) -> float:
+        """_wall_k for a step whose sequences have `avail` proposals each (None: k each):
+        a step's extra time grows with the rows verified, and a free proposer's steps with
+        the same k verify 4 rows or 64 as few or many sequences have a proposal."""
+        wall = self._wall_k(walls, batch, k)
+        measured = walls.rows.get(k)
+        if k == 0 or avail is None or not measured:
+            return wall
+        w0 = walls.seconds[0]
+        return w0 + (wall - w0) * sum(min(k, n) for n in avail) / measured
+
+    def _wall_k(self, walls: StepWalls, batch: int, k: int) -> float:
         """A step's wall time with k proposals: measured; else the nearest smaller k's
         measured time scaled by the model's cost ratio, but never below the straight line
         through the measured k around it (or the two largest below it). Each proposal adds

@@ -63,7 +63,7 @@ class SpecDecoder:
         self.eos_token_id = eos_token_id
         self.stats = SpecStats(max_k)
         self._q: dict[int, torch.Tensor | None] = {}
-        self._step = (0, 0)  # (decoding sequences, most proposals) of the current step
+        self._step = (0, 0, 0)  # (decoding sequences, most proposals, all proposals) this step
         # Free proposers: per sequence, a proposal not verified (output index it was made at,
         # tokens), scored against the emitted tokens; and how many were scored so.
         self._unverified: dict[int, tuple[int, list[int]]] = {}
@@ -104,7 +104,8 @@ class SpecDecoder:
             seq.spec_token_ids = list(prop.token_ids)
             if prop.token_ids:
                 self._q[seq.seq_id] = prop.probs
-        self._step = (len(decoding), max((len(p.token_ids) for p in proposals), default=0))
+        self._step = (len(decoding), max((len(p.token_ids) for p in proposals), default=0),
+                      sum(len(p.token_ids) for p in proposals))
         self._verified = [0, 0]  # this step's verified sequences and the tokens they emitted
 
     def _score_unverified(self, seqs: list[Sequence]) -> None:
@@ -139,10 +140,11 @@ class SpecDecoder:
     def observe_engine_step(self, num_seqs: int, seconds: float) -> None:
         """The whole engine step (proposing included) ran num_seqs sequences in `seconds`;
         counted when every one of them was decoding."""
-        decoding, k = self._step
+        decoding, k, rows = self._step
         if num_seqs and num_seqs == decoding:
             seqs, tokens = self._verified
-            self.controller.observe_decode_step(decoding, seconds, k, decoding - seqs + tokens)
+            self.controller.observe_decode_step(decoding, seconds, k, decoding - seqs + tokens,
+                                                rows)
 
     def verify(self, seqs: list[Sequence], logits: list[torch.Tensor],
                rng: torch.Generator) -> list[Verified]:
