@@ -277,14 +277,14 @@ def test_unmeasured_k_is_not_cheaper_than_the_measured_line():
     assert ctl._wall(walls, 16, 2) == pytest.approx(0.375)
 
 
-@pytest.mark.parametrize("unverified", [False, True], ids=["verified only", "scores unverified"])
-@pytest.mark.parametrize("case", ["useless draft b1", "kernel switch b16", "hidden cost b4"])
+@pytest.mark.parametrize("case,unverified", [
+    ("useless draft b1", False),  # a draft model's proposals are never free: always verified
+    ("kernel switch b16", False), ("kernel switch b16", True),
+    ("hidden cost b4", False), ("hidden cost b4", True)])
 def test_adaptive_never_much_slower_than_off(case, unverified):
     """Synthetic engines where speculation cannot pay: the controller costs < 5% over 400 steps
     (and much less where unverified proposals teach it acceptance: only timing probes)."""
     if case == "useless draft b1":
-        if unverified:
-            pytest.skip("a draft model's proposals are never free")
         ctl, kw = AdaptiveK(max_k=4, draft_cost=True), dict(
             batch=1, forward=MEMORY_BOUND, accept=0.02, draft_round=0.015)
     elif case == "kernel switch b16":  # a step model a + b n would keep speculating here
@@ -296,7 +296,6 @@ def test_adaptive_never_much_slower_than_off(case, unverified):
     off = kw["forward"](kw["batch"]) / kw["batch"]  # plain decoding, seconds per token
     ks = []
     got = simulate(ctl, steps=400, spec_steps=ks, **kw)
-    print(case, unverified, got / off, sum(k > 0 for k in ks))
     assert got < off / 0.95, (got, off)
     if unverified:
         assert got < off / 0.98, (got, off)
