@@ -105,11 +105,12 @@ class LlamaForCausalLM(nn.Module):
         input_ids: torch.Tensor,  # [num_tokens]
         positions: torch.Tensor,  # [num_tokens]
         md: AttentionMetadata,
+        num_layers: int | None = None,  # only the first ones (an early-exit draft)
     ) -> torch.Tensor:  # [num_tokens, hidden]
         x = self.embed_tokens(input_ids)
         if self.act_dtype is not None:
             x = x.to(self.act_dtype)
-        for layer in self.layers:
+        for layer in self.layers[:num_layers]:
             x = layer(positions, x, md)
         return self.norm(x)
 

@@ -125,13 +125,7 @@ class EarlyExitModel:
         self.layers = target.layers[:num_layers]
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, md) -> torch.Tensor:
-        t = self.target
-        x = t.embed_tokens(input_ids)
-        if t.act_dtype is not None:
-            x = x.to(t.act_dtype)
-        for layer in self.layers:
-            x = layer(positions, x, md)
-        return t.norm(x)
+        return self.target(input_ids, positions, md, num_layers=len(self.layers))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.target.compute_logits(hidden)
