@@ -92,24 +92,40 @@ def test_one_hot_acceptance_has_the_emission_probability():
     assert ((rate - p_row).abs() < 4 * sigma + 1e-6).all(), (rate, p_row)
 
 
+def ngram_scan(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
+    """Reference: the up-to-k tokens following the most recent earlier match of the longest
+    tail n-gram, by a plain scan of every window."""
+    length = len(tokens)
+    for n in range(min(max_n, length - 1), min_n - 1, -1):
+        tail = tokens[length - n:]
+        hits = [i for i in range(length - n) if tokens[i:i + n] == tail]
+        if hits:
+            return tokens[hits[-1] + n:hits[-1] + n + k]
+    return []
+
+
 def test_ngram_index_equals_the_scan():
     import random
 
-    from pagellm.spec_decode.ngram import NgramIndex, ngram_lookup
+    from pagellm.spec_decode.ngram import NgramIndex
 
+    assert ngram_scan([1, 2, 3, 4, 9, 2, 3], 1, 3, 3) == [4, 9, 2]  # the docstring's example
     rng = random.Random(0)
     for _ in range(200):
-        vocab, length = rng.choice([2, 4, 30]), rng.randrange(1, 60)
+        vocab, length = rng.choice([2, 4, 30]), rng.randrange(2, 60)
         tokens = [rng.randrange(vocab) for _ in range(length)]
+        num_prompt = rng.randrange(1, length)
         lo = rng.randint(1, 3)
         hi = rng.randint(lo, 5)
         index = NgramIndex(lo, hi)
-        for end in range(1, length + 1):  # the sequence grows one token at a time
+        output: list[int] = []
+        for end in range(num_prompt, length + 1):  # the output grows, sometimes by several
+            output.extend(tokens[num_prompt + len(output):end])
+            if rng.random() < 0.3 and end < length:
+                continue
             k = rng.randint(1, 5)
-            assert index.lookup(tokens[:end], k) == ngram_lookup(tokens[:end], lo, hi, k)
-    index = NgramIndex(1, 2)  # tokens replaced, not extended: rebuilt
-    assert index.lookup([1, 2, 3, 1, 2], 2) == [3, 1]
-    assert index.lookup([7, 8, 7], 2) == [8, 7]
+            assert index.lookup(tokens[:num_prompt], output, k) == \
+                ngram_scan(tokens[:num_prompt] + output, lo, hi, k)
 
 
 def test_unverified_ngram_proposals_are_scored_against_emitted_tokens():
@@ -429,6 +445,28 @@ def test_early_exit_draft_reads_copied_blocks_of_parallel_samples(tiny_pair):
     assert [[c.token_ids for c in o.outputs] for o in outs] == \
         [[c.token_ids for c in o.outputs] for o in base]
     stats = llm.engine.spec.stats
+    assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens == stats.num_draft_tokens
+
+
+def test_early_exit_lookahead_blocks_follow_the_token_budget(tiny_pair):
+    """The early-exit draft takes its verification slots before the scheduler runs; when the
+    token budget then verifies fewer proposals, the blocks past what is computed go back:
+    after every step each request holds exactly the blocks its computed tokens need."""
+    path, _ = tiny_pair
+    # budget 5: the first request verifies 3 proposals (4 tokens), the next fits 1 token,
+    # its proposals are all dropped and it decodes plainly
+    llm = LLM(path, dtype="float32", kv_cache_memory=2**20, block_size=2,
+              max_num_batched_tokens=5, speculative_config=SPECS["draft_self"])
+    engine = llm.engine
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=16,
+                                                          ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+        for seq in engine.scheduler.running:
+            if not seq.spec_token_ids and seq.num_computed_tokens:
+                assert len(seq.block_table) == -(-seq.num_computed_tokens // 2), seq.seq_id
+    stats = engine.spec.stats
     assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens == stats.num_draft_tokens
 
 

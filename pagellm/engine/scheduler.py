@@ -70,9 +70,11 @@ class Scheduler:
                 i += 1
                 continue
             if seq.spec_token_ids and num < seq.num_tokens_to_compute:
-                # Out of budget for all proposals: verify only those that fit.
+                # Out of budget for all proposals: verify only those that fit, and return the
+                # slots of the others if a proposer took them ahead (the early-exit draft).
                 fit = num - (seq.num_tokens - seq.num_computed_tokens)
                 seq.spec_token_ids = seq.spec_token_ids[: max(fit, 0)]
+                self.block_manager.truncate(seq, seq.num_computed_tokens + num)
             while not self.block_manager.allocate_slots(seq, num):
                 victim = self.running.pop()  # newest first
                 self._preempt(victim, out)

@@ -22,9 +22,13 @@ from pagellm.spec_decode.base import Proposal, Proposer
 class DraftModelProposer(Proposer):
     def __init__(self, model, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device, eos_token_id: int | set[int] | None, max_model_len: int):
-        self.model = model
+        self._init_rounds(model, eos_token_id, max_model_len)
         self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
         self.runner = ModelRunner(model, num_blocks, block_size, dtype, device)
+
+    def _init_rounds(self, model, eos_token_id, max_model_len: int) -> None:
+        """What the proposal rounds use, whichever cache the draft writes to."""
+        self.model = model
         self.eos_token_id = eos_token_id
         self.max_model_len = max_model_len
         self.shadows: dict[int, Sequence] = {}
@@ -140,17 +144,12 @@ class EarlyExitProposer(DraftModelProposer):
 
     The draft writes its rounds' KV (first N layers) into the slots verification is about to
     fill, which are taken in the target's cache before the draft runs (the scheduler then
-    finds them there); verification overwrites them with the same values, and the target's
-    rollback returns what was rejected."""
+    finds them there, and returns those its token budget leaves unverified); verification
+    overwrites them with the same values, and the target's rollback returns what was
+    rejected."""
 
     def __init__(self, target, num_layers: int, eos_token_id, max_model_len: int):
-        self.model = EarlyExitModel(target, num_layers)
-        self.eos_token_id = eos_token_id
-        self.max_model_len = max_model_len
-        self.shadows: dict[int, Sequence] = {}
-        self.rng = torch.Generator().manual_seed(1234)
-        self.last_rounds = 0
-        self.last_seconds = 0.0
+        self._init_rounds(EarlyExitModel(target, num_layers), eos_token_id, max_model_len)
         self.target_blocks: BlockManager | None = None
         self.runner: ModelRunner | None = None
 
