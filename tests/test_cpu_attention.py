@@ -33,9 +33,9 @@ def _reference(q, k_cache, v_cache, tables, seq_lens, qlens, scale):
     return out
 
 
-def _case(block_size, kvh, group, seq_lens, qlens, seed=0):
+def _case(block_size, kvh, group, seq_lens, qlens, seed=0, d=16):
     g = torch.Generator().manual_seed(seed)
-    d, nb = 16, 160
+    nb = 160
     backend = TorchPagedAttention()
     k_cache = backend.allocate_kv_cache(nb, block_size, kvh, d, torch.float32, torch.device("cpu"))
     v_cache = backend.allocate_kv_cache(nb, block_size, kvh, d, torch.float32, torch.device("cpu"))
@@ -66,6 +66,28 @@ def test_native_attention_matches_reference(block_size, kvh, group):
     assert cpu_attention.usable(q, kc.permute(2, 0, 1, 3))
     out = backend.forward(q, kc, vc, md, 0.25)
     ref = _reference(q, kc, vc, tables, seq_lens, qlens, 0.25)
+    assert torch.allclose(out.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("d", [8, 20, 40, 64, 128])
+def test_head_sizes_take_every_vector_path(d):
+    """head_dim 64 and 128 (the 32-wide register blocks of V), 40 and 8 (the 8-wide tail),
+    20 (not a multiple of 8: the plain loops); key counts not a multiple of 4 included."""
+    seq_lens, qlens = [1, 38, 23, 70], [1, 2, 5, 4]
+    backend, q, kc, vc, md, tables = _case(16, 3, 3, seq_lens, qlens, seed=d, d=d)
+    out = backend.forward(q, kc, vc, md, d ** -0.5)
+    ref = _reference(q, kc, vc, tables, seq_lens, qlens, d ** -0.5)
+    assert torch.allclose(out.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_softmax_of_far_apart_scores():
+    """Scores spread over ~200 (exp of the smallest underflows; the vectorized exp clamps):
+    still the reference's probabilities."""
+    seq_lens, qlens = [45], [3]
+    backend, q, kc, vc, md, tables = _case(16, 1, 2, seq_lens, qlens, seed=3, d=64)
+    kc.mul_(4.0)
+    out = backend.forward(q * 4.0, kc, vc, md, 1.0)
+    ref = _reference(q * 4.0, kc, vc, tables, seq_lens, qlens, 1.0)
     assert torch.allclose(out.double(), ref, atol=1e-5, rtol=1e-5)
 
 

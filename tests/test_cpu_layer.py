@@ -64,7 +64,10 @@ def test_fused_layer_matches_module_path():
 
 def test_fused_layer_output_equals_module_output_per_step():
     """Each fused call against the module path on a copy of the same input and step: equal
-    up to float32 rounding (relative to the residual stream's largest value)."""
+    up to float32 rounding (relative to the residual stream's largest value). A rounding
+    difference (vectorized exp, summation order) can move an activation across one int16
+    quantization step, 1/32767 of its row's largest value, hence 1e-4; a wrong formula is
+    off by more than 1e-2."""
     llm = LLM(dtype="bfloat16", kv_cache_memory="32MiB", block_size=4)
     try:
         layer = llm.engine.model.layers[7]
@@ -90,4 +93,4 @@ def test_fused_layer_output_equals_module_output_per_step():
         llm.generate(PROMPTS, sp, use_tqdm=False)
     finally:
         llm.shutdown()
-    assert len(diffs) >= 5 and max(diffs) < 1e-5, diffs
+    assert len(diffs) >= 5 and max(diffs) < 1e-4, diffs

@@ -4,14 +4,17 @@
  * Reads each sequence's K/V in place through its block table: no gathered copy of the context
  * and no padding to the longest sequence of the batch. One task per (sequence, KV head) takes
  * the group of query heads that share that KV head, for every query row of the sequence, so
- * each K and V row is loaded once per task. Query row j of sequence s sits at position
+ * the task's K and V rows come from cache after the first row. Query row j of sequence s sits at position
  * seq_len - query_len + j and sees keys 0 ..= that position (the causal rule of base.py).
- * Scores are exact float32 dot products; softmax subtracts the row maximum, as torch's does.
+ * Scores are float32 dot products; softmax subtracts the row maximum, as torch's does. On AVX2
+ * (head_dim a multiple of 8) each query row streams its visible keys: scores four keys at a
+ * time, a vectorized exp, and the weighted sum of V held in registers.
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include "vec_math.h"
 
 static inline float dot(const float *a, const float *b, int64_t n) {
     float s = 0.f;
@@ -25,6 +28,150 @@ static inline void axpy(float *y, float a, const float *x, int64_t n) {
     for (int64_t i = 0; i < n; i++) y[i] += a * x[i];
 }
 
+#ifdef __AVX2__
+/* p[t] = scale * q . k_t for t < n, keys k_t = kbase + slot[t] * D (D % 8 == 0): four keys
+ * at a time in four accumulators, reduced together by horizontal adds (one dot and its
+ * horizontal sum per key and row cost twice as much). */
+static void scores_avx2(const float *q, const float *kbase, const int64_t *slot, int64_t D,
+                        int64_t n, float scale, float *p) {
+    int64_t t = 0;
+    for (; t + 4 <= n; t += 4) {
+        const float *k0 = kbase + slot[t] * D, *k1 = kbase + slot[t + 1] * D;
+        const float *k2 = kbase + slot[t + 2] * D, *k3 = kbase + slot[t + 3] * D;
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        for (int64_t d = 0; d < D; d += 8) {
+            const __m256 qv = _mm256_loadu_ps(q + d);
+            a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + d), a0);
+            a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k1 + d), a1);
+            a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k2 + d), a2);
+            a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k3 + d), a3);
+        }
+        /* [s0 s1 s2 s3] of the low half + the same of the high half */
+        const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+        const __m128 sum = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+        _mm_storeu_ps(p + t, _mm_mul_ps(sum, _mm_set1_ps(scale)));
+    }
+    for (; t < n; t++) {
+        const float *k = kbase + slot[t] * D;
+        __m256 a = _mm256_setzero_ps();
+        for (int64_t d = 0; d < D; d += 8)
+            a = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(k + d), a);
+        p[t] = scale * hsum8(a);
+    }
+}
+
+/* p[0..n) = exp(p - max), returns their sum. */
+static float softmax_avx2(float *p, int64_t n) {
+    __m256 mv = _mm256_set1_ps(-INFINITY);
+    int64_t t = 0;
+    for (; t + 8 <= n; t += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(p + t));
+    float mx = hmax8(mv);
+    for (int64_t u = t; u < n; u++) mx = p[u] > mx ? p[u] : mx;
+    const __m256 m8 = _mm256_set1_ps(mx);
+    __m256 sv = _mm256_setzero_ps();
+    for (t = 0; t + 8 <= n; t += 8) {
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(p + t), m8));
+        _mm256_storeu_ps(p + t, e);
+        sv = _mm256_add_ps(sv, e);
+    }
+    float sum = hsum8(sv);
+    for (; t < n; t++) { p[t] = expf(p[t] - mx); sum += p[t]; }
+    return sum;
+}
+
+/* out[0..D) = inv * sum_t p[t] v_t over t < n, the output row held in registers 32 values
+ * at a time (an axpy per key loaded and stored the row each time). */
+static void weighted_sum_avx2(const float *p, const float *vbase, const int64_t *slot, int64_t D,
+                              int64_t n, float inv, float *out) {
+    int64_t d0 = 0;
+    for (; d0 + 32 <= D; d0 += 32) {
+        __m256 o0 = _mm256_setzero_ps(), o1 = o0, o2 = o0, o3 = o0;
+        for (int64_t t = 0; t < n; t++) {
+            const float *v = vbase + slot[t] * D + d0;
+            const __m256 w = _mm256_broadcast_ss(p + t);
+            o0 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v), o0);
+            o1 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8), o1);
+            o2 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 16), o2);
+            o3 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 24), o3);
+        }
+        const __m256 s = _mm256_set1_ps(inv);
+        _mm256_storeu_ps(out + d0, _mm256_mul_ps(o0, s));
+        _mm256_storeu_ps(out + d0 + 8, _mm256_mul_ps(o1, s));
+        _mm256_storeu_ps(out + d0 + 16, _mm256_mul_ps(o2, s));
+        _mm256_storeu_ps(out + d0 + 24, _mm256_mul_ps(o3, s));
+    }
+    for (; d0 < D; d0 += 8) {
+        __m256 o = _mm256_setzero_ps();
+        for (int64_t t = 0; t < n; t++)
+            o = _mm256_fmadd_ps(_mm256_broadcast_ss(p + t), _mm256_loadu_ps(vbase + slot[t] * D + d0), o);
+        _mm256_storeu_ps(out + d0, _mm256_mul_ps(o, _mm256_set1_ps(inv)));
+    }
+}
+#endif
+
+/* One (sequence, KV head) task: the query rows of the `group` heads sharing the KV head, for
+ * each of the sequence's ql query rows. */
+static int attend(const float *q, float *out, const float *kc, const float *vc, int64_t H,
+                  int64_t KVH, int64_t D, int64_t NB, int64_t BS, const int32_t *table,
+                  int64_t L, int64_t q0, int64_t ql, int64_t kvh, float scale) {
+    const int64_t group = H / KVH, rows = ql * group;
+    const float *kbase = kc + kvh * NB * BS * D, *vbase = vc + kvh * NB * BS * D;
+#ifdef __AVX2__
+    if (D % 8 == 0) {
+        /* slot of every key once per task, not per key and row */
+        int64_t *slot = malloc(sizeof(int64_t) * (L > 0 ? L : 1));
+        float *p = malloc(sizeof(float) * (L > 0 ? L : 1));
+        if (!slot || !p) { free(slot); free(p); return -1; }
+        for (int64_t t = 0; t < L; t++) slot[t] = (int64_t)table[t / BS] * BS + t % BS;
+        for (int64_t j = 0; j < ql; j++) {
+            const int64_t n = L - ql + j + 1;  /* keys row j sees: positions 0 ..= its own */
+            for (int64_t g = 0; g < group; g++) {
+                const int64_t row = (q0 + j) * H + kvh * group + g;
+                if (n <= 0) { memset(out + row * D, 0, sizeof(float) * D); continue; }
+                scores_avx2(q + row * D, kbase, slot, D, n, scale, p);
+                const float sum = softmax_avx2(p, n);
+                weighted_sum_avx2(p, vbase, slot, D, n, 1.f / sum, out + row * D);
+            }
+        }
+        free(slot); free(p);
+        return 0;
+    }
+#endif
+    /* scores [rows, L], then probabilities in place */
+    float *p = malloc(sizeof(float) * rows * (L > 0 ? L : 1));
+    if (!p) return -1;
+    for (int64_t t = 0; t < L; t++) {
+        const float *k = kbase + (table[t / BS] * BS + t % BS) * D;
+        for (int64_t j = 0; j < ql; j++) {
+            const int64_t visible = L - ql + j;  /* last key position row j sees */
+            for (int64_t g = 0; g < group; g++) {
+                const float *qr = q + ((q0 + j) * H + kvh * group + g) * D;
+                p[(j * group + g) * L + t] = t <= visible ? scale * dot(qr, k, D) : -INFINITY;
+            }
+        }
+    }
+    for (int64_t r = 0; r < rows; r++) {
+        float *pr = p + r * L, mx = -INFINITY, sum = 0.f;
+        for (int64_t t = 0; t < L; t++) mx = pr[t] > mx ? pr[t] : mx;
+        for (int64_t t = 0; t < L; t++) { pr[t] = expf(pr[t] - mx); sum += pr[t]; }
+        const float inv = 1.f / sum;
+        for (int64_t t = 0; t < L; t++) pr[t] *= inv;
+    }
+    for (int64_t j = 0; j < ql; j++)
+        for (int64_t g = 0; g < group; g++)
+            memset(out + ((q0 + j) * H + kvh * group + g) * D, 0, sizeof(float) * D);
+    for (int64_t t = 0; t < L; t++) {
+        const float *v = vbase + (table[t / BS] * BS + t % BS) * D;
+        for (int64_t j = 0; j < ql; j++) {
+            if (t > L - ql + j) continue;
+            for (int64_t g = 0; g < group; g++)
+                axpy(out + ((q0 + j) * H + kvh * group + g) * D, p[(j * group + g) * L + t], v, D);
+        }
+    }
+    free(p);
+    return 0;
+}
+
 /* q, out [T, H, D]; kc, vc [KVH, NB, BS, D]; tables [S, MB]; seq_lens [S]; qstart [S + 1];
  * seqs [n_seqs]: the sequences to attend for (the others are left alone in out).
  * Returns 0, or -1 when out of memory. */
@@ -33,50 +180,16 @@ int paged_attention(const float *q, float *out, const float *kc, const float *vc
                     const int32_t *tables, int64_t MB, const int32_t *seq_lens,
                     const int32_t *qstart, const int32_t *seqs, int64_t n_seqs,
                     float scale, int threads) {
-    const int64_t group = H / KVH;
     int failed = 0;
     #pragma omp parallel for schedule(dynamic) num_threads(threads) if (threads > 1) collapse(2)
     for (int64_t i = 0; i < n_seqs; i++) {
         for (int64_t kvh = 0; kvh < KVH; kvh++) {
-            const int64_t s = seqs[i], L = seq_lens[s], q0 = qstart[s], ql = qstart[s + 1] - q0;
-            const int64_t rows = ql * group;
-            /* scores [rows, L], then probabilities in place */
-            float *p = malloc(sizeof(float) * rows * (L > 0 ? L : 1));
-            if (!p) {
+            const int64_t s = seqs[i], q0 = qstart[s];
+            if (attend(q, out, kc, vc, H, KVH, D, NB, BS, tables + s * MB, seq_lens[s], q0,
+                       qstart[s + 1] - q0, kvh, scale)) {
                 #pragma omp atomic write
                 failed = 1;
-                continue;
             }
-            const int32_t *table = tables + s * MB;
-            for (int64_t t = 0; t < L; t++) {
-                const float *k = kc + ((kvh * NB + table[t / BS]) * BS + t % BS) * D;
-                for (int64_t j = 0; j < ql; j++) {
-                    const int64_t visible = L - ql + j;  /* last key position row j sees */
-                    for (int64_t g = 0; g < group; g++) {
-                        const float *qr = q + ((q0 + j) * H + kvh * group + g) * D;
-                        p[(j * group + g) * L + t] = t <= visible ? scale * dot(qr, k, D) : -INFINITY;
-                    }
-                }
-            }
-            for (int64_t r = 0; r < rows; r++) {
-                float *pr = p + r * L, mx = -INFINITY, sum = 0.f;
-                for (int64_t t = 0; t < L; t++) mx = pr[t] > mx ? pr[t] : mx;
-                for (int64_t t = 0; t < L; t++) { pr[t] = expf(pr[t] - mx); sum += pr[t]; }
-                const float inv = 1.f / sum;
-                for (int64_t t = 0; t < L; t++) pr[t] *= inv;
-            }
-            for (int64_t j = 0; j < ql; j++)
-                for (int64_t g = 0; g < group; g++)
-                    memset(out + ((q0 + j) * H + kvh * group + g) * D, 0, sizeof(float) * D);
-            for (int64_t t = 0; t < L; t++) {
-                const float *v = vc + ((kvh * NB + table[t / BS]) * BS + t % BS) * D;
-                for (int64_t j = 0; j < ql; j++) {
-                    if (t > L - ql + j) continue;
-                    for (int64_t g = 0; g < group; g++)
-                        axpy(out + ((q0 + j) * H + kvh * group + g) * D, p[(j * group + g) * L + t], v, D);
-                }
-            }
-            free(p);
         }
     }
     return failed ? -1 : 0;

@@ -12,6 +12,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include "vec_math.h"
 
 int q4_linear(const float *x, int64_t R, int64_t K, const uint8_t *codes, const float *sm,
               int64_t N, float *y, int threads);
@@ -26,13 +27,29 @@ void rms_norm(const float *x, const float *add, float *x_out, const float *weigh
 /* x * cos + roll(x, half) * signed_sin over each head of one row (the rotate-half layout). */
 static void rotate(float *x, int64_t heads, int64_t hd, const float *cos, const float *ssin) {
     const int64_t half = hd / 2;
-    float tmp[512];
     for (int64_t h = 0; h < heads; h++) {
         float *xh = x + h * hd;
-        for (int64_t i = 0; i < hd; i++) tmp[i] = xh[i];
-        for (int64_t i = 0; i < hd; i++)
-            xh[i] = tmp[i] * cos[i] + tmp[(i + half) % hd] * ssin[i];
+        #pragma omp simd
+        for (int64_t i = 0; i < half; i++) {
+            const float a = xh[i], b = xh[i + half];
+            xh[i] = a * cos[i] + b * ssin[i];
+            xh[i + half] = b * cos[i + half] + a * ssin[i + half];
+        }
     }
+}
+
+/* a[i] = silu(g[i]) * u[i] = g / (1 + exp(-g)) * u */
+static void silu_mul(const float *g, const float *u, float *a, int64_t n) {
+    int64_t i = 0;
+#ifdef __AVX2__
+    for (; i + 8 <= n; i += 8) {
+        const __m256 gv = _mm256_loadu_ps(g + i);
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv));
+        _mm256_storeu_ps(a + i, _mm256_mul_ps(_mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.f), e)),
+                                              _mm256_loadu_ps(u + i)));
+    }
+#endif
+    for (; i < n; i++) a[i] = g[i] / (1.f + expf(-g[i])) * u[i];
 }
 
 int decode_layer(float *x, int64_t T, int64_t D, float eps, const float *norm_in,
@@ -44,7 +61,6 @@ int decode_layer(float *x, int64_t T, int64_t D, float eps, const float *norm_in
                  int64_t BS, const int64_t *slots, const int32_t *tables, int64_t MB,
                  const int32_t *seq_lens, const int32_t *qstart, const int32_t *seqs,
                  int64_t n_seqs, float scale, int threads) {
-    if (hd > 512) return -2;
     const int64_t nq = H * hd, nkv = KVH * hd, nqkv = nq + 2 * nkv;
     const int64_t width = nqkv > 2 * I ? nqkv : 2 * I;
     float *h = malloc(sizeof(float) * T * D), *y = malloc(sizeof(float) * T * width);
@@ -71,11 +87,7 @@ int decode_layer(float *x, int64_t T, int64_t D, float eps, const float *norm_in
     if (q4_linear(a, T, nq, o_codes, o_sm, D, d, threads)) goto done;
     rms_norm(x, d, x, norm_post, h, T, D, eps);  /* x += attention; h = norm(x) */
     if (q4_linear(h, T, D, gu_codes, gu_sm, 2 * I, y, threads)) goto done;
-    for (int64_t t = 0; t < T; t++)
-        for (int64_t i = 0; i < I; i++) {
-            const float g = y[t * 2 * I + i], u = y[t * 2 * I + I + i];
-            a[t * I + i] = g / (1.f + expf(-g)) * u;
-        }
+    for (int64_t t = 0; t < T; t++) silu_mul(y + t * 2 * I, y + t * 2 * I + I, a + t * I, I);
     if (q4_linear(a, T, I, down_codes, down_sm, D, d, threads)) goto done;
     for (int64_t i = 0; i < T * D; i++) x[i] += d[i];
     rc = 0;

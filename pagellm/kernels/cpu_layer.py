@@ -38,8 +38,7 @@ class FusedDecodeLayer:
                 and isinstance(attn.backend, TorchPagedAttention)
                 and all(isinstance(m.int4, NativeQ4) and m.bias is None for m in linears)
                 and all(n.weight.dtype == torch.float32 for n in (
-                    layer.input_layernorm, layer.post_attention_layernorm))
-                and attn.head_dim <= 512)
+                    layer.input_layernorm, layer.post_attention_layernorm)))
 
     def usable(self, x: torch.Tensor, md: AttentionMetadata) -> bool:
         attn = self.layer.self_attn

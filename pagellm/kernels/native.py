@@ -1,6 +1,6 @@
 """Builds pagellm's C kernels (pagellm/kernels/*.c) on first use and loads them with ctypes.
 
-The sources are compiled once per machine with the system C compiler (`$CC`, default `cc`)
+The sources (with their shared header) are compiled once per machine with the system C compiler (`$CC`, default `cc`)
 for the host CPU (-march=native) into one shared library in a cache folder
 ($PAGELLM_CACHE_DIR, default ~/.cache/pagellm), keyed by the sources, the compiler and the CPU.
 Without a compiler the build fails quietly (one warning) and callers fall back to PyTorch ops;
@@ -21,6 +21,7 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 SOURCES = sorted(Path(__file__).parent.glob("*.c"))
+HEADERS = sorted(Path(__file__).parent.glob("*.h"))  # part of the build key, not compiled
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
 
 _P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
@@ -54,7 +55,7 @@ def build(cc: str, flags: list[str] | None = None) -> Path:
     """Compile the sources (unless this exact build is cached) -> the shared library's path."""
     flags = FLAGS if flags is None else flags
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
-    parts = [s.read_text() for s in SOURCES] + [version, " ".join(flags), _cpu_id()]
+    parts = [s.read_text() for s in SOURCES + HEADERS] + [version, " ".join(flags), _cpu_id()]
     key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
     folder = Path(os.environ.get("PAGELLM_CACHE_DIR", Path.home() / ".cache" / "pagellm"))
     target = folder / f"kernels-{key}.so"
