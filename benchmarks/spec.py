@@ -143,8 +143,8 @@ class Engine:
         if self.spec is not None:
             ctl, choose = self.spec.controller, self.spec.controller.choose
 
-            def recording_choose(seqs, avail=None):
-                ks = choose(seqs, avail)
+            def recording_choose(seqs, avail=None, kinds=None):
+                ks = choose(seqs, avail, kinds)
                 if seqs:
                     self.ks.append(max(ks))
                 return ks
@@ -160,7 +160,7 @@ class Engine:
         start = time.perf_counter()
         if spec_off:
             ctl = self.spec.controller
-            choose, ctl.choose = ctl.choose, lambda seqs, avail=None: [0] * len(seqs)
+            choose, ctl.choose = ctl.choose, lambda seqs, avail=None, kinds=None: [0] * len(seqs)
             try:
                 outs = self.llm.generate(prompts, self.params, use_tqdm=False)
             finally:

@@ -92,16 +92,16 @@ def test_one_hot_acceptance_has_the_emission_probability():
     assert ((rate - p_row).abs() < 4 * sigma + 1e-6).all(), (rate, p_row)
 
 
-def ngram_scan(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
-    """Reference: the up-to-k tokens following the most recent earlier match of the longest
-    tail n-gram, by a plain scan of every window."""
+def ngram_scan(tokens: list[int], min_n: int, max_n: int, k: int) -> tuple[list[int], int]:
+    """Reference: the up-to-k tokens following the first match of the longest tail n-gram
+    (other than the tail), by a plain scan of every window, and that n (0: none)."""
     length = len(tokens)
     for n in range(min(max_n, length - 1), min_n - 1, -1):
         tail = tokens[length - n:]
         hits = [i for i in range(length - n) if tokens[i:i + n] == tail]
         if hits:
-            return tokens[hits[-1] + n:hits[-1] + n + k]
-    return []
+            return tokens[hits[0] + n:hits[0] + n + k], n
+    return [], 0
 
 
 def test_ngram_index_equals_the_scan():
@@ -109,7 +109,10 @@ def test_ngram_index_equals_the_scan():
 
     from pagellm.spec_decode.ngram import NgramIndex
 
-    assert ngram_scan([1, 2, 3, 4, 9, 2, 3], 1, 3, 3) == [4, 9, 2]  # the docstring's example
+    assert ngram_scan([1, 2, 3, 4, 9, 2, 3], 1, 3, 3) == ([4, 9, 2], 2)  # the docstring's example
+    first = NgramIndex(2, 2)  # "1 2" occurs twice before the tail: the first one counts
+    assert first.lookup([1, 2, 7, 1, 2, 8, 1], [2], 2) == ([7, 1], 2) == \
+        ngram_scan([1, 2, 7, 1, 2, 8, 1, 2], 2, 2, 2)
     rng = random.Random(0)
     for _ in range(200):
         vocab, length = rng.choice([2, 4, 30]), rng.randrange(2, 60)
@@ -137,14 +140,16 @@ def test_unverified_ngram_proposals_are_scored_against_emitted_tokens():
     dec = SpecDecoder(NgramProposer(1, 3), max_k=3, adaptive=True, max_model_len=100,
                       eos_token_id=None)
     seen, avail = [], []
-    dec.controller.choose = lambda seqs, av=None: (avail.append(av), [0] * len(seqs))[1]
-    dec.controller.observe_acceptance = lambda seq, n, a: seen.append((seq.seq_id, n, a))
+    dec.controller.choose = lambda seqs, av=None, kinds=None: (avail.append((av, kinds)),
+                                                               [0] * len(seqs))[1]
+    dec.controller.observe_acceptance = lambda seq, n, a, kind: seen.append((seq.seq_id, n, a, kind))
     seq = Sequence(0, "r", 0, [5, 6, 7, 8, 5, 6], SamplingParams(max_tokens=50), None)
     seq.output_token_ids.append(7)  # tail "5 6 7" follows with "8 5 6"
     seq.num_computed_tokens = seq.num_tokens - 1
     dec.propose([seq])
-    assert avail[-1] == [3] and seq.spec_token_ids == []  # proposed, but held back
-    for token, scored in [(8, []), (5, []), (9, [(0, 3, 2)])]:  # 8 and 5 match, 9 does not
+    assert avail[-1] == ([3], [3]) and seq.spec_token_ids == []  # proposed, but held back
+    # 8 and 5 match, 9 does not; the proposal came from a 3-token match
+    for token, scored in [(8, []), (5, []), (9, [(0, 3, 2, 3)])]:
         seq.output_token_ids.append(token)
         seq.num_computed_tokens += 1
         dec.propose([seq])
@@ -242,7 +247,7 @@ def test_draft_needs_a_clear_predicted_gain_before_a_whole_batch_step():
     for seq in seqs:  # acceptance about 0.3: the model predicts ~1.1x
         ctl.observe_acceptance(seq, 2, 0)
         ctl.observe_acceptance(seq, 2, 1)
-    rates = [sum(ctl.expected(ctl.seq_alpha[s.seq_id], k) for s in seqs)
+    rates = [sum(ctl.expected(ctl.seq_estimate(s), k) for s in seqs)
              / ctl._wall(ctl.walls[16], 16, k) for k in range(5)]
     assert 1.02 < max(rates[1:]) / rates[0] < 1.25
     for _ in range(20):

