@@ -337,12 +337,13 @@ def paired_ratios(runs: list[dict], row: dict) -> list[float]:
 
 
 def targets(rows: list[dict]) -> dict:
-    """The project's targets: n-gram >= 2x on copy at batch 1; adaptive never below 0.95x
-    (the median of paired runs against the same engine with speculation forced off)."""
+    """The project's targets: n-gram >= 2x on copy at batch 1; adaptive never below 0.95x.
+    Both are judged on the median of paired runs against the same engine with speculation
+    forced off (each pair ran back to back, so the machine's drift between runs minutes
+    apart, +-10-15%, cancels); the unpaired ratio against "off" where there are no pairs."""
     speed = {(r["workload"], r["batch"], r["engine"]): r["speedup_vs_off"] for r in rows}
-    # The floor compares each adaptive engine with itself, speculation forced off.
     own = {(r["workload"], r["batch"], r["engine"]): r.get("paired_vs_own_off") for r in rows}
-    ngram = speed.get(("copy", 1, "ngram"))
+    ngram = own.get(("copy", 1, "ngram")) or speed.get(("copy", 1, "ngram"))
     adaptive = {f"{e} {w} b{b}": own[(w, b, e)] or v for (w, b, e), v in speed.items()
                 if v and e != "off" and "fixed" not in e and "spec-off" not in e
                 and not e.startswith("hf")}
@@ -385,7 +386,7 @@ def render(rows, args, tg) -> str:
     ctl = common.markdown_table(["workload", "batch", "engine", "controller at end of run"], [
         [r["workload"], r["batch"], r["engine"], controller_view(r)]
         for r in rows if r.get("controller")])
-    verdict = (f"\n\nTargets: n-gram on copy-heavy prompts at batch 1 >= 2x: "
+    verdict = (f"\n\nTargets (paired medians): n-gram on copy-heavy prompts at batch 1 >= 2x: "
                f"{fmt(tg['ngram_copy_b1_speedup'], '{:.2f}x')} "
                f"({'met' if tg['ngram_copy_b1_met'] else 'NOT met'}); adaptive never below "
                f"0.95x: worst {tg['adaptive_worst']} {fmt(tg['adaptive_worst_speedup'])}x "

@@ -7,7 +7,7 @@ import torch
 from pagellm import LLM, SamplingParams
 from pagellm.sampling.rejection import rejection_sample, rejection_sample_reference
 from pagellm.sequence import Sequence
-from pagellm.spec_decode.adaptive import AdaptiveK, StepTimes
+from pagellm.spec_decode.adaptive import AdaptiveK, StepTimes, StepWalls
 from tests.conftest import make_tiny_model
 
 
@@ -254,6 +254,58 @@ def test_draft_needs_a_clear_predicted_gain_before_a_whole_batch_step():
         ks = ctl.choose(seqs)
         assert sum(k > 0 for k in ks) <= 1, ks
         ctl.observe_decode_step(16, 0.07, max(ks), 16)
+
+
+def test_acceptance_is_learnt_per_kind_of_proposal():
+    """One request whose 4-token n-gram matches are always right and 1-token matches never:
+    it speculates on the former and holds the latter back (one acceptance for both would
+    do the same for each)."""
+    ctl = AdaptiveK(max_k=4, scores_unverified=True)
+    for _ in range(3):
+        ctl.observe_decode_step(1, 0.026, 4, 5, 4)  # k=4: 1.3x a plain step
+    for _ in range(3):
+        ctl.observe_decode_step(1, 0.020, 0, 1, 0)
+    seq = Sequence(0, "0", 0, [1, 2], SamplingParams(), None)
+    for _ in range(10):
+        ctl.observe_acceptance(seq, 4, 0, kind=1)
+        ctl.observe_acceptance(seq, 4, 4, kind=4)
+    assert ctl.kind_alpha(1) < 0.3 and ctl.kind_alpha(4) > 0.8  # pooled, prior: overall
+    assert ctl.seq_estimate(seq, 1) < 0.2 and ctl.seq_estimate(seq, 4) > 0.8
+    assert ctl.choose([seq], [4], [4]) == [4]
+    assert ctl.choose([seq], [4], [1]) == [0]
+    other = Sequence(1, "1", 0, [1, 2], SamplingParams(), None)
+    assert ctl.seq_estimate(other, 4) == ctl.kind_alpha(4)  # a new request starts pooled
+    ctl.forget(seq)
+    assert not ctl.seq_alpha and not ctl.seq_count
+
+
+def test_step_walls_are_medians_and_a_gain_must_beat_their_noise():
+    """A slow step now and then (a shared machine) does not move a measured wall; a
+    predicted gain of 6% is taken when the walls are steady, not when they scatter by 15%."""
+    walls = StepWalls()
+    for seconds in (0.020, 0.021, 0.019, 0.060, 0.020):
+        walls.observe(0, seconds, 1)
+    assert walls.seconds[0] == 0.020 and walls.spread(0) < 0.05
+
+    def controller(scatter: float) -> AdaptiveK:
+        ctl = AdaptiveK(max_k=1, scores_unverified=True)
+        seq = Sequence(0, "0", 0, [1, 2], SamplingParams(), None)
+        for i in range(20):  # acceptance 0.5: a k=1 step emits 1.5 tokens
+            ctl.observe_acceptance(seq, 1, i % 2)
+        wall = 0.020 * 1.5 / 1.06  # 6% more tokens per second than plain decoding
+        first, second = ((1, wall), (0, 0.020)) if scatter == 0 else ((0, 0.020), (1, wall))
+        spread = (-1, -0.5, 0, 0.5, 1, -0.8, 0.8, -0.3, 0.3)  # median 0, deviations 0-1
+        for k, w in (first, second):  # the side not in use was measured last (no probe due)
+            for d in spread:
+                ctl.observe_decode_step(1, w * (1 + scatter * d) if k else w, k, 1 + k, k)
+        return ctl, seq
+
+    steady, seq = controller(0.0)
+    assert steady.choose([seq], [1]) == [1]
+    noisy, seq = controller(0.15)
+    assert noisy.walls[1].seconds[1] == steady.walls[1].seconds[1]  # the same median
+    assert noisy.walls[1].spread(1) > 0.03
+    assert noisy.choose([seq], [1]) == [0]
 
 
 def test_step_time_scales_with_the_rows_verified():

@@ -46,6 +46,7 @@ MIN_PROBE_EVERY, MAX_PROBE_EVERY = 8, 1024
 MAX_BACKOFF = 16
 _PROBE_LOSS = 0.02  # probes of a losing arm may cost this share of the time
 _WALL_WINDOW = 9  # step walls per k whose median is its measured time
+_NOISE_MARGIN = 2.0  # standard errors of the walls' medians a gain must exceed
 
 
 def _average(prev: float, x: float, n: int) -> float:
@@ -131,6 +132,16 @@ class StepWalls:
             self.rows[k] = _average(self.rows.get(k, rows), rows, self.count[k])
         self.num_observed += 1
         self.last[k] = self.num_observed
+
+    def spread(self, k: int) -> float:
+        """Relative standard error of k's median wall, from the window's median absolute
+        deviation (a normal's sigma is 1.4826 MAD; a median's error ~1.25 sigma / sqrt(n))."""
+        recent = self._recent.get(k)
+        if not recent or len(recent) < 2:
+            return 0.0
+        mid = statistics.median(recent)
+        mad = statistics.median(abs(x - mid) for x in recent)
+        return 1.25 * 1.4826 * mad / (len(recent) ** 0.5 * mid) if mid > 0 else 0.0
 
     def measured_rate(self, k: int) -> float | None:
         """Tokens per second of steps with k proposals, once measured twice."""
@@ -325,7 +336,11 @@ class AdaptiveK:
             # A k whose step time at this batch size is only modelled must promise more: the
             # model extrapolates from other step sizes, and a batch-16 step that it calls
             # 1.2x a plain one can take 3x (a whole-batch draft step: 540 ms against 70).
-            margin = _MARGIN if k in walls.seconds else _UNMEASURED_MARGIN
+            # A measured k must beat plain decoding by more than the noise of both medians:
+            # a shared machine's step walls scatter by 10-20%, and a gain of a few percent
+            # read off them is as often a loss (batch 16: 0.96x of plain without this).
+            margin = (_MARGIN + _NOISE_MARGIN * (walls.spread(k) + walls.spread(0))
+                      if k in walls.seconds else _UNMEASURED_MARGIN)
             if rates[k] > rates[best] * (margin if best == 0 or k not in walls.seconds else 1.0):
                 best = k
         if walls.probing:  # the outcome of the last probe of speculation
