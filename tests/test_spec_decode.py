@@ -308,6 +308,31 @@ def test_step_walls_are_medians_and_a_gain_must_beat_their_noise():
     assert noisy.choose([seq], [1]) == [0]
 
 
+def test_no_step_past_the_few_row_kernels_on_a_straight_line():
+    """Batch 16, n-gram, copy-like acceptance: k=1 (32 rows) and k=2 (36 rows) measured. The
+    line through them calls a k=4 step (80 rows) cheap; past the packed kernels' 40 rows it
+    took 7x a plain step. With the engine's row limit known, the controller assumes a row
+    there costs twice what a row of a plain step does and never tries it."""
+    def controller(row_limit):
+        ctl = AdaptiveK(max_k=4, scores_unverified=True)
+        ctl.row_limit = row_limit
+        for k, wall, proposals in ((1, 0.131, 16), (2, 0.140, 20), (0, 0.08, 0)):
+            for _ in range(3):
+                ctl.observe_decode_step(16, wall, k, 16 + proposals, proposals)
+        seqs = [Sequence(i, str(i), 0, [1, 2], SamplingParams(), None) for i in range(16)]
+        for seq in seqs:
+            for _ in range(5):
+                ctl.observe_acceptance(seq, 4, 4, kind=4)
+        return ctl, seqs
+
+    ctl, seqs = controller(None)
+    assert max(ctl.choose(seqs, [4] * 16, [4] * 16)) == 4  # what the line alone says
+    ctl, seqs = controller(40)
+    assert ctl._wall(ctl.walls[16], 16, 4, [4] * 16) == pytest.approx(2 * 0.08 * 80 / 16)
+    assert ctl._wall(ctl.walls[16], 16, 1, [4] * 16) == pytest.approx(0.131)  # measured
+    assert max(ctl.choose(seqs, [4] * 16, [4] * 16)) <= 1
+
+
 def test_step_time_scales_with_the_rows_verified():
     """n-gram at batch 16: a k=1 step where 2 sequences had a proposal took 120 ms (plain: 80);
     one where all 16 have one verifies 8x the extra rows, and must not be predicted at 120 ms

@@ -13,6 +13,7 @@ from pagellm.engine.block_manager import BlockManager
 from pagellm.engine.detokenizer import append_text, find_stop_string
 from pagellm.engine.model_runner import ModelRunner
 from pagellm.engine.scheduler import Scheduler, SchedulerOutput
+from pagellm.layers.linear import packed_row_limit
 from pagellm.engine.memory import (keep_freed_memory, num_kv_blocks, resolve_device,
                                    resolve_dtype, resolve_kv_dtype)
 from pagellm.models.loader import load_model_files
@@ -96,6 +97,7 @@ class LLMEngine:
                                       self.device)
         if self.spec is not None:
             self.spec.proposer.bind_target(self.block_manager, self.runner)
+            self.spec.controller.row_limit = packed_row_limit(self.model)
         self.requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
         self._rng = torch.Generator().manual_seed(config.seed)

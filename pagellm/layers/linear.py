@@ -55,6 +55,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
+def packed_row_limit(model: nn.Module) -> int | None:
+    """The most rows a step may have and still run every packed 4-bit product in its few-row
+    kernel (None: the model has no packed weights). Past it, products switch to dense
+    weights, with another cost per row."""
+    limits = [m.int4.max_rows - 1 for m in model.modules() if getattr(m, "int4", None) is not None]
+    return min(limits) if limits else None
+
+
 def keep_float32(model: nn.Module) -> int:
     """On CPUs without bf16 units, store the dense weights of packed 4-bit projections in
     float32: those weights serve only products of MAX_ROWS+ rows, which run in float32 there,

@@ -12,16 +12,19 @@ Two layers, measurements overruling the model:
    (= alpha for independent tries, (1 - alpha^(k+1)) / (1 - alpha) in all; copied text comes
    in runs, so c_j is higher there), so for B decoding sequences k is the argmax of
        B * E(k) / (T(B (k + 1)) + k D)     against     B / T(B) without speculation.
-   A sequence whose own acceptance cannot pay for its extra row gets no proposals.
+   A sequence whose own acceptance cannot pay for its extra row gets no proposals. alpha and
+   c_j are kept per kind of proposal (Proposal.kind: the n-gram match length), alpha also per
+   sequence and kind.
 
 2. Measured steps (StepWalls). Per batch size and per k (0: plain decoding), the wall time
-   of whole engine steps is averaged: draft rounds, verification, sampling, everything the
-   model does not see. Where a k was measured, its time replaces the model's estimate (other
+   of whole engine steps is measured (the median of the latest ones): draft rounds,
+   verification, sampling, everything the model does not see. Where a k was measured, its time replaces the model's estimate (other
    k scale the nearest measured one by the model's cost ratio, never below the straight line
    through measured ones), so k is the argmax of sum of E(alpha_s, min(k, avail_s)) over the
    batch / W(k), avail_s: the proposals sequence s has (a free proposer looks first). Step
    times, unlike tokens per step, do not depend on luck in acceptance: a few samples pin
-   them down.
+   them down, and a measured k must beat plain decoding by twice the medians' standard
+   errors.
 
 Probes keep both sides fresh: while speculating, a plain step now and then (the context grows
 and the machine is shared) and the runner-up k; while not, a step with the most promising k
@@ -47,6 +50,7 @@ MAX_BACKOFF = 16
 _PROBE_LOSS = 0.02  # probes of a losing arm may cost this share of the time
 _WALL_WINDOW = 9  # step walls per k whose median is its measured time
 _NOISE_MARGIN = 2.0  # standard errors of the walls' medians a gain must exceed
+_PAST_LIMIT_ROW_COST = 2.0  # an unmeasured row past the few-row kernels, in plain-step rows
 
 
 def _average(prev: float, x: float, n: int) -> float:
@@ -119,9 +123,8 @@ class StepWalls:
         stale = self.since(k) > MIN_PROBE_EVERY
         self.count[k] = self.count.get(k, 0) + 1
         # The median of the latest walls: a shared machine slows single steps by 20-50% now
-        # and then, and an average that took those in moved k=1 above k=4 at batch 1 (the
-        # controller then held back proposals that would have paid: 1.99x where fixed k ran
-        # 2.22x). The window follows drift within a few dozen steps.
+        # and then, which an average takes in (one batch-1 run measured k=1 slower than k=4).
+        # The window follows drift within a few dozen steps.
         recent = self._recent.setdefault(k, [])
         recent.append(seconds)
         del recent[:-_WALL_WINDOW]
@@ -198,6 +201,9 @@ class AdaptiveK:
         self.step_time = StepTimes()
         self.draft_round_time = 0.0  # seconds per draft forward round (average)
         self.walls: dict[int, StepWalls] = {}
+        # Steps of more rows than this leave the model's few-row kernels (None: no such
+        # limit known); set by the engine (LLMEngine: packed_row_limit).
+        self.row_limit: int | None = None
         self._partial_probe = False  # this step's proposals went to one sequence only
 
     # ---- observations ----------------------------------------------------------------------
@@ -402,10 +408,21 @@ class AdaptiveK:
         the same k verify 4 rows or 64 as few or many sequences have a proposal."""
         wall = self._wall_k(walls, batch, k)
         measured = walls.rows.get(k)
-        if k == 0 or avail is None or not measured:
+        if k == 0:
             return wall
-        w0 = walls.seconds[0]
-        return w0 + (wall - w0) * sum(min(k, n) for n in avail) / measured
+        proposals = batch * k if avail is None else sum(min(k, n) for n in avail)
+        if avail is not None and measured:
+            wall = walls.seconds[0] + (wall - walls.seconds[0]) * proposals / measured
+        rows = batch + proposals
+        if (self.row_limit is not None and rows > self.row_limit
+                and (measured is None or proposals > measured)):
+            # Past the rows the model runs in its few-row kernels (packed 4-bit weights on
+            # the CPU), nothing measured says how much a row costs: assume twice what a row
+            # of a plain step costs. (A batch-16 k=4 step, 80 rows, was predicted from the
+            # k=1 and k=2 steps at ~160 ms and took 612, 7.6 ms a row against 5 in a plain
+            # step; a batch-12 k=3 step took 500.) Such a step is then never worth a try.
+            wall = max(wall, _PAST_LIMIT_ROW_COST * walls.seconds[0] * rows / batch)
+        return wall
 
     def _wall_k(self, walls: StepWalls, batch: int, k: int) -> float:
         """A step's wall time with k proposals: measured; else the nearest smaller k's
