@@ -18,6 +18,7 @@ KINDS = {
     "profile": "length distribution of a request log -> block size, KV budget, max seqs, spec",
     "serve": "online serving benchmark (benchmarks/serve.py)",
     "spec": "speculative decoding benchmark (benchmarks/spec.py)",
+    "spec_replay": "speculation controller vs fixed k vs oracle at fixed step costs (replay)",
     "prefix": "shared system prompt: prefix caching on vs off (TTFT, throughput, peak blocks)",
 }
 _NOT_KINDS = {"common", "__main__", "__init__"}
