@@ -303,9 +303,27 @@ def test_step_walls_are_medians_and_a_gain_must_beat_their_noise():
     steady, seq = controller(0.0)
     assert steady.choose([seq], [1]) == [1]
     noisy, seq = controller(0.15)
-    assert noisy.walls[1].seconds[1] == steady.walls[1].seconds[1]  # the same median
+    ratio = lambda c: c.walls[1].seconds[1] / c.walls[1].seconds[0]  # noqa: E731
+    assert ratio(noisy) <= ratio(steady) * 1.001  # promises at least the steady gain
     assert noisy.walls[1].spread(1) > 0.03
     assert noisy.choose([seq], [1]) == [0]
+
+
+def test_step_walls_follow_the_machine_speed():
+    """Plain steps measured at one moment, k=4 steps later while the machine slowed by 30%:
+    the walls keep k=4 at 1.3x a plain step (the raw medians would say 1.7x), and a plain
+    step at the new speed agrees with them."""
+    walls = StepWalls()
+    for _ in range(5):
+        walls.observe(0, 0.020, 1)
+    for _ in range(9):
+        walls.observe(4, 0.026, 4)
+    for _ in range(12):
+        walls.observe(4, 0.026 * 1.3, 4)
+    assert walls.seconds[4] / walls.seconds[0] == pytest.approx(1.3, rel=0.1)
+    walls.observe(0, 0.020 * 1.3, 1)
+    assert walls.seconds[4] / walls.seconds[0] == pytest.approx(1.3, rel=0.1)
+    assert walls.speed == pytest.approx(1.3, rel=0.1)
 
 
 def test_no_step_past_the_few_row_kernels_on_a_straight_line():

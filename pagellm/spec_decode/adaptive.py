@@ -105,6 +105,7 @@ class StepWalls:
     def __init__(self):
         self.seconds: dict[int, float] = {}
         self._recent: dict[int, list[float]] = {}  # the latest _WALL_WINDOW walls per k
+        self.speed = 1.0  # the machine's slowness now, relative to the walls kept
         self.tokens: dict[int, float] = {}  # tokens emitted per step, averaged
         self.rows: dict[int, float] = {}  # proposals verified per step (extra rows), likewise
         self.count: dict[int, int] = {}
@@ -125,8 +126,14 @@ class StepWalls:
         # The median of the latest walls: a shared machine slows single steps by 20-50% now
         # and then, which an average takes in (one batch-1 run measured k=1 slower than k=4).
         # The window follows drift within a few dozen steps.
+        # Walls are kept in units of the machine's current speed: each step's ratio to its
+        # k's wall moves a speed factor common to every k. Plain steps are measured rarely
+        # while speculation is on (and the reverse), and a machine whose speed drifts by 20%
+        # between those moments would otherwise compare k's walls from different moods.
+        if self.seconds.get(k):
+            self.speed *= (seconds / (self.speed * self.seconds[k])) ** _EMA
         recent = self._recent.setdefault(k, [])
-        recent.append(seconds)
+        recent.append(seconds / self.speed)
         del recent[:-_WALL_WINDOW]
         self.seconds[k] = statistics.median(recent)
         self.tokens[k] = tokens if stale else _average(self.tokens.get(k, tokens), tokens,
