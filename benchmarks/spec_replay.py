@@ -103,20 +103,17 @@ def replay(requests, args, policy: str) -> list[float]:
             if policy == "oracle":
                 prop, _ = oracle.lookup(prompt, seq.output_token_ids, args.k)
                 a = _leading(prop, greedy[pos:])
-                seq.spec_token_ids = prop[:a] if a and (a + 1) / costs[a] > 1 else []
-            else:
+                spec = prop[:a] if a and (a + 1) / costs[a] > 1 else []
+            else:  # the engine's step: propose, verify greedily, learn
                 dec.propose([seq])
-            spec = seq.spec_token_ids
-            a = _leading(spec, greedy[pos:])
-            if policy != "oracle":
+                spec, seq.spec_token_ids = seq.spec_token_ids, []
+                a = _leading(spec, greedy[pos:])
                 dec._record(seq, len(spec), a)
                 dec._q.pop(seq.seq_id, None)
-            seq.spec_token_ids = []
+                dec.observe_engine_step(1, costs[len(spec)] * rng.lognormvariate(0, args.noise))
             seq.output_token_ids.extend(greedy[pos:pos + a + 1])
             seq.num_computed_tokens = seq.num_tokens - 1
             cost += costs[len(spec)]
-            if policy != "oracle":
-                dec.observe_engine_step(1, costs[len(spec)] * rng.lognormvariate(0, args.noise))
         dec.release(seq)
         speedups.append((len(greedy) - 1) / cost)
     return speedups

@@ -18,8 +18,8 @@ Two layers, measurements overruling the model:
 
 2. Measured steps (StepWalls). Per batch size and per k (0: plain decoding), the wall time
    of whole engine steps is measured (the median of the latest ones): draft rounds,
-   verification, sampling, everything the model does not see. Where a k was measured, its time replaces the model's estimate (other
-   k scale the nearest measured one by the model's cost ratio, never below the straight line
+   verification, sampling, everything the model does not see. Where a k was measured, its
+   time replaces the model's estimate (other k scale the nearest measured one by the model's cost ratio, never below the straight line
    through measured ones), so k is the argmax of sum of E(alpha_s, min(k, avail_s)) over the
    batch / W(k), avail_s: the proposals sequence s has (a free proposer looks first). Step
    times, unlike tokens per step, do not depend on luck in acceptance: a few samples pin
@@ -125,10 +125,9 @@ class StepWalls:
         self.count[k] = self.count.get(k, 0) + 1
         # The median of the latest walls: a shared machine slows single steps by 20-50% now
         # and then, which an average takes in (one batch-1 run measured k=1 slower than k=4).
-        # The window follows drift within a few dozen steps.
-        # Walls are kept in units of the machine's current speed: each step's ratio to its
-        # k's wall moves a speed factor common to every k. Plain steps are measured rarely
-        # while speculation is on (and the reverse), and a machine whose speed drifts by 20%
+        # They are kept in units of the machine's current speed: each step's ratio to its k's
+        # wall moves a speed factor common to every k. Plain steps are measured rarely while
+        # speculation is on (and the reverse), and a machine whose speed drifts by 20%
         # between those moments would otherwise compare k's walls from different moods.
         if self.seconds.get(k):
             self.speed *= (seconds / (self.speed * self.seconds[k])) ** _EMA
@@ -149,7 +148,7 @@ class StepWalls:
         recent = self._recent.get(k)
         if not recent or len(recent) < 2:
             return 0.0
-        mid = statistics.median(recent)
+        mid = self.seconds[k]  # the window's median
         mad = statistics.median(abs(x - mid) for x in recent)
         return 1.25 * 1.4826 * mad / (len(recent) ** 0.5 * mid) if mid > 0 else 0.0
 
@@ -193,7 +192,7 @@ class AdaptiveK:
         self.enabled = enabled
         self.prior_alpha = prior_alpha
         self.alpha = prior_alpha  # overall acceptance estimate, every kind of proposal
-        self._acc = self._tried = 0.0  # forgetting sums behind self.alpha
+        self._overall = _KindStats(max_k)  # the forgetting sums behind self.alpha
         # Per kind of proposal (Proposal.kind: an n-gram match's length; 0 for a draft), its
         # acceptance and the pooled acceptance at position j given that j - 1 was accepted
         # (forgetting sums, index j): copied text is accepted in runs, so later positions are
@@ -202,9 +201,9 @@ class AdaptiveK:
         # prompts: 0.19 against 0.83 per token), and a request's proposals alternate between
         # kinds as it copies, edits and resumes copying.
         self.kinds: dict[int, _KindStats] = {}
-        # Per (sequence, kind): acceptance and the number of drafts behind it.
-        self.seq_alpha: dict[tuple[int, int], float] = {}
-        self.seq_count: dict[tuple[int, int], int] = {}
+        # Per sequence, per kind: acceptance and the number of drafts behind it.
+        self.seq_alpha: dict[int, dict[int, float]] = {}
+        self.seq_count: dict[int, dict[int, int]] = {}
         self.step_time = StepTimes()
         self.draft_round_time = 0.0  # seconds per draft forward round (average)
         self.walls: dict[int, StepWalls] = {}
@@ -245,10 +244,9 @@ class AdaptiveK:
         tried = min(num_accepted + 1, num_draft)
         # Overall and per kind: acceptance counts with forgetting, started from a prior worth
         # a few observations, so that one bad draft already moves the estimate most of the way.
-        self._acc = (1 - _EMA) * self._acc + num_accepted
-        self._tried = (1 - _EMA) * self._tried + tried
-        self.alpha = ((self._acc + _PRIOR_WEIGHT * self.prior_alpha)
-                      / (self._tried + _PRIOR_WEIGHT))
+        self._overall.observe(num_accepted, tried)
+        self.alpha = ((self._overall.acc + _PRIOR_WEIGHT * self.prior_alpha)
+                      / (self._overall.tried + _PRIOR_WEIGHT))
         stats = self.kinds.get(kind)
         if stats is None:
             stats = self.kinds[kind] = _KindStats(self.max_k)
@@ -257,11 +255,11 @@ class AdaptiveK:
         # A request starts from its kind's pooled estimate, counted as one observation, so
         # its own first drafts move it fast (a chat request after copy-heavy ones), then it
         # follows its own recent drafts.
-        key = (seq.seq_id, kind)
-        n = self.seq_count.get(key, 0) + 1
-        self.seq_count[key] = n
-        prev = self.seq_alpha.get(key, self.kind_alpha(kind))
-        self.seq_alpha[key] = prev + max(_EMA, 1 / (n + 1)) * (rate - prev)
+        counts = self.seq_count.setdefault(seq.seq_id, {})
+        alphas = self.seq_alpha.setdefault(seq.seq_id, {})
+        n = counts[kind] = counts.get(kind, 0) + 1
+        prev = alphas.get(kind, self.kind_alpha(kind))
+        alphas[kind] = prev + max(_EMA, 1 / (n + 1)) * (rate - prev)
 
     def kind_alpha(self, kind: int) -> float:
         """Pooled acceptance of a kind of proposal; a kind not seen yet starts from the
@@ -273,7 +271,8 @@ class AdaptiveK:
 
     def seq_estimate(self, seq: Sequence, kind: int = 0) -> float:
         """Acceptance expected of seq's proposals of this kind."""
-        return self.seq_alpha.get((seq.seq_id, kind), self.kind_alpha(kind))
+        alpha = self.seq_alpha.get(seq.seq_id, {}).get(kind)
+        return self.kind_alpha(kind) if alpha is None else alpha
 
     def expected(self, alpha: float, k: int, kind: int = 0) -> float:
         """Tokens a step with k proposals emits on average for a sequence whose proposals are
@@ -292,9 +291,8 @@ class AdaptiveK:
         return total
 
     def forget(self, seq: Sequence) -> None:
-        for key in [key for key in self.seq_alpha if key[0] == seq.seq_id]:
-            del self.seq_alpha[key]
-            del self.seq_count[key]
+        self.seq_alpha.pop(seq.seq_id, None)
+        self.seq_count.pop(seq.seq_id, None)
 
     # ---- the decision ----------------------------------------------------------------------
     def _walls(self, batch: int) -> StepWalls:
@@ -344,7 +342,7 @@ class AdaptiveK:
             measured = walls.measured_rate(k)
             if measured is not None:
                 rates[k] = min(rates[k], measured)
-        best = 0
+        best, spread0 = 0, walls.spread(0)
         for k in range(1, self.max_k + 1):
             # A k whose step time at this batch size is only modelled must promise more: the
             # model extrapolates from other step sizes, and a batch-16 step that it calls
@@ -352,7 +350,7 @@ class AdaptiveK:
             # A measured k must beat plain decoding by more than the noise of both medians:
             # a shared machine's step walls scatter by 10-20%, and a gain of a few percent
             # read off them is as often a loss (batch 16: 0.96x of plain without this).
-            margin = (_MARGIN + _NOISE_MARGIN * (walls.spread(k) + walls.spread(0))
+            margin = (_MARGIN + _NOISE_MARGIN * (walls.spread(k) + spread0)
                       if k in walls.seconds else _UNMEASURED_MARGIN)
             if rates[k] > rates[best] * (margin if best == 0 or k not in walls.seconds else 1.0):
                 best = k
