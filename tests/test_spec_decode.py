@@ -92,16 +92,24 @@ def test_one_hot_acceptance_has_the_emission_probability():
     assert ((rate - p_row).abs() < 4 * sigma + 1e-6).all(), (rate, p_row)
 
 
-def ngram_scan(tokens: list[int], min_n: int, max_n: int, k: int) -> tuple[list[int], int]:
-    """Reference: the up-to-k tokens following the first match of the longest tail n-gram
-    (other than the tail), by a plain scan of every window, and that n (0: none)."""
+def ngram_scan(tokens: list[int], min_n: int, max_n: int, k: int,
+               cursor: tuple[int, int] | None = None):
+    """Reference, by a plain scan of every window: the up-to-k tokens following an occurrence
+    of the longest tail n-gram (other than the tail), that n (0: none), and the new cursor.
+    The occurrence: the first, or with a cursor (continuation of the last match, the length
+    then) the one whose continuation is nearest to where that one's continues now (the
+    earlier on a tie)."""
     length = len(tokens)
     for n in range(min(max_n, length - 1), min_n - 1, -1):
         tail = tokens[length - n:]
         hits = [i for i in range(length - n) if tokens[i:i + n] == tail]
         if hits:
-            return tokens[hits[0] + n:hits[0] + n + k], n
-    return [], 0
+            start = hits[0]
+            if cursor is not None:
+                want = cursor[0] + length - cursor[1]
+                start = min(hits, key=lambda i: abs(i + n - want))
+            return tokens[start + n:start + n + k], n, (start + n, length)
+    return [], 0, cursor
 
 
 def test_ngram_index_equals_the_scan():
@@ -109,26 +117,32 @@ def test_ngram_index_equals_the_scan():
 
     from pagellm.spec_decode.ngram import NgramIndex
 
-    assert ngram_scan([1, 2, 3, 4, 9, 2, 3], 1, 3, 3) == ([4, 9, 2], 2)  # the docstring's example
+    assert ngram_scan([1, 2, 3, 4, 9, 2, 3], 1, 3, 3)[:2] == ([4, 9, 2], 2)  # the docstring's
     first = NgramIndex(2, 2)  # "1 2" occurs twice before the tail: the first one counts
     assert first.lookup([1, 2, 7, 1, 2, 8, 1], [2], 2) == ([7, 1], 2) == \
-        ngram_scan([1, 2, 7, 1, 2, 8, 1, 2], 2, 2, 2)
+        ngram_scan([1, 2, 7, 1, 2, 8, 1, 2], 2, 2, 2)[:2]
+    # Copying the prompt from its "8": "1 2" occurs twice, and the copy continues after the
+    # second ([4 8]), not after the first ([3 8]).
+    prompt = [9, 1, 2, 3, 8, 1, 2, 4]
+    walk = NgramIndex(2, 2)
+    assert walk.lookup(prompt, [8, 1], 2) == ([2, 4], 2)
+    assert walk.lookup(prompt, [8, 1, 2], 2) == ([4, 8], 2)
     rng = random.Random(0)
-    for _ in range(200):
+    for _ in range(300):
         vocab, length = rng.choice([2, 4, 30]), rng.randrange(2, 60)
         tokens = [rng.randrange(vocab) for _ in range(length)]
         num_prompt = rng.randrange(1, length)
         lo = rng.randint(1, 3)
         hi = rng.randint(lo, 5)
-        index = NgramIndex(lo, hi)
+        index, cursor = NgramIndex(lo, hi), None
         output: list[int] = []
         for end in range(num_prompt, length + 1):  # the output grows, sometimes by several
             output.extend(tokens[num_prompt + len(output):end])
             if rng.random() < 0.3 and end < length:
                 continue
             k = rng.randint(1, 5)
-            assert index.lookup(tokens[:num_prompt], output, k) == \
-                ngram_scan(tokens[:num_prompt] + output, lo, hi, k)
+            want, n, cursor = ngram_scan(tokens[:num_prompt] + output, lo, hi, k, cursor)
+            assert index.lookup(tokens[:num_prompt], output, k) == (want, n)
 
 
 def test_unverified_ngram_proposals_are_scored_against_emitted_tokens():
