@@ -100,8 +100,9 @@ def replay(requests, args, policy: str) -> list[float]:
         cost = 0.0
         while seq.num_output_tokens < len(greedy):
             pos = seq.num_output_tokens
-            if policy == "oracle":
-                prop, _ = oracle.lookup(prompt, seq.output_token_ids, args.k)
+            if policy == "oracle":  # the same lookups as the engine's (room: as propose's)
+                room = min(args.k, len(greedy) - pos - 1)
+                prop = oracle.lookup(prompt, seq.output_token_ids, room)[0] if room else []
                 a = _leading(prop, greedy[pos:])
                 spec = prop[:a] if a and (a + 1) / costs[a] > 1 else []
             else:  # the engine's step: propose, verify greedily, learn
