@@ -37,7 +37,8 @@ def parse_args(argv):
     p.add_argument("--costs", default="1,1.15,1.35,1.48,1.63",
                    help="step cost with 0..k proposals, relative to a plain step")
     p.add_argument("--prompts", type=int, default=16, help="prompts per workload")
-    p.add_argument("--prompt-lookup", default="2,4", help="min,max n-gram length")
+    p.add_argument("--prompt-lookup", default="1,4",
+                   help="min,max n-gram length (the engine's defaults)")
     p.add_argument("--noise", type=float, default=0.0,
                    help="lognormal sigma of the walls the controller sees (costs stay exact)")
     common.add_output_args(p)

@@ -69,7 +69,11 @@ class SpeculativeConfig:
     model: str | None = None  # draft model path, for method "draft_model"
     num_speculative_tokens: int = 4
     prompt_lookup_max: int = 4
-    prompt_lookup_min: int = 2
+    # 1: a one-token match proposes too. On copy prompts it is right 0.39 of the time at the
+    # first token (where no longer match exists), against 0.13 on chat; the controller keeps
+    # acceptance per match length and request, so it speculates on it where it pays (replayed
+    # at measured step costs: copy 2.05x against 1.96x with 2, chat unchanged).
+    prompt_lookup_min: int = 1
     draft_dtype: str | None = None  # None -> the target's dtype
     # Keep only the first N layers of the draft (a cheaper form of the target's own weights
     # when no smaller sibling exists). None -> all layers.

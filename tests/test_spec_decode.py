@@ -340,6 +340,25 @@ def test_step_walls_follow_the_machine_speed():
     assert walls.speed == pytest.approx(1.3, rel=0.1)
 
 
+def test_a_measured_step_never_costs_more_than_one_with_more_rows():
+    """Batch 1: k=3 measured in a slow moment (39 ms) above k=4 (29 ms) counts as 29 ms (its
+    median would otherwise stand for good: only the k in use and the runner-up are
+    re-measured). At batch 16 a k=2 step whose requests verified fewer rows than a k=1
+    step's does not cap the k=1 step."""
+    ctl = AdaptiveK(max_k=4, scores_unverified=True)
+    for k, wall in ((0, 0.019), (1, 0.0226), (2, 0.0239), (3, 0.0394), (4, 0.0289)):
+        for _ in range(3):
+            ctl.observe_decode_step(1, wall, k, 1 + k, k)
+    walls = ctl.walls[1]
+    assert walls.seconds[3] == pytest.approx(0.0394)
+    assert ctl._wall(walls, 1, 3) == pytest.approx(0.0289)
+    assert ctl._wall(walls, 1, 2) == pytest.approx(0.0239)
+    b16 = AdaptiveK(max_k=2, scores_unverified=True)
+    for k, wall, rows in ((0, 0.08, 0), (1, 0.20, 16), (2, 0.12, 4)):
+        b16.observe_decode_step(16, wall, k, 16 + rows, rows)
+    assert b16._wall_k(b16.walls[16], 16, 1) == pytest.approx(0.20)
+
+
 def test_no_step_past_the_few_row_kernels_on_a_straight_line():
     """Batch 16, n-gram, copy-like acceptance: k=1 (32 rows) and k=2 (36 rows) measured. The
     line through them calls a k=4 step (80 rows) cheap; past the packed kernels' 40 rows it
