@@ -475,5 +475,6 @@ class AdaptiveK:
         return {"alpha": self.alpha, "draft_round_s": self.draft_round_time,
                 "alpha_by_kind": {c: self.kind_alpha(c) for c in sorted(self.kinds)},
                 "step_s": self.step_time.summary(),
-                "step_wall_s": {b: {k: w.seconds[k] for k in sorted(w.seconds)}
+                # at the machine's current speed (kept divided by it)
+                "step_wall_s": {b: {k: w.seconds[k] * w.speed for k in sorted(w.seconds)}
                                 for b, w in sorted(self.walls.items())}}
