@@ -173,34 +173,6 @@ def test_unverified_ngram_proposals_are_scored_against_emitted_tokens():
     assert not dec._unverified and not dec.proposer.indexes
 
 
-def test_held_back_proposal_is_scored_while_another_is_verified():
-    """A proposal held back is still scored when the next step verifies a new one: dropping
-    it then counted only the proposals rejected at once (speculation resumes when a run is
-    being accepted), and one-token matches looked useless on copy prompts."""
-    from pagellm.spec_decode.decoder import SpecDecoder
-    from pagellm.spec_decode.ngram import NgramProposer
-
-    dec = SpecDecoder(NgramProposer(1, 3), max_k=3, adaptive=True, max_model_len=100,
-                      eos_token_id=None)
-    seen, ks = [], iter([0, 1, 0])
-    dec.controller.choose = lambda seqs, av=None, kinds=None: [min(next(ks), av[0])]
-    dec.controller.observe_acceptance = lambda seq, n, a, kind: seen.append((n, a, kind))
-    seq = Sequence(0, "r", 0, [5, 6, 7, 8, 5, 6], SamplingParams(max_tokens=50), None)
-    seq.output_token_ids.append(7)
-    seq.num_computed_tokens = seq.num_tokens - 1
-    dec.propose([seq])  # [8 5 6] held back
-    seq.output_token_ids.append(8)
-    seq.num_computed_tokens += 1
-    dec.propose([seq])  # the next proposal is verified: one accepted, then 9
-    assert seq.spec_token_ids == [5]
-    seq.spec_token_ids = []
-    seq.output_token_ids.extend([5, 9])
-    seq.num_computed_tokens = seq.num_tokens - 1
-    dec.propose([seq])
-    assert seen == [(3, 2, 3)]  # the held-back one: 8 and 5 right, 9 not
-    dec.release(seq)
-
-
 def test_step_times_follow_the_measured_sizes():
     st = StepTimes()
     assert st.predict(4) is None

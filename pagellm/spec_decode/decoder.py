@@ -98,11 +98,9 @@ class SpecDecoder:
                                         [p.kind for p in full])
             proposals = [Proposal(p.token_ids[:k], p.probs, p.kind) for p, k in zip(full, ks)]
             for seq, prop, k in zip(decoding, full, ks):
-                # A proposal held back earlier stays until the emitted tokens settle it, also
-                # while this step verifies another: dropping it then would count only those
-                # rejected at once (a run that is being accepted is when speculation resumes),
-                # and one-token matches, right in runs on copy prompts, looked useless.
-                if not k and prop.token_ids and seq.seq_id not in self._unverified:
+                if k:
+                    self._unverified.pop(seq.seq_id, None)  # verified for real instead
+                elif prop.token_ids and seq.seq_id not in self._unverified:
                     self._unverified[seq.seq_id] = (seq.num_output_tokens, prop.token_ids,
                                                     prop.kind)
         for seq, prop in zip(decoding, proposals):
