@@ -87,6 +87,10 @@ def parse_args(argv):
                    help="prompts per workload per repeat at batch 1 (rotating through the set)")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--peers", default="hf", help="'hf' or '' (none)")
+    p.add_argument("--peer-prompts", type=int, default=None,
+                   help="HF peers run on the first N of each repeat's batch-1 prompts per "
+                        "workload (default: all; HF early-exit assisted generation takes ~0.5 s "
+                        "a token here)")
     p.add_argument("--kv-cache-memory", default="256MiB", help="per configuration")
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads (1: stable on a shared machine; see benchmarks/README)")
@@ -232,20 +236,25 @@ class Clock:
 # ---- the run ----------------------------------------------------------------------------------
 def measure(args, engines: dict[str, Engine], hf: HFPeer | None, prompts, batch: int) -> list:
     """Every engine takes its turn on the same prompts inside each repeat (order alternates).
-    HF peers run at batch 1 only."""
+    HF peers run at batch 1 only (on the first --peer-prompts groups of each repeat)."""
     names = []
     for n in engines:  # each adaptive engine next to itself with speculation forced off
         names += [n] if n == "off" or "fixed" in n else [n, f"{n} spec-off"]
-    names += list(hf.variants) if hf and batch == 1 else []
-    n1, runs = args.batch1_prompts, []
-    bar = tqdm(total=args.repeats * len(prompts) * (n1 if batch == 1 else 1) * len(names),
+    hf_names = list(hf.variants) if hf and batch == 1 else []
+    n1, runs, peer_limit = args.batch1_prompts, [], args.peer_prompts
+    per_group = len(names) * (n1 if batch == 1 else 1) + len(hf_names) * min(
+        n1, n1 if peer_limit is None else peer_limit)
+    names += hf_names
+    bar = tqdm(total=args.repeats * len(prompts) * per_group,
                desc=f"spec batch {batch}", unit="run")
     for rep in range(args.repeats):
         for workload, ps in prompts.items():
             groups = ([[(rep * n1 + i) % len(ps)] for i in range(n1)] if batch == 1
                       else [[i % len(ps) for i in range(batch)]])
-            for group in groups:
+            for g, group in enumerate(groups):
                 for name in (names if rep % 2 == 0 else names[::-1]):
+                    if name in hf_names and peer_limit is not None and g >= peer_limit:
+                        continue
                     sel = [ps[i] for i in group]
                     if name in engines:
                         res = engines[name].run(sel)

@@ -173,6 +173,34 @@ def test_unverified_ngram_proposals_are_scored_against_emitted_tokens():
     assert not dec._unverified and not dec.proposer.indexes
 
 
+def test_held_back_proposal_is_scored_while_another_is_verified():
+    """A proposal held back is still scored when the next step verifies a new one: dropping
+    it then counted only the proposals rejected at once (speculation resumes when a run is
+    being accepted), and one-token matches looked useless on copy prompts."""
+    from pagellm.spec_decode.decoder import SpecDecoder
+    from pagellm.spec_decode.ngram import NgramProposer
+
+    dec = SpecDecoder(NgramProposer(1, 3), max_k=3, adaptive=True, max_model_len=100,
+                      eos_token_id=None)
+    seen, ks = [], iter([0, 1, 0])
+    dec.controller.choose = lambda seqs, av=None, kinds=None: [min(next(ks), av[0])]
+    dec.controller.observe_acceptance = lambda seq, n, a, kind: seen.append((n, a, kind))
+    seq = Sequence(0, "r", 0, [5, 6, 7, 8, 5, 6], SamplingParams(max_tokens=50), None)
+    seq.output_token_ids.append(7)
+    seq.num_computed_tokens = seq.num_tokens - 1
+    dec.propose([seq])  # [8 5 6] held back
+    seq.output_token_ids.append(8)
+    seq.num_computed_tokens += 1
+    dec.propose([seq])  # the next proposal is verified: one accepted, then 9
+    assert seq.spec_token_ids == [5]
+    seq.spec_token_ids = []
+    seq.output_token_ids.extend([5, 9])
+    seq.num_computed_tokens = seq.num_tokens - 1
+    dec.propose([seq])
+    assert seen == [(3, 2, 3)]  # the held-back one: 8 and 5 right, 9 not
+    dec.release(seq)
+
+
 def test_step_times_follow_the_measured_sizes():
     st = StepTimes()
     assert st.predict(4) is None
@@ -401,6 +429,68 @@ def test_step_time_scales_with_the_rows_verified():
             ctl.observe_acceptance(seq, 1, 1)
             ctl.observe_acceptance(seq, 2, 1)
     assert ctl.choose(seqs, [1] * 16) == [0] * 16
+
+
+def test_walls_are_kept_per_batch_size():
+    """A batch of 16 draining to 9 halves its plain step: walls shared across those sizes
+    made a batch-9 verification step look cheap next to a batch-16 plain one."""
+    ctl = AdaptiveK(max_k=4, scores_unverified=True)
+    for _ in range(3):
+        ctl.observe_decode_step(16, 0.096, 0, 16, 0)
+        ctl.observe_decode_step(16, 0.150, 1, 28, 12)
+    assert 9 not in ctl.walls and 12 not in ctl.walls
+    seqs = [Sequence(i, str(i), 0, [1, 2], SamplingParams(), None) for i in range(9)]
+    assert ctl.choose(seqs, [4] * 9, [4] * 9) == [0] * 9  # a new size: plain decoding first
+    ctl.observe_decode_step(9, 0.053, 0, 9, 0)
+    assert ctl.walls[9].seconds == {0: 0.053} and ctl.walls[16].seconds[0] == 0.096
+
+
+def test_unmeasured_k_costs_rows_like_the_nearest_smaller_batch():
+    """Batch 8 measured a verified row at 0.8 plain-step rows ((0.09 - 0.05) / 8 over
+    0.05 / 8). At batch 12, k=1 not measured yet, the forward-time model (fitted where rows
+    were cheap) must not price a row below that: with acceptance 0.7 per proposal, a k=1
+    step there is then not worth even a probe soon."""
+    ctl = AdaptiveK(max_k=4, scores_unverified=True)
+    for n, t in ((8, 0.05), (12, 0.07), (16, 0.072), (24, 0.075)):  # cheap rows: the model
+        ctl.observe_step(n, t)
+    for _ in range(3):
+        ctl.observe_decode_step(8, 0.05, 0, 8, 0)
+        ctl.observe_decode_step(8, 0.09, 1, 14, 8)
+        ctl.observe_decode_step(12, 0.07, 0, 12, 0)
+    assert ctl._row_cost_below(12) == pytest.approx(0.8)
+    assert ctl._row_cost_below(8) is None
+    walls = ctl.walls[12]
+    assert ctl._wall(walls, 12, 1, [1] * 12) == pytest.approx(0.07 + 0.8 * 12 * 0.07 / 12)
+    assert ctl._wall(walls, 12, 1, [1] * 3 + [0] * 9) == pytest.approx(0.07 + 0.8 * 3 * 0.07 / 12)
+    seqs = [Sequence(i, str(i), 0, [1, 2], SamplingParams(), None) for i in range(12)]
+    for seq in seqs:
+        for _ in range(4):
+            ctl.observe_acceptance(seq, 1, 1)
+            ctl.observe_acceptance(seq, 2, 1)
+    assert all(ctl.choose(seqs, [1] * 12) == [0] * 12 for _ in range(20))
+
+
+def test_a_free_proposers_probe_at_batch_16_verifies_one_sequence():
+    """n-gram at batch 16, a k=1 row costing two plain rows: speculation never pays, and a
+    probe only re-measures the step time (held-back proposals keep acceptance fresh), so it
+    goes to the likeliest sequence alone, not to every one with a proposal (2.4x a plain
+    step on chat prompts)."""
+    ctl = AdaptiveK(max_k=4, scores_unverified=True)
+    for _ in range(3):
+        ctl.observe_decode_step(16, 0.08, 0, 16, 0)
+        ctl.observe_decode_step(16, 0.20, 1, 24, 12)
+    seqs = [Sequence(i, str(i), 0, [1, 2], SamplingParams(), None) for i in range(16)]
+    for i, seq in enumerate(seqs):
+        for _ in range(4):
+            ctl.observe_acceptance(seq, 1, 1 if i != 5 else 1, kind=4)
+            ctl.observe_acceptance(seq, 2, 1 if i != 5 else 2, kind=4)
+    probes = []
+    for _ in range(3000):
+        ks = ctl.choose(seqs, [4] * 16, [4] * 16)
+        if any(ks):
+            probes.append(ks)
+        ctl.observe_decode_step(16, 0.08 + 0.01 * sum(ks), max(ks), 16, sum(ks))
+    assert probes and all(sum(k > 0 for k in ks) == 1 and ks[5] for ks in probes)
 
 
 def test_unmeasured_k_is_not_cheaper_than_the_measured_line():
