@@ -12,6 +12,15 @@ from pagellm.kernels import native
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="no C compiler on this machine")
 
+
+@pytest.fixture(autouse=True)
+def bf16_upcast(monkeypatch):
+    """The fused layer serves CPUs without bf16 units, where bf16 activations run in float32
+    (layers/linear.py: UPCAST_BF16); on a CPU with them, build the engine that way regardless."""
+    from pagellm.layers import linear
+
+    monkeypatch.setattr(linear, "UPCAST_BF16", True)
+
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ",
            "List three colours of the rainbow and one fruit that has one of those colours:",
            "Summarize: the river runs through the middle of the town, and every morning the "

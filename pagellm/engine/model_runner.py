@@ -7,10 +7,14 @@ the attention layers.
 """
 from __future__ import annotations
 
+import time
+
 import torch
 
 from pagellm.attention.base import AttentionMetadata
+from pagellm.engine.packed_rows import PackedRowChoice
 from pagellm.engine.scheduler import SchedulerOutput
+from pagellm.layers import quant
 
 
 def kv_bytes_per_block(config, block_size: int, dtype: torch.dtype, tp_size: int = 1) -> int:
@@ -34,6 +38,7 @@ class ModelRunner:
                           for _ in range(cfg.num_hidden_layers)]
         for layer, (k, v) in zip(model.layers, self.kv_caches):
             layer.self_attn.k_cache, layer.self_attn.v_cache = k, v
+        self.packed_rows = PackedRowChoice.for_model(model)
 
     @classmethod
     def over_bound_caches(cls, model, runner: "ModelRunner") -> "ModelRunner":
@@ -42,6 +47,7 @@ class ModelRunner:
         self = cls.__new__(cls)
         self.model, self.block_size, self.device = model, runner.block_size, runner.device
         self.kv_caches = runner.kv_caches
+        self.packed_rows = None  # (the draft's few rows per step stay packed)
         return self
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
@@ -84,12 +90,25 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput, logit_rows: list[int]) -> torch.Tensor:
         """Run the step; return float32 logits [len(logit_rows), vocab] on the CPU for the given
         rows of the flat token batch."""
-        return self.forward(*self.prepare(out), logit_rows)
+        # Decode steps only (each sequence's latest token and its proposals) pick packed or
+        # dense products: prefill keeps each packed form's own limit, so that a prompt's
+        # numerics do not depend on what the machine measured so far.
+        decode = all(n == 1 + len(s.spec_token_ids) for s, n in zip(out.seqs, out.num_tokens))
+        return self.forward(*self.prepare(out), logit_rows, choose_path=decode)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata,
-                logit_rows: list[int] | None) -> torch.Tensor | None:
-        hidden = self.model(input_ids, positions, md)
+                logit_rows: list[int] | None, choose_path: bool = False) -> torch.Tensor | None:
+        choice = getattr(self, "packed_rows", None) if choose_path else None
+        if choice is None:
+            hidden = self.model(input_ids, positions, md)
+        else:  # packed or dense products for this many rows: the faster one measured
+            rows = input_ids.shape[0]
+            dense_from = choice.choose(rows)
+            start = time.perf_counter()
+            with quant.dense_from(dense_from):
+                hidden = self.model(input_ids, positions, md)
+            choice.observe(rows, dense_from, time.perf_counter() - start)
         if logit_rows is None:  # a tensor-parallel worker: rank 0 computes the logits
             return None
         rows = torch.tensor(logit_rows, dtype=torch.long, device=hidden.device)

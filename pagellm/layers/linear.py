@@ -43,7 +43,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
            int4: quant.NativeQ4 | quant.TorchInt4 | None = None) -> torch.Tensor:
     """F.linear; from packed 4-bit weights for a few rows when the layer has them; in float32
     for batched bf16 inputs on CPUs without bf16 units."""
-    if int4 is not None and x.numel() // x.shape[-1] < int4.max_rows:
+    if int4 is not None and quant.few_rows(x.numel() // x.shape[-1], int4.max_rows):
         y = int4(x)
         return y if bias is None else y + bias
     if weight.dtype == torch.bfloat16 and x.dtype == torch.float32 and x.numel() == x.shape[-1]:

@@ -16,6 +16,8 @@ keeps both its dense weight and, when available, the packed one. Q8_0 (w = d * q
 """
 from __future__ import annotations
 
+import threading
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +29,29 @@ GROUP = 32
 # 3072 x 576 weight (ms): rows 1: 0.36 packed / 0.47 bf16 / 0.59 upcast to float32;
 # 4: 0.40 / 1.58 / 1.20; 16: 1.58 / 6.46 / 1.92; 32: 3.38 / 12.6 / 2.70.
 MAX_ROWS = 17
+
+
+_step = threading.local()
+
+
+@contextmanager
+def dense_from(rows: int | None):
+    """Within the block, products of `rows` rows or more skip the packed kernels for the
+    dense weights (None: each packed form's own max_rows). The engine's PackedRowChoice picks
+    it per step: where the packed kernel is compute-bound per row and the dense product is
+    not yet, which wins moves with the machine's load (see engine/packed_rows.py)."""
+    prev = getattr(_step, "rows", None)
+    _step.rows = rows
+    try:
+        yield
+    finally:
+        _step.rows = prev
+
+
+def few_rows(rows: int, max_rows: int) -> bool:
+    """Whether a product of `rows` rows takes a packed kernel whose limit is max_rows."""
+    limit = getattr(_step, "rows", None)
+    return rows < (max_rows if limit is None else min(limit, max_rows))
 
 
 @dataclass
