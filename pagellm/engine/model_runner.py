@@ -99,7 +99,7 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata,
                 logit_rows: list[int] | None, choose_path: bool = False) -> torch.Tensor | None:
-        choice = getattr(self, "packed_rows", None) if choose_path else None
+        choice = self.packed_rows if choose_path else None
         if choice is None:
             hidden = self.model(input_ids, positions, md)
         else:  # packed or dense products for this many rows: the faster one measured

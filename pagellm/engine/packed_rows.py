@@ -1,11 +1,11 @@
 """Per step size, whether a model with packed 4-bit weights multiplies them packed or dense.
 
 The packed kernels (layers/quant.py) read 8x fewer weight bytes but are compute-bound per row
-(~3 cycles per 32 weights and row on AVX2); the dense float32 products stream every weight
-but then cost far less per row. Which is faster at 8-40 rows moves with the machine's load:
-on a quiet 2-core EPYC a 16-row decode step took 56 ms packed and 43 dense, and a 31-row one
-94 against 60, where a session with other jobs on the machine measured packed ahead up to 40
-rows. So the runner measures both on the steps themselves, per row count, and keeps the
+(~3 cycles per 32 weights and row on AVX2); the dense products (float32, or bf16 on CPUs with
+bf16 units) stream every weight but then cost far less per row. Which is faster at 6-40 rows
+depends on the CPU and its load: on an EPYC with AVX-512 bf16 units a 16-row decode step took
+56 ms packed and 43 dense, and a 31-row one 94 against 60, where earlier measurements on an
+AVX2-only EPYC had packed ahead up to 40 rows. So the runner measures both on the steps themselves, per row count, and keeps the
 faster: each side twice, alternating, then the other side again every RECHECK steps of that
 size (a loser 1.3x as slow then costs ~0.5% of those steps). A size is not tried where a
 smaller one ran faster dense or a larger one packed. Below MIN_ROWS packed wins by
@@ -60,11 +60,10 @@ class PackedRowChoice:
         return len(dense) < len(packed)  # alternate: packed, dense, packed, dense
 
     def _settled(self, rows: int) -> bool | None:
-        """Dense (True) or packed where measurements at this size or its neighbours say so: a
-        packed product's time grows with its rows, a dense one's far less, so dense winning at
-        fewer rows, or packed at more, settles a size without trying both. None: unknown."""
-        if self._measured(rows):
-            return self._best(rows)
+        """For a size not measured on both sides: dense (True) or packed where its neighbours
+        say so. A packed product's time grows with its rows, a dense one's far less, so dense
+        winning at fewer rows, or packed at more, settles a size without trying both. None:
+        unknown."""
         decided = {n: self._best(n) for n in self._steps if self._measured(n)}
         if any(d for n, d in decided.items() if n < rows):
             return True

@@ -43,7 +43,8 @@ class FusedDecodeLayer:
     def usable(self, x: torch.Tensor, md: AttentionMetadata) -> bool:
         attn = self.layer.self_attn
         # the packed kernels' few-row regime; larger steps (prefill, big batches) take modules
-        return (x.dtype == torch.float32 and few_rows(x.shape[0], NativeQ4.max_rows) and x.is_contiguous()
+        return (x.dtype == torch.float32 and few_rows(x.shape[0], NativeQ4.max_rows)
+                and x.is_contiguous()
                 and attn.k_cache is not None and attn.k_cache.dtype == torch.float32
                 and attn.k_cache.permute(2, 0, 1, 3).is_contiguous()
                 and attn.v_cache.permute(2, 0, 1, 3).is_contiguous() and _step_ok(md))
