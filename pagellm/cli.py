@@ -1,4 +1,4 @@
-"""Command line: pagellm generate | serve | bench."""
+"""Command line: pagellm generate | serve | fetch | bench."""
 from __future__ import annotations
 
 import argparse
@@ -89,6 +89,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return serve(args, engine_kwargs(args))
 
 
+def cmd_fetch(args: argparse.Namespace) -> int:
+    from pagellm.models import fetch
+
+    if args.name is None:
+        for name, model in fetch.MODELS.items():
+            print(f"{name}\t{model.size / 2**20:.0f} MiB\t{model.description}")
+        return 0
+    print(fetch.fetch(args.name))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     parser = argparse.ArgumentParser(prog="pagellm")
@@ -118,6 +129,10 @@ def main(argv: list[str] | None = None) -> int:
                      help="seconds SIGTERM waits for running requests")
     add_engine_args(srv)
     srv.set_defaults(func=cmd_serve)
+
+    fetch = sub.add_parser("fetch", help="download and assemble a named GGUF model; prints its path")
+    fetch.add_argument("name", nargs="?", default=None, help="omit to list the known models")
+    fetch.set_defaults(func=cmd_fetch)
 
     bench = sub.add_parser("bench", help="benchmarks (see benchmarks/README.md)")
     bench.add_argument("kind")

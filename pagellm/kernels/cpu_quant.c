@@ -20,57 +20,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
-#include "vec_math.h"
-
-#define GROUP 32
-/* At most 8 rows per pass over a weight row (its widened codes are shared by the rows); R
- * rows go in ceil(R / 8) passes of near-equal size: 9 rows as 5 + 4, 10% faster than 8 + 1
- * (a one-row pass re-reads every weight for a single row). */
-#define ROW_BLOCK 8
-#define ROW_BLOCKS(R) (((R) + ROW_BLOCK - 1) / ROW_BLOCK)
-#define ROW_BLOCK_SIZE(R, b) ((R) / ROW_BLOCKS(R) + ((b) < (R) % ROW_BLOCKS(R)))
-
-#ifdef __AVX2__
-static inline __m256 abs8(__m256 v) { return _mm256_andnot_ps(_mm256_set1_ps(-0.f), v); }
-
-/* xq[0..31] = x[0..31] * inv rounded to the nearest integer, ties to even (as lrintf). */
-static inline void round32(const float *x, __m256 inv, int16_t *xq) {
-    for (int h = 0; h < 32; h += 16) {
-        __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + h), inv));
-        __m256i b = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + h + 8), inv));
-        /* packs interleaves 128-bit lanes: a0-3 b0-3 a4-7 b4-7 -> a0-7 b0-7 */
-        _mm256_storeu_si256((__m256i *)(xq + h), _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xD8));
-    }
-}
-#endif
-
-/* x [R, K] -> xq [R, K] int16, dx [R, G] (block scales), xs8 [R, G, 8] (block sums of x
- * folded to 8 partial sums, xs8[j] = (x[j] + x[j + 8]) + (x[j + 16] + x[j + 24]), for the Q4
- * min term; NULL to skip). Vectorized on AVX2: a scalar pass cost a 5-row product ~30% of
- * its time (quantizing is per call, the product's weights are shared by the rows). */
-static void quantize_rows(const float *x, int64_t R, int64_t K, int16_t *xq, float *dx, float *xs8) {
-    const int64_t blocks = R * (K / GROUP);
-    for (int64_t b = 0; b < blocks; b++) {
-        const float *xb = x + b * GROUP;
-#ifdef __AVX2__
-        const __m256 v0 = _mm256_loadu_ps(xb), v1 = _mm256_loadu_ps(xb + 8);
-        const __m256 v2 = _mm256_loadu_ps(xb + 16), v3 = _mm256_loadu_ps(xb + 24);
-        const float mx = hmax8(_mm256_max_ps(_mm256_max_ps(abs8(v0), abs8(v1)),
-                                            _mm256_max_ps(abs8(v2), abs8(v3))));
-        round32(xb, _mm256_set1_ps(mx > 0.f ? 32767.f / mx : 0.f), xq + b * GROUP);
-        if (xs8)
-            _mm256_storeu_ps(xs8 + b * 8, _mm256_add_ps(_mm256_add_ps(v0, v1), _mm256_add_ps(v2, v3)));
-#else
-        float mx = 0.f;
-        for (int j = 0; j < GROUP; j++) mx = fmaxf(mx, fabsf(xb[j]));
-        const float inv = mx > 0.f ? 32767.f / mx : 0.f;
-        for (int j = 0; j < GROUP; j++) xq[b * GROUP + j] = (int16_t)lrintf(xb[j] * inv);
-        if (xs8)
-            for (int j = 0; j < 8; j++) xs8[b * 8 + j] = (xb[j] + xb[j + 8]) + (xb[j + 16] + xb[j + 24]);
-#endif
-        dx[b] = mx / 32767.f;
-    }
-}
+#include "quant_rows.h"
 
 #ifdef __AVX2__
 /* One int16 scale per row: x [R, K] -> xq, dxr [R], xsum_t [G, RS] (block sums; NULL to
@@ -113,13 +63,6 @@ static int quantize_rows_scaled(const float *x, int64_t R, int64_t K, int16_t *x
 #endif
 
 #ifdef __AVX2__
-/* sum_j a_j b_j over 32 int16 pairs (a in two halves), as 8 float partial sums. */
-static inline __m256 dot32(__m256i a0, __m256i a1, const int16_t *b) {
-    return _mm256_cvtepi32_ps(_mm256_add_epi32(
-        _mm256_madd_epi16(a0, _mm256_loadu_si256((const __m256i *)b)),
-        _mm256_madd_epi16(a1, _mm256_loadu_si256((const __m256i *)(b + 16)))));
-}
-
 /* One output feature, rows [0, rb) (rb <= ROW_BLOCK; a literal after inlining, so the row
  * loops unroll and the accumulators stay in registers). Q4 when sm has (scale, min) pairs. */
 static inline __attribute__((always_inline)) void dot_q4(
@@ -275,12 +218,6 @@ static inline void dot_q8(int rb, const int16_t *xq, const float *dx, int64_t K,
     }
 }
 #endif
-
-/* rb as a literal per case, so each call inlines into a fully unrolled row loop. */
-#define DISPATCH(rb, CALL) switch (rb) { \
-    case 1: CALL(1); break; case 2: CALL(2); break; case 3: CALL(3); break; \
-    case 4: CALL(4); break; case 5: CALL(5); break; case 6: CALL(6); break; \
-    case 7: CALL(7); break; default: CALL(8); break; }
 
 /* x [R, K] float32, codes [N, K / 2] uint8, sm [N, K / 32, 2] float32 (scale, min) -> y [R, N].
  * Returns 0, or -1 when out of memory. */

@@ -1,4 +1,5 @@
-"""Block-quantized few-row products (cpu_quant.c): PyTorch tensors in, float32 tensors out."""
+"""Block-quantized few-row products (cpu_quant.c, cpu_gguf.c): PyTorch tensors in, float32
+tensors out."""
 from __future__ import annotations
 
 import torch
@@ -28,3 +29,19 @@ def q4_linear(x: torch.Tensor, codes: torch.Tensor, scale_min: torch.Tensor) -> 
 def q8_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """codes [N, K] int8, scale [N, K / 32] float32 (w = scale * q) -> x W^T in float32."""
     return _run("q8_linear", x, codes, scale)
+
+
+def gguf_linear(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, k: int) -> torch.Tensor:
+    """blocks [N, row_bytes] uint8: each row the GGUF file's blocks of type `ggml_type` for K
+    inputs -> x W^T [..., N] in float32."""
+    x2 = x.reshape(-1, k).to(torch.float32).contiguous()
+    n, row_bytes = blocks.shape
+    y = torch.empty(x2.shape[0], n, dtype=torch.float32)
+    rc = native.library().gguf_linear(x2.data_ptr(), x2.shape[0], k, blocks.data_ptr(), row_bytes,
+                                       ggml_type, n, y.data_ptr(), torch.get_num_threads())
+    if rc == -1:
+        raise MemoryError("gguf_linear: out of memory for activation buffers")
+    if rc != 0:
+        raise ValueError(f"gguf_linear: ggml type {ggml_type} with {k} inputs and {row_bytes} "
+                         "bytes per row is not a layout the kernel takes")
+    return y.view(*x.shape[:-1], n)

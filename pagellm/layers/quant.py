@@ -1,5 +1,5 @@
-"""Block-quantized weights kept packed: GGUF Q4_0 / Q4_1 projections and a Q8_0 LM head
-multiplied without dequantizing them.
+"""Block-quantized weights kept packed: GGUF projections and LM heads multiplied without
+dequantizing them (Q4_0 / Q4_1 / Q8_0 / Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K).
 
 A decode step at small batch reads every weight once, so it is bound by how fast weights stream
 through the core. A GGUF Q4 tensor is 32-element blocks of 4-bit codes with one scale (and for
@@ -13,6 +13,11 @@ products: pagellm's own (pagellm/kernels/cpu_quant.c, NativeQ4; needs a C compil
 use) and, where it cannot be built, `torch.ops.aten._weight_int4pack_mm_for_cpu` (TorchInt4).
 Past ~40 rows (NativeQ4) or ~16 (TorchInt4) a dense float32 product is as fast, so a linear
 keeps both its dense weight and, when available, the packed one. Q8_0 (w = d * q, int8 q) serves the LM head (NativeQ8).
+
+Every other packable type (GGUFBlocks: the file's own bytes, one row of blocks per output
+feature) is multiplied by pagellm/kernels/cpu_gguf.c (NativeGGUF), which decodes the blocks
+itself; a fused projection whose parts have different types (a Q4_K_M file's Q4_K q/k beside a
+Q6_K v) keeps one packed form per run of parts (PackedParts).
 """
 from __future__ import annotations
 
@@ -20,7 +25,10 @@ import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+import numpy as np
 import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import dequantize as gguf_dequantize
 
 from pagellm.kernels import cpu_quant, native
 
@@ -184,3 +192,103 @@ class NativeQ8:
     @property
     def nbytes(self) -> int:
         return self.codes.numel() + self.scale.numel() * 4
+
+
+# Types cpu_gguf.c multiplies in place (Q4_0 / Q4_1 projections take NativeQ4 instead).
+GGUF_PACKED_TYPES = frozenset({GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_0,
+                               GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q5_0,
+                               GGMLQuantizationType.Q5_1, GGMLQuantizationType.Q4_K,
+                               GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K})
+
+
+@dataclass
+class GGUFBlocks:
+    """A weight [N, K] as the GGUF file stores it: row n is K / unit blocks of ggml_type."""
+
+    raw: torch.Tensor  # [N, row_bytes] uint8
+    ggml_type: GGMLQuantizationType
+    cols: int  # K
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.raw.shape[0], self.cols))
+
+    @property
+    def unit(self) -> tuple[int, int]:
+        """(values, bytes) of one block."""
+        return GGML_QUANT_SIZES[self.ggml_type]
+
+    def dequantize(self) -> torch.Tensor:  # [N, K] float32, gguf's reference arithmetic
+        return torch.from_numpy(gguf_dequantize(self.raw.numpy(), self.ggml_type).astype(np.float32))
+
+    def narrow(self, dim: int, start: int, length: int) -> GGUFBlocks:
+        if dim == 0:
+            return GGUFBlocks(self.raw.narrow(0, start, length), self.ggml_type, self.cols)
+        values, nbytes = self.unit
+        if start % values or length % values:
+            raise ValueError(f"a {self.ggml_type.name} weight splits along its inputs only at "
+                             f"multiples of {values}")
+        return GGUFBlocks(self.raw.narrow(1, start // values * nbytes, length // values * nbytes),
+                          self.ggml_type, length)
+
+
+class NativeGGUF:
+    """GGUF blocks multiplied in their file form by pagellm/kernels/cpu_gguf.c."""
+
+    max_rows = NativeQ4.max_rows
+
+    def __init__(self, w: GGUFBlocks):
+        self.raw, self.ggml_type, self.cols = w.raw.contiguous(), int(w.ggml_type), w.cols
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # -> float32
+        return cpu_quant.gguf_linear(x, self.raw, self.ggml_type, self.cols)
+
+    @property
+    def nbytes(self) -> int:
+        return self.raw.numel()
+
+
+class PackedParts:
+    """Fused parts with different packed forms: each multiplies its own rows, outputs are
+    concatenated (a copy of a few rows, nothing next to the products)."""
+
+    def __init__(self, parts: list):
+        self.parts = parts
+        self.max_rows = min(p.max_rows for p in parts)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([p(x) for p in self.parts], dim=-1)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+
+def gguf_packable(w: GGUFBlocks) -> bool:
+    values, _ = w.unit
+    return native.available() and w.ggml_type in GGUF_PACKED_TYPES and w.cols % values == 0
+
+
+def pack_parts(parts: list[Int4Blocks | GGUFBlocks]):
+    """One packed form for a fused projection's parts (in order), or None if some part cannot
+    be packed. Runs of parts of one kind and type are concatenated into one product."""
+    runs: list[list] = []
+    for part in parts:
+        key = "int4" if isinstance(part, Int4Blocks) else part.ggml_type
+        if runs and runs[-1][0] == key:
+            runs[-1][1].append(part)
+        else:
+            runs.append([key, [part]])
+    forms = []
+    for key, run in runs:
+        if key == "int4":
+            blocks = cat_rows(run)
+            if not packable(*blocks.shape):
+                return None
+            forms.append(pack(blocks))
+        else:
+            blocks = GGUFBlocks(torch.cat([p.raw for p in run]), run[0].ggml_type, run[0].cols)
+            if not gguf_packable(blocks):
+                return None
+            forms.append(NativeGGUF(blocks))
+    return forms[0] if len(forms) == 1 else PackedParts(forms)
