@@ -87,7 +87,7 @@ def test_float32_copy_of_packed_weights_is_exact(monkeypatch):
     x = torch.randn(quant.MAX_ROWS + 3, 64, generator=g).bfloat16()
     before = col(x)
     assert lin.keep_float32(col) == 1
-    assert col.weight.dtype == torch.float32 and col.int4 is not None
+    assert col.weight.dtype == torch.float32 and col.packed is not None
     assert torch.equal(col(x), before)
     monkeypatch.setattr(lin, "UPCAST_BF16", False)  # native bf16: nothing to convert
     col2 = lin.ColumnParallelLinear(64, ((32, 1),), bias=False)

@@ -61,10 +61,10 @@ def test_dense_from_switches_the_product_path():
                                (48, 160), GGMLQuantizationType.Q4_1, 0, raw.nbytes, None)
     lin = RowParallelLinear(160, 48)
     lin.load("weight", gguf_loader._load_int4(raw, t))
-    assert lin.int4 is not None
+    assert lin.packed is not None
     x = torch.randn(8, 160)
     dense = x @ lin.weight.t()
-    packed = lin.int4(x)
+    packed = lin.packed(x)
     with quant.dense_from(8):
         assert torch.equal(lin(x), dense)  # 8 rows >= 8: the dense weights
     with quant.dense_from(9):

@@ -15,7 +15,7 @@ from pagellm.layers import quant
 from pagellm.layers.linear import ColumnParallelLinear, RowParallelLinear
 from pagellm.models import gguf_loader
 from pagellm.models.loader import default_model_path, load_model_files
-from pagellm.models.registry import use_int4
+from pagellm.models.registry import use_packed
 
 
 def _tensor(qtype, rows, cols, rope_heads=None, seed=0):
@@ -77,14 +77,14 @@ def test_linears_keep_packed_weights_beside_dense_ones():
     a, b = gguf_loader._load_int4(raw_a, ta), gguf_loader._load_int4(raw_b, tb)
     col = ColumnParallelLinear(64, ((32, 1), (16, 1)), bias=False)
     col.load("weight", a, 0)
-    assert col.int4 is None  # one part still missing
+    assert col.packed is None  # one part still missing
     col.load("weight", b, 1)
-    assert col.int4 is not None  # packed once every part is in
+    assert col.packed is not None  # packed once every part is in
     col.to(torch.bfloat16)
     # .to(dtype) leaves the packed form alone; its bytes are codes plus block scales
-    assert col.int4.nbytes > 48 * 64 // 2
-    if isinstance(col.int4, quant.NativeQ4):
-        assert col.int4.codes.dtype == torch.uint8 and col.int4.scale_min.dtype == torch.float32
+    assert col.packed.nbytes > 48 * 64 // 2
+    if isinstance(col.packed, quant.NativeQ4):
+        assert col.packed.codes.dtype == torch.uint8 and col.packed.scale_min.dtype == torch.float32
     dense = torch.cat([a.dequantize(), b.dequantize()])
     assert torch.equal(col.weight.float(), dense.bfloat16().float())
     x = torch.randn(2, 64)
@@ -94,14 +94,14 @@ def test_linears_keep_packed_weights_beside_dense_ones():
     row = RowParallelLinear(64, 32)
     row.load("weight", a)
     row.to(torch.bfloat16)
-    assert row.int4 is not None
+    assert row.packed is not None
     mixed = ColumnParallelLinear(64, ((32, 1), (16, 1)), bias=False)
     mixed.load("weight", a, 0)
     mixed.load("weight", b.dequantize(), 1)  # a dense part: the fused weight stays dense
-    assert mixed.int4 is None and torch.equal(mixed.weight, dense)
+    assert mixed.packed is None and torch.equal(mixed.weight, dense)
     odd = ColumnParallelLinear(64, ((8, 1),), bias=False)  # 8 outputs: PyTorch's kernel wants 16k
     odd.load("weight", a.narrow(0, 0, 8), 0)
-    assert (odd.int4 is None) != native.available()  # the native kernel takes any count
+    assert (odd.packed is None) != native.available()  # the native kernel takes any count
     assert torch.equal(odd.weight, a.dequantize()[:8])
     big = torch.randn(40, 64)  # many rows: the dense path, same values
     assert torch.allclose(row(big.bfloat16()).float(), big @ a.dequantize().t(), rtol=0.03,
@@ -113,15 +113,15 @@ def test_quantization_choice_and_errors(tiny_llama):
     gguf_files = load_model_files(None, load_tokenizer=False)
     hf_files = load_model_files(tiny_llama, load_tokenizer=False)
     cpu = torch.device("cpu")
-    assert gguf_files.int4_linears and not hf_files.int4_linears
-    assert use_int4(None, gguf_files, torch.bfloat16, cpu)
-    assert not use_int4(None, gguf_files, torch.float32, cpu)  # float32 stays dense
-    assert not use_int4("none", gguf_files, torch.bfloat16, cpu)
-    assert not use_int4(None, hf_files, torch.bfloat16, cpu)
+    assert gguf_files.packed_linears and not hf_files.packed_linears
+    assert use_packed(None, gguf_files, torch.bfloat16, cpu)
+    assert not use_packed(None, gguf_files, torch.float32, cpu)  # float32 stays dense
+    assert not use_packed("none", gguf_files, torch.bfloat16, cpu)
+    assert not use_packed(None, hf_files, torch.bfloat16, cpu)
     with pytest.raises(ValueError, match="quantization='gguf'"):
-        use_int4("gguf", gguf_files, torch.float32, cpu)
+        use_packed("gguf", gguf_files, torch.float32, cpu)
     with pytest.raises(ValueError, match="quantization='gguf'"):
-        use_int4("gguf", hf_files, torch.bfloat16, cpu)
+        use_packed("gguf", hf_files, torch.bfloat16, cpu)
     with pytest.raises(ValueError, match="quantization"):
         LLM(tiny_llama, quantization="awq")
 
@@ -133,7 +133,7 @@ def test_default_model_packed_matches_dense():
     outs = {}
     for q in ("none", "gguf"):
         llm = LLM(default_model_path(), dtype="bfloat16", quantization=q, kv_cache_memory="32MiB")
-        packed, total = llm.engine.model.num_packed_int4()
+        packed, total = llm.engine.model.num_packed()
         assert total == 30 * 4  # qkv, o, gate_up, down per layer
         assert packed == (0 if q == "none" else total)
         if q == "gguf":
@@ -155,6 +155,6 @@ def test_auto_dtype_follows_packed_weights():
     from pagellm.layers.linear import UPCAST_BF16
 
     cpu = torch.device("cpu")
-    assert resolve_dtype("auto", cpu, packed_int4=True) == torch.bfloat16
+    assert resolve_dtype("auto", cpu, packed_weights=True) == torch.bfloat16
     assert resolve_dtype("auto", cpu) == (torch.float32 if UPCAST_BF16 else torch.bfloat16)
-    assert resolve_dtype("float32", cpu, packed_int4=True) == torch.float32
+    assert resolve_dtype("float32", cpu, packed_weights=True) == torch.float32

@@ -758,5 +758,5 @@ def test_packed_row_limit_is_the_smallest_few_row_kernel_limit():
 
     model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
     assert packed_row_limit(model) is None  # no packed weights: no limit
-    model[0].int4, model[1].int4 = SimpleNamespace(max_rows=41), SimpleNamespace(max_rows=17)
+    model[0].packed, model[1].packed = SimpleNamespace(max_rows=41), SimpleNamespace(max_rows=17)
     assert packed_row_limit(model) == 16  # products take the packed path below max_rows

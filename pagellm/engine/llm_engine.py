@@ -17,7 +17,7 @@ from pagellm.engine.memory import (keep_freed_memory, num_kv_blocks, resolve_dev
                                    resolve_dtype, resolve_kv_dtype)
 from pagellm.layers.linear import packed_row_limit
 from pagellm.models.loader import load_model_files
-from pagellm.models.registry import build_model, may_pack_int4
+from pagellm.models.registry import build_model, may_pack
 from pagellm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pagellm.sampling.sampler import SamplingRow, sample
 from pagellm.sampling_params import SamplingParams
@@ -50,7 +50,7 @@ class LLMEngine:
             keep_freed_memory()
         files = load_model_files(config.model)
         self.dtype = resolve_dtype(config.dtype, self.device,
-                                   may_pack_int4(files, config.quantization))
+                                   may_pack(files, config.quantization))
         self.model_path = files.path
         self.tokenizer = files.tokenizer
         self.hf_config = files.config

@@ -17,15 +17,15 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def resolve_dtype(name: str, device: torch.device, packed_int4: bool = False) -> torch.dtype:
+def resolve_dtype(name: str, device: torch.device, packed_weights: bool = False) -> torch.dtype:
     """'auto': bfloat16 on GPUs and on CPUs with bf16 instructions. On other CPUs float32,
     where dense float32 products are faster, unless the model's GGUF Q4 weights can stay
-    packed (packed_int4): their kernel takes bf16 activations and halves batch-1 decode time,
+    packed (packed_weights): their kernel takes bf16 activations and halves batch-1 decode time,
     while batched products are computed in float32 either way."""
     if name == "auto":
         from pagellm.layers.linear import UPCAST_BF16
 
-        if device.type == "cpu" and UPCAST_BF16 and not packed_int4:
+        if device.type == "cpu" and UPCAST_BF16 and not packed_weights:
             return torch.float32
         return torch.bfloat16
     return _DTYPES[name]

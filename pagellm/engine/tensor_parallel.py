@@ -62,7 +62,7 @@ def start_workers(config, device: torch.device, max_model_len: int) -> list:
 def _worker_main(rank: int, port: int, config, device: str, max_model_len: int) -> None:
     from pagellm.engine.memory import keep_freed_memory, resolve_dtype, resolve_kv_dtype
     from pagellm.models.loader import load_model_files
-    from pagellm.models.registry import build_model, may_pack_int4
+    from pagellm.models.registry import build_model, may_pack
 
     dev = torch.device(device)
     if dev.type == "cuda":
@@ -75,7 +75,7 @@ def _worker_main(rank: int, port: int, config, device: str, max_model_len: int) 
     if dev.type == "cpu":
         keep_freed_memory()
     files = load_model_files(config.model, load_tokenizer=False)
-    dtype = resolve_dtype(config.dtype, dev, may_pack_int4(files, config.quantization))
+    dtype = resolve_dtype(config.dtype, dev, may_pack(files, config.quantization))
     model = build_model(files, dtype, dev, max_model_len, config.quantization)
     num_blocks = _recv()
     kv_dtype = resolve_kv_dtype(config.cache.kv_cache_dtype, dtype, dev)

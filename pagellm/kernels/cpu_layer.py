@@ -21,7 +21,7 @@ class FusedDecodeLayer:
         self.heads, self.kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
         self.scale = attn.scale
         self.intermediate = mlp.down_proj.weight.shape[1]
-        w = [attn.qkv_proj.int4, attn.o_proj.int4, mlp.gate_up_proj.int4, mlp.down_proj.int4]
+        w = [attn.qkv_proj.packed, attn.o_proj.packed, mlp.gate_up_proj.packed, mlp.down_proj.packed]
         self._weights = tuple(p for q in w for p in (q.codes.data_ptr(), q.scale_min.data_ptr()))
         self._norms = (layer.input_layernorm.weight.data_ptr(),
                        layer.post_attention_layernorm.weight.data_ptr())
@@ -36,7 +36,7 @@ class FusedDecodeLayer:
         # the C layer attends itself over the CPU backend's head-major pool: only there
         return (native.available() and parallel.tp_size() == 1
                 and isinstance(attn.backend, TorchPagedAttention)
-                and all(isinstance(m.int4, NativeQ4) and m.bias is None for m in linears)
+                and all(isinstance(m.packed, NativeQ4) and m.bias is None for m in linears)
                 and all(n.weight.dtype == torch.float32 for n in (
                     layer.input_layernorm, layer.post_attention_layernorm)))
 

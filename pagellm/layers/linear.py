@@ -40,11 +40,11 @@ def upcast(*tensors: torch.Tensor) -> bool:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           int4: quant.NativeQ4 | quant.TorchInt4 | None = None) -> torch.Tensor:
-    """F.linear; from packed 4-bit weights for a few rows when the layer has them; in float32
-    for batched bf16 inputs on CPUs without bf16 units."""
-    if int4 is not None and quant.few_rows(x.numel() // x.shape[-1], int4.max_rows):
-        y = int4(x)
+           packed=None) -> torch.Tensor:
+    """F.linear; from packed block-quantized weights (quant.NativeQ4, NativeGGUF, ...) for a few
+    rows when the layer has them; in float32 for batched bf16 inputs on CPUs without bf16 units."""
+    if packed is not None and quant.few_rows(x.numel() // x.shape[-1], packed.max_rows):
+        y = packed(x).to(x.dtype)
         return y if bias is None else y + bias
     if weight.dtype == torch.bfloat16 and x.dtype == torch.float32 and x.numel() == x.shape[-1]:
         # float32 activations, bf16 weight (use_float32_activations), one row: bf16 is faster
@@ -59,7 +59,7 @@ def packed_row_limit(model: nn.Module) -> int | None:
     """The most rows a step may have and still run every packed 4-bit product in its few-row
     kernel (None: the model has no packed weights). Past it, products switch to dense
     weights, with another cost per row."""
-    limits = [m.int4.max_rows - 1 for m in model.modules() if getattr(m, "int4", None) is not None]
+    limits = [m.packed.max_rows - 1 for m in model.modules() if getattr(m, "packed", None) is not None]
     return min(limits) if limits else None
 
 
@@ -72,40 +72,41 @@ def keep_float32(model: nn.Module) -> int:
         return 0
     n = 0
     for m in model.modules():
-        if isinstance(m, _PackedInt4) and m.int4 is not None and m.weight.dtype == torch.bfloat16:
+        if isinstance(m, _Packed) and m.packed is not None and m.weight.dtype == torch.bfloat16:
             m.weight.data = m.weight.data.float()
             n += 1
     return n
 
 
-class _PackedInt4:
-    """Keeps the 4-bit form of a GGUF Q4 weight beside the dense one, for few-row products.
-    load() records each part's Int4Blocks and packs them as soon as every part is there (a
-    plain attribute: .to(dtype) leaves the packed codes and scales alone)."""
+_BLOCKS = (quant.Int4Blocks, quant.GGUFBlocks)
 
-    int4: quant.NativeQ4 | quant.TorchInt4 | None = None
+
+class _Packed:
+    """Keeps the block-quantized form of a GGUF weight beside the dense one, for few-row
+    products. load() records each part's blocks and packs them as soon as every part is there
+    (a plain attribute: .to(dtype) leaves the packed codes and scales alone)."""
+
+    packed = None  # quant.NativeQ4 | TorchInt4 | NativeGGUF | PackedParts
     num_parts = 1
 
-    def _keep(self, shard: int, part: quant.Int4Blocks | None) -> None:
-        """part None: this shard came dense (e.g. a Q8_0 v_proj beside Q4 q/k), so the
+    def _keep(self, shard: int, part: quant.Int4Blocks | quant.GGUFBlocks | None) -> None:
+        """part None: this shard came dense (e.g. a Q2_K v_proj beside Q4 q/k), so the
         fused weight cannot be packed; parts already kept are dropped."""
-        parts = self.__dict__.setdefault("_int4_parts", {})
+        parts = self.__dict__.setdefault("_packed_parts", {})
         if part is None or parts is None:
-            self.__dict__["_int4_parts"] = None
+            self.__dict__["_packed_parts"] = None
             return
         parts[shard] = part
         if len(parts) == self.num_parts:
-            del self._int4_parts
-            blocks = quant.cat_rows([parts[i] for i in range(self.num_parts)])
-            if quant.packable(*blocks.shape):
-                self.int4 = quant.pack(blocks)
+            del self._packed_parts
+            self.packed = quant.pack_parts([parts[i] for i in range(self.num_parts)])
 
 
-def _dense(tensor: torch.Tensor | quant.Int4Blocks) -> torch.Tensor:
-    return tensor.dequantize() if isinstance(tensor, quant.Int4Blocks) else tensor
+def _dense(tensor: torch.Tensor | quant.Int4Blocks | quant.GGUFBlocks) -> torch.Tensor:
+    return tensor.dequantize() if isinstance(tensor, _BLOCKS) else tensor
 
 
-class ColumnParallelLinear(_PackedInt4, nn.Module):
+class ColumnParallelLinear(_Packed, nn.Module):
     """y = x W^T (+ b) for this rank's rows of W. parts: for each fused part, (full output
     size, unit size): the part's units are split across ranks."""
 
@@ -126,14 +127,14 @@ class ColumnParallelLinear(_PackedInt4, nn.Module):
         offset = sum(n for _, n in self.ranges[:shard])
         part = tensor.narrow(0, start, size)
         if name == "weight":
-            self._keep(shard, part if isinstance(part, quant.Int4Blocks) else None)
+            self._keep(shard, part if isinstance(part, _BLOCKS) else None)
         getattr(self, name).data.narrow(0, offset, size).copy_(_dense(part))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.int4)
+        return linear(x, self.weight, self.bias, self.packed)
 
 
-class RowParallelLinear(_PackedInt4, nn.Module):
+class RowParallelLinear(_Packed, nn.Module):
     """y = all_reduce(x_local W_local^T) (+ b); this rank holds `unit`-sized groups of the
     input features."""
 
@@ -149,7 +150,7 @@ class RowParallelLinear(_PackedInt4, nn.Module):
         if name == "bias":  # added once, after the reduction
             self.bias.data.copy_(tensor)
             return
-        if isinstance(tensor, quant.Int4Blocks):
+        if isinstance(tensor, _BLOCKS):
             try:
                 self._keep(0, tensor.narrow(1, self.start, self.in_local))
             except ValueError:  # this rank's inputs do not start on a group: dense only
@@ -157,7 +158,7 @@ class RowParallelLinear(_PackedInt4, nn.Module):
         self.weight.data.copy_(_dense(tensor).narrow(1, self.start, self.in_local))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear(x, self.weight, int4=self.int4)
+        y = linear(x, self.weight, packed=self.packed)
         if self.reduce:
             y = parallel.all_reduce(y)
         return y + self.bias if self.bias is not None else y

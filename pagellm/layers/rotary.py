@@ -1,7 +1,8 @@
 """Rotary position embedding (the rotate-half layout of Hugging Face Llama checkpoints).
 
 Frequencies come from transformers' rope initialisers, so llama3/linear/yarn scaling in a
-config give the same angles as the reference implementation.
+config give the same angles as the reference implementation; a Llama 3 GGUF carries the same
+scaling as per-frequency divisors (rope_freqs, config.rope_freq_factors).
 """
 from __future__ import annotations
 
@@ -18,7 +19,14 @@ def _inv_freq(config, head_dim: int) -> tuple[torch.Tensor, float]:
         inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
         return inv_freq.float(), float(scaling)
     theta = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
-    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)), 1.0
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    factors = getattr(config, "rope_freq_factors", None)
+    if factors is not None:  # a Llama 3 GGUF's rope_freqs: llama.cpp divides each angle by one
+        if len(factors) != inv_freq.numel():
+            raise ValueError(f"rope_freqs has {len(factors)} values; head_dim {head_dim} needs "
+                             f"{inv_freq.numel()}")
+        inv_freq = inv_freq / torch.tensor(factors, dtype=torch.float32)
+    return inv_freq, 1.0
 
 
 class RotaryEmbedding(nn.Module):

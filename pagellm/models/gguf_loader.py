@@ -19,15 +19,20 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import quant_shape_to_byte_shape
 
-from pagellm.layers.quant import Int4Blocks, Int8Blocks
+from gguf.quants import dequantize as gguf_dequantize
+
+from pagellm.layers.quant import GGUF_PACKED_TYPES, GGUFBlocks, Int4Blocks, Int8Blocks
 
 _Q = GGMLQuantizationType
 # Stored as plain floats: handed out in their own dtype, no dequantization needed.
 # numpy has no bfloat16, so its bits travel as uint16 until the final torch view.
 _FLOAT_TYPES = {_Q.F32: (np.float32, torch.float32), _Q.F16: (np.float16, torch.float16),
                 _Q.BF16: (np.uint16, torch.bfloat16)}
-# Block formats: dequantized to float32. Others are refused rather than silently mis-read.
-_BLOCK_TYPES = {_Q.Q8_0, _Q.Q4_0, _Q.Q4_1}
+# Block formats: dequantized to float32 (Q8_0 / Q4_0 / Q4_1 by dequantize_blocks, the rest by
+# gguf's reference code), or kept packed (quant.GGUF_PACKED_TYPES). Others (IQ*, TQ*, ...) are
+# refused rather than silently mis-read.
+_FAST_BLOCK_TYPES = {_Q.Q8_0, _Q.Q4_0, _Q.Q4_1}
+_BLOCK_TYPES = _FAST_BLOCK_TYPES | {_Q.Q5_0, _Q.Q5_1, _Q.Q2_K, _Q.Q3_K, _Q.Q4_K, _Q.Q5_K, _Q.Q6_K}
 
 # GGUF metadata value types (gguf spec): fixed-size scalars, 8 = string, 9 = array.
 _SCALAR_FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
@@ -156,7 +161,13 @@ def _plan_tensor(path, metadata, name, shape, ggml_type, offset) -> GGUFTensor:
     return GGUFTensor(name, hf_name, shape, _Q(ggml_type), offset, nbytes, rope_heads)
 
 
+# Llama 3 rope scaling: per-frequency divisors of the rotary angles, read into the config.
+ROPE_FREQS = "rope_freqs"
+
+
 def _hf_name(path: str, gguf_name: str) -> str:
+    if gguf_name == "rope_freqs.weight":
+        return ROPE_FREQS
     base, _, kind = gguf_name.rpartition(".")
     if base in _TOP_LEVEL_NAMES and kind == "weight":
         return f"{_TOP_LEVEL_NAMES[base]}.weight"
@@ -164,7 +175,7 @@ def _hf_name(path: str, gguf_name: str) -> str:
     if match and match.group(2) in _BLOCK_NAMES:
         layer, part, kind = match.groups()
         return f"model.layers.{layer}.{_BLOCK_NAMES[part]}.{kind}"
-    # e.g. rope_freqs.weight (llama-3 rope scaling): refusing beats silently wrong outputs.
+    # a tensor we would not use: refusing beats silently wrong outputs
     raise ValueError(f"{path}: GGUF tensor {gguf_name!r} has no transformers counterpart we support")
 
 
@@ -173,32 +184,54 @@ _INT4_TYPES = {_Q.Q4_0, _Q.Q4_1}
 _HEADS = {"model.embed_tokens.weight", "lm_head.weight"}
 
 
-def has_int4_linears(gguf_file: GGUFFile) -> bool:
-    """Whether any projection weight is stored as Q4_0 / Q4_1 (and can stay packed)."""
-    return any(t.ggml_type in _INT4_TYPES and _LINEAR.fullmatch(t.hf_name) for t in gguf_file.tensors)
+def has_packed_linears(gguf_file: GGUFFile) -> bool:
+    """Whether any projection weight is stored in a block type that can stay packed."""
+    return any(t.ggml_type in GGUF_PACKED_TYPES and _LINEAR.fullmatch(t.hf_name)
+               for t in gguf_file.tensors)
 
 
-def has_q8_head(gguf_file: GGUFFile) -> bool:
-    """Whether the LM head (the embedding when there is no output tensor) is stored as Q8_0."""
-    heads = {t.hf_name: t.ggml_type for t in gguf_file.tensors if t.hf_name in _HEADS}
-    head = heads.get("lm_head.weight", heads.get("model.embed_tokens.weight"))
-    return head == _Q.Q8_0
+def _head(gguf_file: GGUFFile) -> GGUFTensor:
+    """The LM head: the output tensor, or the embedding when there is none (tied)."""
+    heads = {t.hf_name: t for t in gguf_file.tensors if t.hf_name in _HEADS}
+    return heads.get("lm_head.weight", heads.get("model.embed_tokens.weight"))
 
 
-def iter_gguf_weights(gguf_file: GGUFFile, keep_int4: bool = False, keep_q8_head: bool = False,
-                      ) -> Iterator[tuple[str, torch.Tensor | Int4Blocks | Int8Blocks]]:
+def has_packed_head(gguf_file: GGUFFile) -> bool:
+    """Whether the LM head is stored in a block type that can stay packed."""
+    head = _head(gguf_file)
+    return head is not None and head.ggml_type in GGUF_PACKED_TYPES
+
+
+def iter_gguf_weights(gguf_file: GGUFFile, keep_packed: bool = False, keep_head: bool = False,
+                      ) -> Iterator[tuple[str, torch.Tensor | Int4Blocks | Int8Blocks | GGUFBlocks]]:
     """Yield (HF name, tensor) one at a time, so peak memory is one dequantized tensor.
-    keep_int4: Q4_0 / Q4_1 projection weights come as Int4Blocks (codes, scales, zeros);
-    keep_q8_head: a Q8_0 embedding / LM head comes as Int8Blocks."""
+    keep_packed: projection weights of packable types come packed: Q4_0 / Q4_1 as Int4Blocks
+    (codes, scales, zeros), the other types as GGUFBlocks (the file's bytes);
+    keep_head: the LM head (a tied embedding too) likewise, Q8_0 as Int8Blocks."""
     # np.asarray drops the memmap subclass: its per-slice bookkeeping is slow; pages stay mapped.
     blob = np.asarray(np.memmap(gguf_file.path, dtype=np.uint8, mode="r"))
+    head = _head(gguf_file)
     for tensor in gguf_file.tensors:
-        if keep_int4 and tensor.ggml_type in _INT4_TYPES and _LINEAR.fullmatch(tensor.hf_name):
+        if tensor.hf_name == ROPE_FREQS:  # in the config (gguf_config)
+            continue
+        linear = keep_packed and _LINEAR.fullmatch(tensor.hf_name)
+        if linear and tensor.ggml_type in _INT4_TYPES:
             yield tensor.hf_name, _load_int4(blob, tensor)
-        elif keep_q8_head and tensor.ggml_type == _Q.Q8_0 and tensor.hf_name in _HEADS:
+        elif keep_head and tensor is head and tensor.ggml_type == _Q.Q8_0:
             yield tensor.hf_name, _load_int8(blob, tensor)
+        elif (linear or (keep_head and tensor is head)) and tensor.ggml_type in GGUF_PACKED_TYPES:
+            yield tensor.hf_name, _load_blocks(blob, tensor)
         else:
             yield tensor.hf_name, _load_tensor(blob, tensor)
+
+
+def _load_blocks(blob: np.ndarray, tensor: GGUFTensor) -> GGUFBlocks:
+    """The tensor's bytes, one row of blocks per output feature (rows in HF order)."""
+    rows, cols = tensor.hf_shape
+    raw = np.array(blob[tensor.offset:tensor.offset + tensor.nbytes]).reshape(rows, -1)
+    if tensor.rope_heads is not None:
+        raw = _undo_rope_permute(raw, tensor.rope_heads)
+    return GGUFBlocks(torch.from_numpy(raw), tensor.ggml_type, cols)
 
 
 def _load_int8(blob: np.ndarray, tensor: GGUFTensor) -> Int8Blocks:
@@ -238,9 +271,12 @@ def _load_tensor(blob: np.ndarray, tensor: GGUFTensor) -> torch.Tensor:
     if tensor.ggml_type in _FLOAT_TYPES:
         np_dtype, torch_dtype = _FLOAT_TYPES[tensor.ggml_type]
         array = np.array(raw).view(np_dtype)  # copy: own writable memory, not the file mapping
-    else:
+    elif tensor.ggml_type in _FAST_BLOCK_TYPES:
         torch_dtype = torch.float32
         array = dequantize_blocks(raw, tensor.ggml_type)
+    else:
+        torch_dtype = torch.float32
+        array = gguf_dequantize(raw, tensor.ggml_type).astype(np.float32, copy=False)
     array = array.reshape(tensor.hf_shape)
     if tensor.rope_heads is not None:
         array = _undo_rope_permute(array, tensor.rope_heads)
@@ -308,8 +344,9 @@ def gguf_config(gguf_file: GGUFFile):
         return value
 
     scaling = md.get(f"{arch}.rope.scaling.type", "none")
-    if scaling != "none":
-        raise ValueError(f"{gguf_file.path}: rope scaling {scaling!r} is not supported")
+    if scaling not in ("none", "linear"):
+        raise ValueError(f"{gguf_file.path}: rope scaling {scaling!r} is not supported "
+                         "(supported: none, linear, and Llama 3's rope_freqs)")
     num_heads = key("attention.head_count")
     names = {t.hf_name: t for t in gguf_file.tensors}
     if "model.embed_tokens.weight" not in names:
@@ -328,12 +365,18 @@ def gguf_config(gguf_file: GGUFFile):
         vocab_size=names["model.embed_tokens.weight"].hf_shape[0],
         tie_word_embeddings="lm_head.weight" not in names,
     )
+    if scaling == "linear":
+        kwargs["rope_scaling"] = {"rope_type": "linear", "factor": key("rope.scaling.factor")}
     if arch == "llama":  # as transformers does: rope dimension == head_dim for llama only
         kwargs["head_dim"] = key("rope.dimension_count", kwargs["hidden_size"] // num_heads)
     for token, gguf_key in _SPECIAL_TOKENS.items():
         if f"tokenizer.ggml.{gguf_key}_token_id" in md:
             kwargs[f"{token}_token_id"] = md[f"tokenizer.ggml.{gguf_key}_token_id"]
     config = getattr(transformers, config_class_name)(**kwargs)
+    if ROPE_FREQS in names:  # Llama 3.x: the rotary embedding divides its frequencies by these
+        tensor = names[ROPE_FREQS]
+        blob = np.asarray(np.memmap(gguf_file.path, dtype=np.uint8, mode="r"))
+        config.rope_freq_factors = _load_tensor(blob, tensor).float().reshape(-1).tolist()
     config._name_or_path = gguf_file.path  # as AutoConfig does for a folder: where it came from
     return config
 

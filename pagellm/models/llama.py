@@ -74,9 +74,9 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None if self.tie_word_embeddings else nn.Linear(
             config.hidden_size, config.vocab_size, bias=False)
         self.requires_grad_(False)
-        # The LM head kept in its Q8_0 form when the loader hands it out so (GGUF, native
+        # The LM head kept in its block form when the loader hands it out so (GGUF, native
         # kernels available): a plain attribute, so .to(dtype) leaves it alone.
-        self.head_q8: quant.NativeQ8 | None = None
+        self.head_packed: quant.NativeQ8 | quant.NativeGGUF | None = None
         self.act_dtype: torch.dtype | None = None  # None: the parameters' dtype
 
     def use_float32_activations(self) -> None:
@@ -116,8 +116,8 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[num_rows, hidden] -> [num_rows, vocab] float32."""
-        if self.head_q8 is not None and hidden.shape[0] < self.head_q8.max_rows:
-            return self.head_q8(hidden)
+        if self.head_packed is not None and hidden.shape[0] < self.head_packed.max_rows:
+            return self.head_packed(hidden)
         if upcast(hidden) or (hidden.shape[0] > 1 and hidden.dtype != self._head().dtype):
             return F.linear(hidden.float(), self.head_float32())
         return linear(hidden, self._head()).float()
@@ -139,15 +139,15 @@ class LlamaForCausalLM(nn.Module):
             self._head_f32 = (weight, weight.float())
         return self._head_f32[1]
 
-    def num_packed_int4(self) -> tuple[int, int]:
+    def num_packed(self) -> tuple[int, int]:
         """(projections holding packed 4-bit weights, projections in all)."""
-        linears = [m for m in self.modules() if hasattr(m, "int4") and m is not self]
-        return sum(m.int4 is not None for m in linears), len(linears)
+        linears = [m for m in self.modules() if hasattr(m, "packed") and m is not self]
+        return sum(m.packed is not None for m in linears), len(linears)
 
     def weight_bytes(self) -> int:
         """Parameters plus packed 4-bit copies: what the weights occupy in memory."""
-        packed = sum(m.int4.nbytes for m in self.modules() if getattr(m, "int4", None) is not None)
-        packed += self.head_q8.nbytes if self.head_q8 is not None else 0
+        packed = sum(m.packed.nbytes for m in self.modules() if getattr(m, "packed", None) is not None)
+        packed += self.head_packed.nbytes if self.head_packed is not None else 0
         head = getattr(self, "_head_f32", None)
         head = 0 if head is None else head[1].numel() * 4
         return packed + head + sum(p.numel() * p.element_size() for p in self.parameters())
@@ -177,9 +177,10 @@ class LlamaForCausalLM(nn.Module):
                 if params[name].shape != tensor.shape:
                     raise ValueError(f"weight {name}: shape {tuple(tensor.shape)} does not match "
                                      f"the config's {tuple(params[name].shape)}")
-                if isinstance(tensor, quant.Int8Blocks):  # a Q8_0 embedding or LM head
+                if isinstance(tensor, (quant.Int8Blocks, quant.GGUFBlocks)):  # a packed head
                     if name == self._head_name():
-                        self.head_q8 = quant.NativeQ8(tensor)
+                        self.head_packed = (quant.NativeQ8(tensor) if isinstance(tensor, quant.Int8Blocks)
+                                            else quant.NativeGGUF(tensor))
                     tensor = tensor.dequantize()
                 params[name].data.copy_(tensor)
                 loaded.add(name)

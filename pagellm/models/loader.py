@@ -35,12 +35,12 @@ class ModelFiles:
     # the model plus one tensor, not two copies of the model.
     weights: Callable[..., Iterator[tuple[str, torch.Tensor]]]
     path: str
-    # A GGUF file whose projections are Q4_0 / Q4_1: weights(keep_int4=True) hands them out
-    # as Int4Blocks, which the linears can keep packed (pagellm/layers/quant.py).
-    int4_linears: bool = False
-    # ... and whose LM head (or tied embedding) is Q8_0: weights(keep_q8_head=True) hands it
-    # out as Int8Blocks, for the native Q8 head kernel.
-    q8_head: bool = False
+    # A GGUF file whose projections are block-quantized in a type pagellm multiplies packed:
+    # weights(keep_packed=True) hands them out as Int4Blocks (Q4_0 / Q4_1) or GGUFBlocks, which
+    # the linears keep packed (pagellm/layers/quant.py).
+    packed_linears: bool = False
+    # ... and whose LM head (or tied embedding) is too: weights(keep_head=True).
+    packed_head: bool = False
 
 
 def default_model_path() -> str:
@@ -91,8 +91,8 @@ def _load_gguf(path: str, load_tokenizer: bool) -> ModelFiles:
         tokenizer=gguf_loader.gguf_tokenizer(gguf_file) if load_tokenizer else None,
         weights=functools.partial(gguf_loader.iter_gguf_weights, gguf_file),
         path=gguf_file.path,
-        int4_linears=gguf_loader.has_int4_linears(gguf_file),
-        q8_head=gguf_loader.has_q8_head(gguf_file),
+        packed_linears=gguf_loader.has_packed_linears(gguf_file),
+        packed_head=gguf_loader.has_packed_head(gguf_file),
     )
 
 

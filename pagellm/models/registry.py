@@ -29,24 +29,26 @@ def model_class(config):
                      f"supported: {sorted(MODEL_CLASSES)}")
 
 
-def may_pack_int4(files, quantization: str | None) -> bool:
-    """Whether the file has Q4 projections that the quantization setting lets stay packed
-    (what dtype "auto" looks at, before the dtype is known)."""
-    return files.int4_linears and quantization != "none"
+def may_pack(files, quantization: str | None) -> bool:
+    """Whether the file has block-quantized projections that the quantization setting lets stay
+    packed (what dtype "auto" looks at, before the dtype is known)."""
+    return files.packed_linears and quantization != "none"
 
 
-def use_int4(quantization: str | None, files, dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether to keep GGUF Q4 projections packed (EngineConfig validated `quantization`).
+def use_packed(quantization: str | None, files, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether to keep GGUF block-quantized projections packed (EngineConfig validated
+    `quantization`). Q4_0 / Q4_1 take NativeQ4 (or PyTorch's int4 kernel without a compiler);
+    the other types need the native kernels (cpu_gguf.c) and otherwise load dense.
     None (auto): when the file has them and the model runs in bfloat16 on the CPU (the packed
     kernel computes with bf16 activations, so a float32 model stays dense); "gguf": the same,
     but an error when that is impossible; "none": always dequantize at load."""
-    possible = (may_pack_int4(files, quantization) and device.type == "cpu"
+    possible = (may_pack(files, quantization) and device.type == "cpu"
                 and dtype == torch.bfloat16
                 and (native.available() or hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")))
     if quantization == "gguf" and not possible:
-        raise ValueError("quantization='gguf' keeps a GGUF file's Q4_0/Q4_1 weights packed; it "
-                         "needs such a file, dtype bfloat16 and the CPU (got "
-                         f"{'a file with them' if files.int4_linears else 'no Q4 weights'}, "
+        raise ValueError("quantization='gguf' keeps a GGUF file's block-quantized weights packed; "
+                         "it needs such a file, dtype bfloat16 and the CPU (got "
+                         f"{'a file with them' if files.packed_linears else 'no packable weights'}, "
                          f"{dtype}, {device.type})")
     return possible
 
@@ -55,13 +57,13 @@ def build_model(files, dtype: torch.dtype, device: torch.device, max_position: i
                 quantization: str | None = None):
     cls = model_class(files.config)
     model = cls(files.config, get_attention_backend(device), max_position)
-    int4 = use_int4(quantization, files, dtype, device)
-    # the Q8_0 head kernel is native only; it follows the packing decision of the projections
-    q8_head = int4 and files.q8_head and native.available()
-    model.load_weights(files.weights(keep_int4=True, keep_q8_head=q8_head) if int4 else files.weights())
+    int4 = use_packed(quantization, files, dtype, device)
+    # the head kernels are native only; they follow the packing decision of the projections
+    packed_head = int4 and files.packed_head and native.available()
+    model.load_weights(files.weights(keep_packed=True, keep_head=packed_head) if int4 else files.weights())
     model = model.to(dtype=dtype, device=device).eval()
     if int4:
-        packed, total = model.num_packed_int4()
+        packed, total = model.num_packed()
         if packed < total:  # shapes the kernel does not take, or a split inside a group
             msg = f"{total - packed} of {total} projections could not stay packed (dense instead)"
             if quantization == "gguf" and packed == 0:

@@ -12,7 +12,7 @@ from pagellm.config import SpeculativeConfig
 from pagellm.engine.memory import resolve_dtype, resolve_kv_dtype
 from pagellm.engine.model_runner import kv_bytes_per_block
 from pagellm.models.loader import load_model_files
-from pagellm.models.registry import build_model, may_pack_int4
+from pagellm.models.registry import build_model, may_pack
 from pagellm.spec_decode.decoder import SpecDecoder
 from pagellm.spec_decode.draft_model import DraftModelProposer, EarlyExitProposer
 from pagellm.spec_decode.ngram import NgramProposer
@@ -36,7 +36,7 @@ def load_draft(spec: SpeculativeConfig, target_files, target_dtype: torch.dtype,
         config = copy.deepcopy(files.config)
         config.num_hidden_layers = min(spec.draft_num_layers, config.num_hidden_layers)
         files = dataclasses.replace(files, config=config)
-    dtype = (resolve_dtype(spec.draft_dtype, device, may_pack_int4(files, quantization))
+    dtype = (resolve_dtype(spec.draft_dtype, device, may_pack(files, quantization))
              if spec.draft_dtype else target_dtype)
     with parallel.single_process():  # the draft runs whole on rank 0
         # "gguf" is the target's demand; the draft (maybe another dtype) packs when it can.
