@@ -286,22 +286,33 @@ static inline __attribute__((always_inline)) void gguf_row(
 #endif
 }
 
-/* One type's whole product; type is a literal after inlining, so decode() specialises. */
-static inline __attribute__((always_inline)) void gguf_product(
-        int type, const int16_t *xq, const float *dx, const float *xs8, int64_t R, int64_t K,
-        const uint8_t *w, int64_t row_bytes, int64_t N, float *y, int threads) {
-    const int64_t G = K / GROUP;
-    #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
-    for (int64_t n = 0; n < N; n++) {
-        for (int64_t b = 0, r0 = 0, rb; b < ROW_BLOCKS(R); b++, r0 += rb) {
-            rb = ROW_BLOCK_SIZE(R, b);
-#define ROWS(RB) gguf_row(type, RB, xq + r0 * K, dx + r0 * G, xs8 + r0 * G * 8, K, \
-                          w + n * row_bytes, y + r0 * N + n, N)
-            DISPATCH(rb, ROWS)
-#undef ROWS
-        }
-    }
+/* One function per type, with the type a literal inside the OpenMP loop: the loop body is
+ * outlined into a function of its own, where a type passed as an argument would no longer be
+ * a constant (decode's switch and the sub-block loops would stay generic: 3x slower). */
+#define PRODUCT(T) \
+static void product_##T(const int16_t *xq, const float *dx, const float *xs8, int64_t R, int64_t K, \
+                        const uint8_t *w, int64_t row_bytes, int64_t N, float *y, int threads) { \
+    const int64_t G = K / GROUP; \
+    _Pragma("omp parallel for schedule(static) num_threads(threads) if (threads > 1)") \
+    for (int64_t n = 0; n < N; n++) { \
+        for (int64_t b = 0, r0 = 0, rb; b < ROW_BLOCKS(R); b++, r0 += rb) { \
+            rb = ROW_BLOCK_SIZE(R, b); \
+            DISPATCH(rb, ROWS_##T) \
+        } \
+    } \
 }
+#define ROWS(T, RB) gguf_row(T, RB, xq + r0 * K, dx + r0 * G, xs8 + r0 * G * 8, K, w + n * row_bytes, \
+                             y + r0 * N + n, N)
+#define ROWS_T_Q4_0(RB) ROWS(T_Q4_0, RB)
+#define ROWS_T_Q4_1(RB) ROWS(T_Q4_1, RB)
+#define ROWS_T_Q5_0(RB) ROWS(T_Q5_0, RB)
+#define ROWS_T_Q5_1(RB) ROWS(T_Q5_1, RB)
+#define ROWS_T_Q8_0(RB) ROWS(T_Q8_0, RB)
+#define ROWS_T_Q4_K(RB) ROWS(T_Q4_K, RB)
+#define ROWS_T_Q5_K(RB) ROWS(T_Q5_K, RB)
+#define ROWS_T_Q6_K(RB) ROWS(T_Q6_K, RB)
+PRODUCT(T_Q4_0) PRODUCT(T_Q4_1) PRODUCT(T_Q5_0) PRODUCT(T_Q5_1) PRODUCT(T_Q8_0) PRODUCT(T_Q4_K)
+PRODUCT(T_Q5_K) PRODUCT(T_Q6_K)
 
 /* x [R, K] float32, w [N, row_bytes] (each row K / unit blocks of `type`, as in the file)
  * -> y [R, N]. Returns 0; -1 when out of memory; -2 for a type or width it does not take. */
@@ -314,7 +325,7 @@ int gguf_linear(const float *x, int64_t R, int64_t K, const uint8_t *w, int64_t 
     float *dx = malloc(sizeof(float) * R * G), *xs8 = malloc(sizeof(float) * R * G * 8);
     if (!xq || !dx || !xs8) { free(xq); free(dx); free(xs8); return -1; }
     quantize_rows(x, R, K, xq, dx, xs8);
-#define TYPE(T) case T: gguf_product(T, xq, dx, xs8, R, K, w, row_bytes, N, y, threads); break;
+#define TYPE(T) case T: product_##T(xq, dx, xs8, R, K, w, row_bytes, N, y, threads); break;
     switch (type) {
     TYPE(T_Q4_0) TYPE(T_Q4_1) TYPE(T_Q5_0) TYPE(T_Q5_1) TYPE(T_Q8_0) TYPE(T_Q4_K) TYPE(T_Q5_K)
     TYPE(T_Q6_K)

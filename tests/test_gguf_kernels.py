@@ -1,0 +1,126 @@
+"""The GGUF block kernel (pagellm/kernels/cpu_gguf.c) against float64 products with gguf's own
+dequantization, for every type it takes: every row count 1..20 and 40 (row passes of at most 8,
+the one-row path), odd block counts, threads, mixed fused parts, and the portable (non-AVX2)
+build of the same source."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from pagellm.kernels import native
+from pagellm.layers import quant
+from tests.gguf_blocks import F16_FIELDS, random_blocks, sub_block_mins
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="no C compiler on this machine")
+TYPES = sorted(F16_FIELDS, key=lambda t: t.name)
+
+
+def _bound(x: torch.Tensor, blocks: quant.GGUFBlocks) -> torch.Tensor:
+    """The error int16 activations allow: half a step (max|x| of the 32-value block / 32767)
+    per element, times the coded part of the weight |w - m| (a sub-block's min m multiplies the
+    exact float sum of x), plus float32 summation."""
+    w = blocks.dequantize().double()
+    n, k = w.shape
+    step = x.double().abs().view(x.shape[0], k // 32, 32).amax(-1) / 32767  # [R, G]
+    mins = torch.from_numpy(sub_block_mins(blocks))  # [N, G]
+    coded = (w.view(n, k // 32, 32) - mins.unsqueeze(-1)).abs().sum(-1)  # [N, G]
+    return 0.5 * step @ coded.t() + 2e-6 * (x.double().abs() @ w.abs().t()) + 1e-9
+
+
+def _check(out: torch.Tensor, x: torch.Tensor, blocks: quant.GGUFBlocks) -> None:
+    ref = x.double() @ blocks.dequantize().double().t()
+    err = (out.double() - ref).abs()
+    bound = _bound(x, blocks)
+    assert bool((err <= bound).all()), f"{blocks.ggml_type.name}: error {(err / bound).max():.2f}x the bound"
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_every_row_count_matches_the_dequantized_product(qtype):
+    unit = 256 if qtype.name.endswith("_K") else 32
+    blocks = random_blocks(qtype, 24, 3 * unit, seed=int(qtype))  # three blocks: an odd count
+    packed = quant.NativeGGUF(blocks)
+    g = torch.Generator().manual_seed(int(qtype))
+    for rows in [*range(1, 21), 40]:
+        x = torch.randn(rows, 3 * unit, generator=g) * 3
+        _check(packed(x), x, blocks)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K, Q.Q5_0], ids=lambda t: t.name)
+def test_outliers_and_zeros(qtype):
+    blocks = random_blocks(qtype, 16, 512, seed=3)
+    x = torch.randn(5, 512)
+    x[:, 7] = 5000.0  # one block 1000x the rest: every block keeps its own scale
+    _check(quant.NativeGGUF(blocks)(x), x, blocks)
+    assert torch.equal(quant.NativeGGUF(blocks)(torch.zeros(3, 512)), torch.zeros(3, 16))
+
+
+def test_threads_split_outputs_without_changing_them():
+    blocks = random_blocks(Q.Q4_K, 64, 512, seed=4)
+    x = torch.randn(3, 512)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = quant.NativeGGUF(blocks)(x)
+        torch.set_num_threads(2)
+        two = quant.NativeGGUF(blocks)(x)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)  # each output is summed by one thread in a fixed order
+
+
+def test_fused_parts_of_different_types():
+    """A Q4_K_M file's q|k (Q4_K) beside v (Q6_K): one product per run of one type."""
+    q, k, v = (random_blocks(t, 32, 256, seed=s) for s, t in enumerate((Q.Q4_K, Q.Q4_K, Q.Q6_K)))
+    packed = quant.pack_parts([q, k, v])
+    assert isinstance(packed, quant.PackedParts) and len(packed.parts) == 2
+    assert packed.nbytes == sum(b.raw.numel() for b in (q, k, v))
+    x = torch.randn(4, 256)
+    out = packed(x)
+    assert out.shape == (4, 96)
+    for i, b in enumerate((q, k, v)):
+        _check(out[:, 32 * i:32 * (i + 1)], x, b)
+    assert isinstance(quant.pack_parts([q, k]), quant.NativeGGUF)
+
+
+def test_narrow_splits_on_block_boundaries():
+    blocks = random_blocks(Q.Q6_K, 8, 512, seed=5)
+    dense = blocks.dequantize()
+    assert torch.equal(blocks.narrow(1, 256, 256).dequantize(), dense[:, 256:])
+    assert torch.equal(blocks.narrow(0, 2, 3).dequantize(), dense[2:5])
+    with pytest.raises(ValueError, match="multiples of 256"):
+        blocks.narrow(1, 128, 384)
+
+
+def test_a_layout_the_kernel_does_not_take_is_refused():
+    blocks = random_blocks(Q.Q4_K, 4, 256, seed=6)
+    with pytest.raises(ValueError, match="not a layout"):
+        quant.cpu_quant.gguf_linear(torch.randn(1, 256), blocks.raw, int(Q.Q2_K), 256)
+
+
+def test_portable_build_gives_the_same_products(tmp_path, monkeypatch):
+    """The scalar code path (CPUs without AVX2) built from the same source."""
+    monkeypatch.setenv("PAGELLM_CACHE_DIR", str(tmp_path))
+    lib = native.load(native.build("cc", [f for f in native.FLAGS if f != "-march=native"]))
+    for qtype in TYPES:
+        unit = 256 if qtype.name.endswith("_K") else 32
+        blocks = random_blocks(qtype, 16, 3 * unit, seed=7)
+        raw = blocks.raw.contiguous()
+        for rows in (1, 3, 9):
+            x = torch.randn(rows, 3 * unit)
+            y = torch.empty(rows, 16)
+            assert lib.gguf_linear(x.data_ptr(), rows, 3 * unit, raw.data_ptr(), raw.shape[1],
+                                   int(qtype), 16, y.data_ptr(), 1) == 0
+            _check(y, x, blocks)
+
+
+def test_random_blocks_decode_as_gguf_says():
+    """The test's own min decoding agrees with gguf's dequantization: a Q4_K block of codes 0
+    is exactly its sub-block mins."""
+    blocks = random_blocks(Q.Q4_K, 2, 256, seed=8)
+    raw = blocks.raw.numpy().reshape(2, 144).copy()
+    raw[:, 16:] = 0  # every 4-bit code 0: w = -dmin * mn
+    zeroed = quant.GGUFBlocks(torch.from_numpy(raw), Q.Q4_K, 256)
+    w = zeroed.dequantize().numpy().reshape(2, 8, 32)
+    np.testing.assert_allclose(w, np.repeat(sub_block_mins(zeroed)[:, :, None], 32, -1), rtol=1e-6)
