@@ -17,8 +17,17 @@ F16_FIELDS = {Q.Q8_0: [0], Q.Q4_0: [0], Q.Q4_1: [0, 2], Q.Q5_0: [0], Q.Q5_1: [0,
               Q.Q4_K: [0, 2], Q.Q5_K: [0, 2], Q.Q6_K: [208]}
 
 
-def random_blocks(qtype, n: int, k: int, seed: int, scale: float = 0.05) -> quant.GGUFBlocks:
-    """[n, k] of type qtype: random codes (and sub-block scales), f16 scales in (0, scale)."""
+# the largest |code| a block's f16 scale multiplies (times the 6- or 8-bit sub-block scale)
+_CODE_RANGE = {Q.Q8_0: 128, Q.Q4_0: 8, Q.Q4_1: 16, Q.Q5_0: 16, Q.Q5_1: 32, Q.Q4_K: 63 * 15,
+               Q.Q5_K: 63 * 31, Q.Q6_K: 127 * 32}
+
+
+def random_blocks(qtype, n: int, k: int, seed: int, scale: float = 0.05,
+                  amplitude: float | None = None) -> quant.GGUFBlocks:
+    """[n, k] of type qtype: random codes (and sub-block scales), f16 scales in (0, scale);
+    amplitude instead: scales such that no weight exceeds about that (model-sized weights)."""
+    if amplitude is not None:
+        scale = amplitude / _CODE_RANGE[qtype]
     rng = np.random.default_rng(seed)
     values, nbytes = GGML_QUANT_SIZES[qtype]
     raw = rng.integers(0, 256, (n, k // values, nbytes), dtype=np.uint8)

@@ -74,6 +74,8 @@ def keep_float32(model: nn.Module) -> int:
     for m in model.modules():
         if isinstance(m, _Packed) and m.packed is not None and m.weight.dtype == torch.bfloat16:
             m.weight.data = m.weight.data.float()
+            if m.bias is not None:  # (Qwen2's q/k/v) added to float32 outputs either way
+                m.bias.data = m.bias.data.float()
             n += 1
     return n
 

@@ -1,0 +1,220 @@
+"""Tiny random Qwen2 and Llama 3 models written to GGUF here (with the `gguf` package) in the
+block types of real K-quant mixes, against transformers holding the same (dequantized) weights:
+prefill logits and greedy tokens in float32, the packed bfloat16 path within its tolerance,
+Llama 3 rope scaling through `rope_freqs`, and the files that are refused."""
+from __future__ import annotations
+
+import math
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import transformers
+from gguf import GGMLQuantizationType as Q
+
+from pagellm import LLM, SamplingParams
+from pagellm.kernels import native
+from pagellm.models.loader import load_model_files
+from tests.gguf_blocks import random_blocks
+
+PROMPTS = [[5, 17, 33, 4, 90, 12, 7], list(range(10, 51)), [3, 3, 3, 60, 61, 62]]
+_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+          "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+          "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
+          "post_attention_layernorm": "ffn_norm"}
+# A Q4_K_M-like mix per layer (layer 1 the fallbacks of narrow tensors), and the top tensors.
+_LAYER_TYPES = [
+    {"q_proj": Q.Q4_K, "k_proj": Q.Q4_K, "v_proj": Q.Q6_K, "o_proj": Q.Q4_K, "gate_proj": Q.Q4_K,
+     "up_proj": Q.Q4_K, "down_proj": Q.Q6_K},
+    {"q_proj": Q.Q5_0, "k_proj": Q.Q5_0, "v_proj": Q.Q8_0, "o_proj": Q.Q5_K, "gate_proj": Q.Q5_1,
+     "up_proj": Q.Q4_1, "down_proj": Q.Q4_0},
+]
+_TOP_TYPES = {"model.embed_tokens.weight": Q.Q4_K, "lm_head.weight": Q.Q6_K}
+
+
+def _config(arch: str):
+    common = dict(vocab_size=96, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                  tie_word_embeddings=False, eos_token_id=2, bos_token_id=1)
+    if arch == "qwen2":
+        return transformers.Qwen2Config(**common, architectures=["Qwen2ForCausalLM"])
+    # Llama 3.1-style scaling with an original context short enough that every band of the
+    # frequency correction (kept, interpolated, divided by the factor) is reached
+    rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+    return transformers.LlamaConfig(**common, rope_parameters=rope,
+                                    architectures=["LlamaForCausalLM"])
+
+
+def _llama3_rope_factors(config) -> np.ndarray:
+    """rope_freqs as llama.cpp's converter writes it: per frequency, the divisor of its angle."""
+    rope = config.rope_parameters
+    dim = config.hidden_size // config.num_attention_heads
+    freqs = 1.0 / (rope["rope_theta"] ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
+    old = rope["original_max_position_embeddings"]
+    low, high = old / rope["low_freq_factor"], old / rope["high_freq_factor"]
+    factors = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < high:
+            factors.append(1.0)
+        elif wavelen > low:
+            factors.append(rope["factor"])
+        else:
+            smooth = (old / wavelen - rope["low_freq_factor"]) / (rope["high_freq_factor"] - rope["low_freq_factor"])
+            factors.append(1 / ((1 - smooth) / rope["factor"] + smooth))
+    return np.array(factors, dtype=np.float32)
+
+
+def _permute(rows: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's q/k row order for the llama architecture (rotate-half -> interleaved)."""
+    return rows.reshape(heads, 2, rows.shape[0] // heads // 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
+
+
+def _gguf_name(hf_name: str) -> str:
+    top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+           "lm_head.weight": "output.weight"}
+    if hf_name in top:
+        return top[hf_name]
+    _, _, layer, rest = hf_name.split(".", 3)
+    module, kind = rest.rsplit(".", 1)
+    return f"blk.{layer}.{_NAMES[module]}.{kind}"
+
+
+def write_tiny_gguf(path, arch: str, extra=None, rope_freqs: bool = True):
+    """A random model of `arch` in K-quant blocks at `path`; returns transformers' model holding
+    exactly the values the file means (gguf's dequantization)."""
+    config = _config(arch)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval().float()
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_eos_token_id(2)
+    if arch == "llama":
+        writer.add_rope_dimension_count(config.hidden_size // config.num_attention_heads)
+    if arch == "llama" and rope_freqs:
+        writer.add_tensor("rope_freqs.weight", _llama3_rope_factors(config))
+    state = {}
+    g = torch.Generator().manual_seed(1)
+    for seed, (name, tensor) in enumerate(model.state_dict().items()):
+        parts = name.split(".")
+        qtype = _TOP_TYPES.get(name) or (_LAYER_TYPES[int(parts[2])].get(parts[-2])
+                                         if parts[-1] == "weight" and parts[1] == "layers" else None)
+        if qtype is None:  # norms and biases: float32, random so that they matter
+            value = (1 + 0.1 * torch.randn(tensor.shape, generator=g)) if "norm" in name else \
+                0.05 * torch.randn(tensor.shape, generator=g)
+            state[name] = value
+            writer.add_tensor(_gguf_name(name), value.numpy())
+            continue
+        blocks = random_blocks(qtype, *tensor.shape, seed=seed, amplitude=0.12)
+        state[name] = blocks.dequantize()
+        raw = blocks.raw.numpy()
+        if arch == "llama" and parts[-2] == "q_proj":
+            raw = _permute(raw, config.num_attention_heads)
+        elif arch == "llama" and parts[-2] == "k_proj":
+            raw = _permute(raw, config.num_key_value_heads)
+        writer.add_tensor(_gguf_name(name), np.ascontiguousarray(raw), raw_dtype=qtype)
+    for tensor in extra or []:
+        writer.add_tensor(*tensor[:2], **(tensor[2] if len(tensor) > 2 else {}))
+    model.load_state_dict(state)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return model
+
+
+@pytest.fixture(scope="module", params=["qwen2", "llama"])
+def tiny_gguf(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param) / "tiny.gguf"
+    return str(path), write_tiny_gguf(path, request.param)
+
+
+def _hf_logits(model, prompt):
+    with torch.no_grad():
+        return model(torch.tensor([prompt])).logits[0]
+
+
+def _prefill_logits(llm, prompt):
+    eng = llm.engine
+    eng.add_request("r", prompt, SamplingParams(max_tokens=1))
+    try:
+        return eng.runner.execute(eng.scheduler.schedule(), list(range(len(prompt))))
+    finally:
+        eng.abort_request("r")
+
+
+def test_float32_logits_and_greedy_tokens_match_transformers(tiny_gguf):
+    path, hf = tiny_gguf
+    llm = LLM(path, dtype="float32", kv_cache_memory=2**22)
+    if "llama" in type(hf).__name__.lower():
+        assert llm.engine.hf_config.rope_freq_factors is not None
+    for prompt in PROMPTS:
+        ref = _hf_logits(hf, prompt)
+        torch.testing.assert_close(_prefill_logits(llm, prompt), ref, atol=1e-4 * ref.abs().max(), rtol=1e-4)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    for prompt, out in zip(PROMPTS, outs):
+        ids = torch.tensor([prompt])
+        ref = hf.generate(ids, max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0,
+                          attention_mask=torch.ones_like(ids))[0, len(prompt):].tolist()
+        assert out.outputs[0].token_ids == ref
+
+
+@pytest.mark.skipif(not native.available(), reason="no C compiler on this machine")
+def test_packed_path_keeps_the_file_blocks_and_matches(tiny_gguf):
+    """dtype auto (bfloat16): every projection and the head run from the file's blocks on
+    steps under the packed limit (40 rows). Against transformers, that path is at least as
+    close as the same model dequantized to bfloat16 (quantization="none"), whose error is
+    bf16's rounding of the weights and embedding (2^-9 relative each; 0.2-10% of the largest
+    logit on these random models, growing with the prompt); a wrong block decode is off by
+    the size of the weights."""
+    path, hf = tiny_gguf
+    packed = LLM(path, kv_cache_memory=2**22)
+    dense = LLM(path, kv_cache_memory=2**22, dtype="bfloat16", quantization="none")
+    model = packed.engine.model
+    assert packed.engine.dtype == torch.bfloat16
+    assert model.num_packed() == (4 * 2, 4 * 2) and model.head_packed is not None
+    assert dense.engine.model.num_packed()[0] == 0
+    for prompt in [PROMPTS[0], PROMPTS[2], list(range(60, 90))]:
+        ref = _hf_logits(hf, prompt)
+        ours = _prefill_logits(packed, prompt)
+        err = (ours - ref).abs().max() / ref.abs().max()
+        err_dense = (_prefill_logits(dense, prompt) - ref).abs().max() / ref.abs().max()
+        assert err <= 1.25 * err_dense + 2e-3, (len(prompt), float(err), float(err_dense))
+        top2 = ref.topk(2, dim=-1).values
+        clear = (top2[:, 0] - top2[:, 1]) > 2 * err * ref.abs().max()
+        assert bool((ours.argmax(-1) == ref.argmax(-1))[clear].all())
+
+
+def test_rope_freqs_change_the_angles(tmp_path):
+    """The file's rope_freqs are what matches: the same file without them (plain rope) does not."""
+    path = tmp_path / "tiny.gguf"
+    hf = write_tiny_gguf(path, "llama", rope_freqs=False)
+    llm = LLM(str(path), dtype="float32", kv_cache_memory=2**22)
+    assert getattr(llm.engine.hf_config, "rope_freq_factors", None) is None
+    ref = _hf_logits(hf, PROMPTS[1])
+    assert (_prefill_logits(llm, PROMPTS[1]) - ref).abs().max() > 1e-2 * ref.abs().max()
+
+
+def test_types_outside_the_list_are_refused_by_name(tmp_path):
+    path = tmp_path / "iq.gguf"
+    write_tiny_gguf(path, "qwen2", extra=[
+        ("blk.0.attn_q_norm.weight", np.zeros((4, 144), dtype=np.uint8), {"raw_dtype": Q.IQ4_NL})])
+    with pytest.raises(ValueError, match=r"blk\.0\.attn_q_norm\.weight has ggml type IQ4_NL; supported: \["):
+        load_model_files(str(path), load_tokenizer=False)
+
+
+def test_unknown_tensors_are_refused(tmp_path):
+    path = tmp_path / "extra.gguf"
+    write_tiny_gguf(path, "qwen2", extra=[("blk.0.attn_qkv.weight", np.zeros((8, 8), dtype=np.float32))])
+    with pytest.raises(ValueError, match="attn_qkv"):
+        load_model_files(str(path), load_tokenizer=False)
