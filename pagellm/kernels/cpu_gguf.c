@@ -170,128 +170,159 @@ static inline __attribute__((always_inline)) void row_32(
     for (int r = 0; r < rb; r++) y[r * N] = hsum8(acc[r]) + mins[r];
 }
 
-/* Rows [0, rb) of one output feature over a weight row of 256-value K-quant blocks: each
- * block's 8 sub-block scales s (and mins m) times the rows' 8 block scales dx in one multiply
- * (and the mins' term in one multiply-add over the block sums xs). */
+/* A K-quant block's 8 sub-block scales s and mins m as floats (Q6_K: s = d, its int8 scales
+ * per 16 values are applied with the sums). */
+static inline __attribute__((always_inline)) void k_scales(int type, const uint8_t *b, __m256 *sv, __m256 *mv) {
+    if (type != T_Q6_K) {
+        /* the 12 scale bytes as words A, B, C: scales 0-3 = A & 63, mins 0-3 = B & 63,
+         * scales 4-7 = C's low nibbles | A's top 2 bits << 4, mins 4-7 = C's high nibbles
+         * | B's top 2 bits << 4 (scale_min_k4, four bytes at a time) */
+        uint32_t w[3];
+        memcpy(w, b + 4, 12);
+        const uint32_t lo6 = 0x3f3f3f3f, lo4 = 0x0f0f0f0f, lo2 = 0x03030303;
+        const uint64_t scales = (uint64_t)(w[0] & lo6) |
+                                (uint64_t)((w[2] & lo4) | (((w[0] >> 6) & lo2) << 4)) << 32;
+        const uint64_t mins = (uint64_t)(w[1] & lo6) |
+                              (uint64_t)(((w[2] >> 4) & lo4) | (((w[1] >> 6) & lo2) << 4)) << 32;
+        *sv = _mm256_mul_ps(_mm256_set1_ps(f16(b)),
+                            _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)scales))));
+        *mv = _mm256_mul_ps(_mm256_set1_ps(-f16(b + 2)),
+                            _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)mins))));
+    } else {
+        *sv = _mm256_set1_ps(f16(b + 208));
+        *mv = _mm256_setzero_ps();
+    }
+}
+
+/* Q4_K / Q5_K: the 4 chunks of 64 values as even / odd codes, sub-block 2c in the low nibbles
+ * and 2c + 1 in the high ones; CODE(i, EV, OD) consumes sub-block i. */
+#define K4_CODES(type, b, CODE) do { \
+        const int five_ = (type) == T_Q5_K; \
+        const uint8_t *qs_ = (b) + (five_ ? 48 : 16); \
+        const __m256i f_ = _mm256_set1_epi16(0x0F), bit_ = _mm256_set1_epi16(0x10); \
+        const __m256i hv_ = five_ ? _mm256_loadu_si256((const __m256i *)((b) + 16)) : _mm256_setzero_si256(); \
+        for (int c_ = 0; c_ < 4; c_++) { \
+            const __m256i w_ = _mm256_loadu_si256((const __m256i *)(qs_ + 32 * c_)); \
+            __m256i ae = _mm256_and_si256(w_, f_), ao = _mm256_and_si256(_mm256_srli_epi16(w_, 8), f_); \
+            __m256i be = _mm256_and_si256(_mm256_srli_epi16(w_, 4), f_), bo = _mm256_srli_epi16(w_, 12); \
+            if (five_) {  /* bits 2c (sub-block 2c) and 2c + 1 of each element's qh byte */ \
+                const __m256i h_ = _mm256_srl_epi16(hv_, _mm_cvtsi32_si128(2 * c_)); \
+                ae = _mm256_or_si256(ae, _mm256_and_si256(_mm256_slli_epi16(h_, 4), bit_)); \
+                be = _mm256_or_si256(be, _mm256_and_si256(_mm256_slli_epi16(h_, 3), bit_)); \
+                ao = _mm256_or_si256(ao, _mm256_and_si256(_mm256_srli_epi16(h_, 4), bit_)); \
+                bo = _mm256_or_si256(bo, _mm256_and_si256(_mm256_srli_epi16(h_, 5), bit_)); \
+            } \
+            CODE(2 * c_, ae, ao); \
+            CODE(2 * c_ + 1, be, bo); \
+        } } while (0)
+
+/* Q6_K: the 4 sub-blocks of a half (128 values) as bytes q6 = low 4 bits | 2 high bits << 4,
+ * from its 64 low-bit bytes (la, lb) and 32 high-bit bytes (hv). The epi16 shifts move bits
+ * inside each byte here: the masks drop what crosses. */
+#define Q6_CODES(la, lb, hv, f, t) { \
+    _mm256_or_si256(_mm256_and_si256(la, f), _mm256_and_si256(_mm256_slli_epi16(hv, 4), t)), \
+    _mm256_or_si256(_mm256_and_si256(lb, f), _mm256_and_si256(_mm256_slli_epi16(hv, 2), t)), \
+    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(la, 4), f), _mm256_and_si256(hv, t)), \
+    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(lb, 4), f), _mm256_and_si256(_mm256_srli_epi16(hv, 2), t))}
+
+/* One K-quant block of one weight row against one activation row (xq, dx, xs at the block):
+ * each sub-block's integer sums, scaled all at once (lanes summed across the 8 sub-blocks'
+ * vectors: 11 instructions instead of 24). */
+static inline __attribute__((always_inline)) void k_block_1row(
+        int type, const uint8_t *b, const int16_t *xq, const float *dx, const float *xs,
+        __m256 *acc, __m256 *macc) {
+    __m256 sv, mv;
+    k_scales(type, b, &sv, &mv);
+    if (type != T_Q6_K) {
+        __m256i dd[8];
+#define DOT1(i, EV, OD) dd[i] = idot_eo(EV, OD, xq + (i) * GROUP)
+        K4_CODES(type, b, DOT1);
+#undef DOT1
+        *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum_lanes8(dd)), _mm256_mul_ps(sv, _mm256_loadu_ps(dx)), *acc);
+        *macc = _mm256_fmadd_ps(mv, _mm256_loadu_ps(xs), *macc);
+        return;
+    }
+    /* Q6_K: per half of 128 values, its 8 half-sub-block sums, each times its int8 scale */
+    const __m256i f = _mm256_set1_epi8(0x0F), t = _mm256_set1_epi8(0x30), k32 = _mm256_set1_epi8(32);
+    const __m128i order = _mm_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    for (int h = 0; h < 2; h++) {
+        const uint8_t *l = b + 64 * h;
+        const __m256i la = _mm256_loadu_si256((const __m256i *)l);
+        const __m256i lb = _mm256_loadu_si256((const __m256i *)(l + 32));
+        const __m256i hv = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h));
+        const __m256i q[4] = Q6_CODES(la, lb, hv, f, t);
+        __m256i d4[4];
+        for (int i = 0; i < 4; i++) {
+            const __m256i v = _mm256_sub_epi8(q[i], k32);
+            d4[i] = idot_eo(even_i8(v), odd_i8(v), xq + (4 * h + i) * GROUP);
+        }
+        const __m256 scales = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_shuffle_epi8(
+            _mm_loadl_epi64((const __m128i *)(b + 192 + 8 * h)), order)));
+        const __m256 dxh = _mm256_broadcast_ps((const __m128 *)(dx + 4 * h));
+        *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum_halves4(d4[0], d4[1], d4[2], d4[3])),
+                               _mm256_mul_ps(_mm256_mul_ps(scales, sv), dxh), *acc);
+    }
+}
+
+/* Rows [0, rb) of one output feature over a weight row of 256-value K-quant blocks. One row
+ * goes block by block through k_block_1row; more rows share each sub-block's codes, and each
+ * row's float sums are scaled per sub-block (8 vectors per row would not fit in registers). */
 static inline __attribute__((always_inline)) void row_k(
         int type, int rb, const int16_t *xq, const float *dx, const float *xs, int64_t K,
         const uint8_t *row, float *y, int64_t N) {
     const int64_t G = K / GROUP;
     const int size = bytes_of(type), has_min = type != T_Q6_K;
-    __m256 acc[ROW_BLOCK], acc2 = _mm256_setzero_ps(), macc[ROW_BLOCK];
-    float sd[ROW_BLOCK][8] __attribute__((aligned(32)));
+    __m256 acc[ROW_BLOCK], macc[ROW_BLOCK];
     for (int r = 0; r < rb; r++) { acc[r] = _mm256_setzero_ps(); macc[r] = _mm256_setzero_ps(); }
+    if (rb == 1) {
+        for (int64_t u = 0; u < K / 256; u++)
+            k_block_1row(type, row + u * size, xq + u * 256, dx + u * 8, xs + u * 8, &acc[0], &macc[0]);
+        y[0] = hsum8(acc[0]) + (has_min ? hsum8(macc[0]) : 0.f);
+        return;
+    }
+    float sd[ROW_BLOCK][8] __attribute__((aligned(32)));
     for (int64_t u = 0; u < K / 256; u++) {
         const uint8_t *b = row + u * size;
         const int64_t g0 = u * 8;
-        __m256 sv, mv = _mm256_setzero_ps();
-        if (has_min) {
-            /* the 12 scale bytes as words A, B, C: scales 0-3 = A & 63, mins 0-3 = B & 63,
-             * scales 4-7 = C's low nibbles | A's top 2 bits << 4, mins 4-7 = C's high nibbles
-             * | B's top 2 bits << 4 (scale_min_k4, four bytes at a time) */
-            uint32_t w[3];
-            memcpy(w, b + 4, 12);
-            const uint32_t lo6 = 0x3f3f3f3f, lo4 = 0x0f0f0f0f, lo2 = 0x03030303;
-            const uint64_t scales = (uint64_t)(w[0] & lo6) |
-                                    (uint64_t)((w[2] & lo4) | (((w[0] >> 6) & lo2) << 4)) << 32;
-            const uint64_t mins = (uint64_t)(w[1] & lo6) |
-                                  (uint64_t)(((w[2] >> 4) & lo4) | (((w[1] >> 6) & lo2) << 4)) << 32;
-            sv = _mm256_mul_ps(_mm256_set1_ps(f16(b)),
-                               _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)scales))));
-            mv = _mm256_mul_ps(_mm256_set1_ps(-f16(b + 2)),
-                               _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)mins))));
-        } else {
-            sv = _mm256_set1_ps(f16(b + 208));
-        }
+        __m256 sv, mv;
+        k_scales(type, b, &sv, &mv);
         for (int r = 0; r < rb; r++) {
-            if (rb > 1) _mm256_store_ps(sd[r], _mm256_mul_ps(sv, _mm256_loadu_ps(dx + r * G + g0)));
+            _mm256_store_ps(sd[r], _mm256_mul_ps(sv, _mm256_loadu_ps(dx + r * G + g0)));
             if (has_min) macc[r] = _mm256_fmadd_ps(mv, _mm256_loadu_ps(xs + r * G + g0), macc[r]);
         }
-        /* One row: each sub-block's integer sums, scaled all at once per block (lanes summed
-         * across the 8 sub-blocks' vectors: 11 instructions instead of 24). More rows: each
-         * sub-block's float sums scaled as they come (8 vectors per row would not fit). */
-        __m256i dd[8];
 #define SUB(i, EV, OD) do { \
             const __m256i ev_ = (EV), od_ = (OD); \
-            if (rb == 1) { dd[i] = idot_eo(ev_, od_, xq + (g0 + (i)) * GROUP); break; } \
-            for (int r = 0; r < rb; r++) { \
-                const __m256 f_ = dot_eo(ev_, od_, xq + r * K + (g0 + (i)) * GROUP); \
-                if (rb == 1 && ((i) & 1)) acc2 = _mm256_fmadd_ps(f_, _mm256_broadcast_ss(&sd[r][i]), acc2); \
-                else acc[r] = _mm256_fmadd_ps(f_, _mm256_broadcast_ss(&sd[r][i]), acc[r]); \
-            } } while (0)
-        if (type == T_Q4_K || type == T_Q5_K) {
-            const int five = type == T_Q5_K;
-            const uint8_t *qs = b + (five ? 48 : 16);
-            const __m256i f = _mm256_set1_epi16(0x0F), bit = _mm256_set1_epi16(0x10);
-            const __m256i hv = five ? _mm256_loadu_si256((const __m256i *)(b + 16)) : _mm256_setzero_si256();
-            for (int c = 0; c < 4; c++) {  /* 64 values: sub-block 2c in the low nibbles, 2c + 1 high */
-                const __m256i w = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
-                __m256i ae = _mm256_and_si256(w, f), ao = _mm256_and_si256(_mm256_srli_epi16(w, 8), f);
-                __m256i be = _mm256_and_si256(_mm256_srli_epi16(w, 4), f), bo = _mm256_srli_epi16(w, 12);
-                if (five) {  /* bits 2c (sub-block 2c) and 2c + 1 of each element's qh byte */
-                    const __m256i h = _mm256_srl_epi16(hv, _mm_cvtsi32_si128(2 * c));
-                    ae = _mm256_or_si256(ae, _mm256_and_si256(_mm256_slli_epi16(h, 4), bit));
-                    be = _mm256_or_si256(be, _mm256_and_si256(_mm256_slli_epi16(h, 3), bit));
-                    ao = _mm256_or_si256(ao, _mm256_and_si256(_mm256_srli_epi16(h, 4), bit));
-                    bo = _mm256_or_si256(bo, _mm256_and_si256(_mm256_srli_epi16(h, 5), bit));
-                }
-                SUB(2 * c, ae, ao);
-                SUB(2 * c + 1, be, bo);
-            }
-            if (rb == 1)
-                acc[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum_lanes8(dd)),
-                                         _mm256_mul_ps(sv, _mm256_loadu_ps(dx + g0)), acc[0]);
+            for (int r = 0; r < rb; r++) \
+                acc[r] = _mm256_fmadd_ps(dot_eo(ev_, od_, xq + r * K + (g0 + (i)) * GROUP), \
+                                         _mm256_broadcast_ss(&sd[r][i]), acc[r]); \
+        } while (0)
+        if (has_min) {
+            K4_CODES(type, b, SUB);
         } else {  /* Q6_K: two halves of 128 values, four sub-blocks each */
             /* A sub-block's int32 lanes 0-3 sum its first 16 values, lanes 4-7 the last 16
              * (lanes 0-7 of the even / odd codes are elements 0-15): each half's int8 scale
              * multiplies its lanes, from the block's scales as floats, spread per sub-block. */
-            const __m256 sc_lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(b + 192))));
-            const __m256 sc_hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(b + 200))));
             const __m256i f = _mm256_set1_epi8(0x0F), t = _mm256_set1_epi8(0x30), k32 = _mm256_set1_epi8(32);
             for (int h = 0; h < 2; h++) {
-                const uint8_t *l = b + 64 * h, *hh = b + 128 + 32 * h;
+                const uint8_t *l = b + 64 * h;
                 const __m256i la = _mm256_loadu_si256((const __m256i *)l);
                 const __m256i lb = _mm256_loadu_si256((const __m256i *)(l + 32));
-                const __m256i hv = _mm256_loadu_si256((const __m256i *)hh);
-                const __m256 sch = h ? sc_hi : sc_lo;
-                /* epi16 shifts move bits inside each byte here: the masks drop what crosses */
-                const __m256i q[4] = {
-                    _mm256_or_si256(_mm256_and_si256(la, f), _mm256_and_si256(_mm256_slli_epi16(hv, 4), t)),
-                    _mm256_or_si256(_mm256_and_si256(lb, f), _mm256_and_si256(_mm256_slli_epi16(hv, 2), t)),
-                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(la, 4), f), _mm256_and_si256(hv, t)),
-                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(lb, 4), f),
-                                    _mm256_and_si256(_mm256_srli_epi16(hv, 2), t))};
-                if (rb == 1) {  /* the half's 8 half-sub-block sums, each times its scale */
-                    __m256i d4[4];
-                    for (int i = 0; i < 4; i++) {
-                        const __m256i v = _mm256_sub_epi8(q[i], k32);
-                        d4[i] = idot_eo(even_i8(v), odd_i8(v), xq + (g0 + 4 * h + i) * GROUP);
-                    }
-                    const __m128i order = _mm_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-                    const __m256 scales = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_shuffle_epi8(
-                        _mm_loadl_epi64((const __m128i *)(b + 192 + 8 * h)), order)));
-                    const __m256 dxh = _mm256_broadcast_ps((const __m128 *)(dx + g0 + 4 * h));
-                    acc[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum_halves4(d4[0], d4[1], d4[2], d4[3])),
-                                             _mm256_mul_ps(_mm256_mul_ps(scales, sv), dxh), acc[0]);
-                    continue;
-                }
+                const __m256i hv = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h));
+                const __m256 sch = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(b + 192 + 8 * h))));
+                const __m256i q[4] = Q6_CODES(la, lb, hv, f, t);
                 for (int i = 0; i < 4; i++) {
                     const __m256i v = _mm256_sub_epi8(q[i], k32), ev = even_i8(v), od = odd_i8(v);
                     const __m256 halves = _mm256_permutevar8x32_ps(
                         sch, _mm256_setr_epi32(2 * i, 2 * i, 2 * i, 2 * i, 2 * i + 1, 2 * i + 1, 2 * i + 1, 2 * i + 1));
                     const int j = 4 * h + i;
-                    for (int r = 0; r < rb; r++) {
-                        const __m256 f_ = dot_eo(ev, od, xq + r * K + (g0 + j) * GROUP);
-                        const __m256 s_ = _mm256_mul_ps(halves, _mm256_broadcast_ss(&sd[r][j]));
-                        if (rb == 1 && (j & 1)) acc2 = _mm256_fmadd_ps(f_, s_, acc2);
-                        else acc[r] = _mm256_fmadd_ps(f_, s_, acc[r]);
-                    }
+                    for (int r = 0; r < rb; r++)
+                        acc[r] = _mm256_fmadd_ps(dot_eo(ev, od, xq + r * K + (g0 + j) * GROUP),
+                                                 _mm256_mul_ps(halves, _mm256_broadcast_ss(&sd[r][j])), acc[r]);
                 }
             }
         }
 #undef SUB
     }
-    if (rb == 1) acc[0] = _mm256_add_ps(acc[0], acc2);
     for (int r = 0; r < rb; r++) y[r * N] = hsum8(acc[r]) + (has_min ? hsum8(macc[r]) : 0.f);
 }
 

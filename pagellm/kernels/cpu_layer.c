@@ -16,6 +16,8 @@
 
 int q4_linear(const float *x, int64_t R, int64_t K, const uint8_t *codes, const float *sm,
               int64_t N, float *y, int threads);
+int gguf_linear(const float *x, int64_t R, int64_t K, const uint8_t *w, int64_t row_bytes,
+                int type, int64_t N, float *y, int threads);
 int paged_attention(const float *q, float *out, const float *kc, const float *vc,
                     int64_t H, int64_t KVH, int64_t D, int64_t NB, int64_t BS,
                     const int32_t *tables, int64_t MB, const int32_t *seq_lens,
@@ -38,6 +40,45 @@ static void rotate(float *x, int64_t heads, int64_t hd, const float *cos, const 
     }
 }
 
+/* A packed projection: up to three parts of output rows side by side (a Q4_K_M file's
+ * Q4_K q|k beside a Q6_K v), each in pagellm's Q4 form (type 0: codes, scale_min) or in its
+ * GGUF blocks (a ggml type: raw rows of row_bytes), and an optional float32 bias. Mirrors
+ * kernels/cpu_layer.py's Projection. */
+#define MAX_PARTS 3
+typedef struct {
+    int64_t rows, type;
+    const void *w, *sm;
+    int64_t row_bytes;
+} part_t;
+typedef struct {
+    int64_t nparts;
+    part_t parts[MAX_PARTS];
+    const float *bias;
+} proj_t;
+
+static int part_linear(const part_t *p, const float *x, int64_t T, int64_t K, float *y, int threads) {
+    if (p->type == 0) return q4_linear(x, T, K, p->w, p->sm, p->rows, y, threads);
+    return gguf_linear(x, T, K, p->w, p->row_bytes, (int)p->type, p->rows, y, threads);
+}
+
+/* y [T, N] = x [T, K] W^T (+ bias); tmp holds T * N floats when there are several parts. */
+static int project(const proj_t *p, const float *x, int64_t T, int64_t K, float *y, int64_t N,
+                   float *tmp, int threads) {
+    if (p->nparts == 1) {
+        if (part_linear(&p->parts[0], x, T, K, y, threads)) return -1;
+    } else {
+        for (int64_t i = 0, col = 0; i < p->nparts; col += p->parts[i].rows, i++) {
+            const int64_t n = p->parts[i].rows;
+            if (part_linear(&p->parts[i], x, T, K, tmp, threads)) return -1;
+            for (int64_t t = 0; t < T; t++) memcpy(y + t * N + col, tmp + t * n, sizeof(float) * n);
+        }
+    }
+    if (p->bias)
+        for (int64_t t = 0; t < T; t++)
+            for (int64_t j = 0; j < N; j++) y[t * N + j] += p->bias[j];
+    return 0;
+}
+
 /* a[i] = silu(g[i]) * u[i] = g / (1 + exp(-g)) * u */
 static void silu_mul(const float *g, const float *u, float *a, int64_t n) {
     int64_t i = 0;
@@ -52,11 +93,9 @@ static void silu_mul(const float *g, const float *u, float *a, int64_t n) {
     for (; i < n; i++) a[i] = g[i] / (1.f + expf(-g[i])) * u[i];
 }
 
+/* projs: qkv, o, gate|up, down */
 int decode_layer(float *x, int64_t T, int64_t D, float eps, const float *norm_in,
-                 const float *norm_post, const uint8_t *qkv_codes, const float *qkv_sm,
-                 const uint8_t *o_codes, const float *o_sm, const uint8_t *gu_codes,
-                 const float *gu_sm, const uint8_t *down_codes, const float *down_sm,
-                 int64_t I, int64_t H, int64_t KVH, int64_t hd, const float *cos,
+                 const float *norm_post, const proj_t *projs, int64_t I, int64_t H, int64_t KVH, int64_t hd, const float *cos,
                  const float *ssin, const int64_t *positions, float *kc, float *vc, int64_t NB,
                  int64_t BS, const int64_t *slots, const int32_t *tables, int64_t MB,
                  const int32_t *seq_lens, const int32_t *qstart, const int32_t *seqs,
@@ -65,12 +104,12 @@ int decode_layer(float *x, int64_t T, int64_t D, float eps, const float *norm_in
     const int64_t width = nqkv > 2 * I ? nqkv : 2 * I;
     float *h = malloc(sizeof(float) * T * D), *y = malloc(sizeof(float) * T * width);
     float *q = malloc(sizeof(float) * T * nq), *a = malloc(sizeof(float) * T * (nq > I ? nq : I));
-    float *d = malloc(sizeof(float) * T * D);
+    float *d = malloc(sizeof(float) * T * D), *tmp = malloc(sizeof(float) * T * width);
     int rc = -1;
-    if (!h || !y || !q || !a || !d) goto done;
+    if (!h || !y || !q || !a || !d || !tmp) goto done;
 
     rms_norm(x, NULL, NULL, norm_in, h, T, D, eps);
-    if (q4_linear(h, T, D, qkv_codes, qkv_sm, nqkv, y, threads)) goto done;
+    if (project(&projs[0], h, T, D, y, nqkv, tmp, threads)) goto done;
     for (int64_t t = 0; t < T; t++) {
         float *row = y + t * nqkv;
         const float *c = cos + positions[t] * hd, *s = ssin + positions[t] * hd;
@@ -84,14 +123,14 @@ int decode_layer(float *x, int64_t T, int64_t D, float eps, const float *norm_in
     }
     if (paged_attention(q, a, kc, vc, H, KVH, hd, NB, BS, tables, MB, seq_lens, qstart, seqs,
                         n_seqs, scale, threads)) goto done;
-    if (q4_linear(a, T, nq, o_codes, o_sm, D, d, threads)) goto done;
+    if (project(&projs[1], a, T, nq, d, D, tmp, threads)) goto done;
     rms_norm(x, d, x, norm_post, h, T, D, eps);  /* x += attention; h = norm(x) */
-    if (q4_linear(h, T, D, gu_codes, gu_sm, 2 * I, y, threads)) goto done;
+    if (project(&projs[2], h, T, D, y, 2 * I, tmp, threads)) goto done;
     for (int64_t t = 0; t < T; t++) silu_mul(y + t * 2 * I, y + t * 2 * I + I, a + t * I, I);
-    if (q4_linear(a, T, I, down_codes, down_sm, D, d, threads)) goto done;
+    if (project(&projs[3], a, T, I, d, D, tmp, threads)) goto done;
     for (int64_t i = 0; i < T * D; i++) x[i] += d[i];
     rc = 0;
 done:
-    free(h); free(y); free(q); free(a); free(d);
+    free(h); free(y); free(q); free(a); free(d); free(tmp);
     return rc;
 }

@@ -1,15 +1,46 @@
 """A whole decoder layer in one native call (cpu_layer.c) for steps of a few rows."""
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
 from pagellm.attention.base import AttentionMetadata
 from pagellm.kernels import native
-from pagellm.layers.quant import NativeQ4, few_rows
+from pagellm.layers.quant import NativeGGUF, NativeQ4, PackedParts, few_rows
+
+_MAX_PARTS = 3  # cpu_layer.c MAX_PARTS
+
+
+class _Part(ctypes.Structure):  # cpu_layer.c part_t
+    _fields_ = [("rows", ctypes.c_int64), ("type", ctypes.c_int64), ("w", ctypes.c_void_p),
+                ("sm", ctypes.c_void_p), ("row_bytes", ctypes.c_int64)]
+
+
+class _Projection(ctypes.Structure):  # cpu_layer.c proj_t
+    _fields_ = [("nparts", ctypes.c_int64), ("parts", _Part * _MAX_PARTS), ("bias", ctypes.c_void_p)]
+
+
+def _parts(packed) -> list | None:
+    """The packed form's parts as the C layer takes them (None: a form it does not take)."""
+    forms = packed.parts if isinstance(packed, PackedParts) else [packed]
+    if len(forms) > _MAX_PARTS:
+        return None
+    parts = []
+    for f in forms:
+        if isinstance(f, NativeQ4):
+            parts.append(_Part(f.codes.shape[0], 0, f.codes.data_ptr(), f.scale_min.data_ptr(), 0))
+        elif isinstance(f, NativeGGUF):
+            parts.append(_Part(f.raw.shape[0], f.ggml_type, f.raw.data_ptr(), None, f.raw.shape[1]))
+        else:
+            return None
+    return parts
+
 
 class FusedDecodeLayer:
     """Holds one DecoderLayer's weights as the C function wants them. Built only for layers
-    whose projections are all NativeQ4 without biases, with float32 norms, on one process."""
+    whose projections are all packed natively (NativeQ4, NativeGGUF, or parts of those), with
+    float32 norms and biases, on one process."""
 
     def __init__(self, layer):
         attn, mlp = layer.self_attn, layer.mlp
@@ -21,8 +52,15 @@ class FusedDecodeLayer:
         self.heads, self.kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
         self.scale = attn.scale
         self.intermediate = mlp.down_proj.weight.shape[1]
-        w = [attn.qkv_proj.packed, attn.o_proj.packed, mlp.gate_up_proj.packed, mlp.down_proj.packed]
-        self._weights = tuple(p for q in w for p in (q.codes.data_ptr(), q.scale_min.data_ptr()))
+        linears = [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
+        self._projs = (_Projection * 4)()
+        for proj, m in zip(self._projs, linears):
+            parts = _parts(m.packed)
+            proj.nparts = len(parts)
+            for i, part in enumerate(parts):
+                proj.parts[i] = part
+            proj.bias = None if m.bias is None else m.bias.data_ptr()
+        self.max_rows = min(m.packed.max_rows for m in linears)
         self._norms = (layer.input_layernorm.weight.data_ptr(),
                        layer.post_attention_layernorm.weight.data_ptr())
 
@@ -36,14 +74,15 @@ class FusedDecodeLayer:
         # the C layer attends itself over the CPU backend's head-major pool: only there
         return (native.available() and parallel.tp_size() == 1
                 and isinstance(attn.backend, TorchPagedAttention)
-                and all(isinstance(m.packed, NativeQ4) and m.bias is None for m in linears)
+                and all(m.packed is not None and _parts(m.packed) is not None
+                        and (m.bias is None or m.bias.dtype == torch.float32) for m in linears)
                 and all(n.weight.dtype == torch.float32 for n in (
                     layer.input_layernorm, layer.post_attention_layernorm)))
 
     def usable(self, x: torch.Tensor, md: AttentionMetadata) -> bool:
         attn = self.layer.self_attn
         # the packed kernels' few-row regime; larger steps (prefill, big batches) take modules
-        return (x.dtype == torch.float32 and few_rows(x.shape[0], NativeQ4.max_rows)
+        return (x.dtype == torch.float32 and few_rows(x.shape[0], self.max_rows)
                 and x.is_contiguous()
                 and attn.k_cache is not None and attn.k_cache.dtype == torch.float32
                 and attn.k_cache.permute(2, 0, 1, 3).is_contiguous()
@@ -54,7 +93,7 @@ class FusedDecodeLayer:
         kvh, nb, bs, _ = attn.k_cache.permute(2, 0, 1, 3).shape
         seqs = md.cache["fused_seqs"]
         rc = native.library().decode_layer(
-            x.data_ptr(), x.shape[0], x.shape[1], self.eps, *self._norms, *self._weights,
+            x.data_ptr(), x.shape[0], x.shape[1], self.eps, *self._norms, ctypes.addressof(self._projs),
             self.intermediate, self.heads, self.kv_heads, self.head_dim,
             self._keep[0].data_ptr(), self._keep[1].data_ptr(), positions.data_ptr(),
             attn.k_cache.data_ptr(), attn.v_cache.data_ptr(), nb, bs,

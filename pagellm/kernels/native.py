@@ -34,7 +34,7 @@ SIGNATURES = {
                          _F32, _I32], ctypes.c_int),
     "write_kv": ([_P, _P, _P, _P, _P, _I64, _I64, _I64, _I64], None),
     "rms_norm": ([_P, _P, _P, _P, _P, _I64, _I64, _F32], None),
-    "decode_layer": ([_P, _I64, _I64, _F32, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _I64, _I64,
+    "decode_layer": ([_P, _I64, _I64, _F32, _P, _P, _P, _I64, _I64,
                       _I64, _I64, _P, _P, _P, _P, _P, _I64, _I64, _P, _P, _I64, _P, _P, _P, _I64,
                       _F32, _I32], ctypes.c_int),
 }

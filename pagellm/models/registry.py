@@ -57,22 +57,22 @@ def build_model(files, dtype: torch.dtype, device: torch.device, max_position: i
                 quantization: str | None = None):
     cls = model_class(files.config)
     model = cls(files.config, get_attention_backend(device), max_position)
-    int4 = use_packed(quantization, files, dtype, device)
+    packed = use_packed(quantization, files, dtype, device)
     # the head kernels are native only; they follow the packing decision of the projections
-    packed_head = int4 and files.packed_head and native.available()
-    model.load_weights(files.weights(keep_packed=True, keep_head=packed_head) if int4 else files.weights())
+    packed_head = packed and files.packed_head and native.available()
+    model.load_weights(files.weights(keep_packed=True, keep_head=packed_head) if packed else files.weights())
     model = model.to(dtype=dtype, device=device).eval()
-    if int4:
-        packed, total = model.num_packed()
-        if packed < total:  # shapes the kernel does not take, or a split inside a group
-            msg = f"{total - packed} of {total} projections could not stay packed (dense instead)"
-            if quantization == "gguf" and packed == 0:
+    if packed:
+        n_packed, total = model.num_packed()
+        if n_packed < total:  # shapes the kernel does not take, or a split inside a group
+            msg = f"{total - n_packed} of {total} projections could not stay packed (dense instead)"
+            if quantization == "gguf" and n_packed == 0:
                 raise ValueError(f"quantization='gguf': {msg}")
             logger.warning(msg)
         keep_float32(model)
     if upcast(torch.empty(2, 1, dtype=dtype, device=device)):
         model.use_float32_activations()
         model.head_float32()
-        if int4:
+        if packed:
             model.enable_fused_decode()
     return model
