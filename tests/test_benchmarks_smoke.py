@@ -100,3 +100,13 @@ def test_other_kinds_dispatch_when_present(kind, monkeypatch):
     monkeypatch.setitem(sys.modules, f"benchmarks.{kind}", fake)  # import_module finds it
     monkeypatch.setattr(m, "available", lambda: m.KINDS)
     assert m.main([kind, "--x"]) == 0 and called == [["--x"]]
+
+
+def test_gguf_models(tmp_path):
+    data = run_kind("gguf_models", tmp_path, "--peers", "hf,llama.cpp")
+    rows = {r["engine"]: r for r in data["results"]}
+    assert set(rows) == {"pagellm", "hf"} and "llama.cpp" in data["skipped"]
+    for r in rows.values():
+        assert r["decode_ms"] > 0 and r["prefill_tok_s"] > 0 and r["batch_output_tok_s"] > 0
+    assert rows["pagellm"]["decode_speedup_of_pagellm"] == 1.0
+    assert len(data["runs"]["pagellm"]["runs"]) == 1

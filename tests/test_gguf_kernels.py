@@ -11,7 +11,7 @@ from gguf import GGMLQuantizationType as Q
 
 from pagellm.kernels import native
 from pagellm.layers import quant
-from tests.gguf_blocks import F16_FIELDS, random_blocks, sub_block_mins
+from tests.gguf_files import F16_FIELDS, random_blocks, sub_block_mins
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="no C compiler on this machine")
 TYPES = sorted(F16_FIELDS, key=lambda t: t.name)

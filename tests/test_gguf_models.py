@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import math
 
-import gguf
 import numpy as np
 import pytest
 import torch
@@ -15,14 +14,11 @@ from gguf import GGMLQuantizationType as Q
 
 from pagellm import LLM, SamplingParams
 from pagellm.kernels import native
+from pagellm.layers import quant
 from pagellm.models.loader import load_model_files
-from tests.gguf_blocks import random_blocks
+from tests.gguf_files import finish, gguf_name, gguf_writer, llama_cpp_permute, random_blocks
 
 PROMPTS = [[5, 17, 33, 4, 90, 12, 7], list(range(10, 51)), [3, 3, 3, 60, 61, 62]]
-_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-          "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-          "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
-          "post_attention_layernorm": "ffn_norm"}
 # A Q4_K_M-like mix per layer (layer 1 the fallbacks of narrow tensors), and the top tensors.
 _LAYER_TYPES = [
     {"q_proj": Q.Q4_K, "k_proj": Q.Q4_K, "v_proj": Q.Q6_K, "o_proj": Q.Q4_K, "gate_proj": Q.Q4_K,
@@ -67,37 +63,13 @@ def _llama3_rope_factors(config) -> np.ndarray:
     return np.array(factors, dtype=np.float32)
 
 
-def _permute(rows: np.ndarray, heads: int) -> np.ndarray:
-    """llama.cpp's q/k row order for the llama architecture (rotate-half -> interleaved)."""
-    return rows.reshape(heads, 2, rows.shape[0] // heads // 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
-
-
-def _gguf_name(hf_name: str) -> str:
-    top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-           "lm_head.weight": "output.weight"}
-    if hf_name in top:
-        return top[hf_name]
-    _, _, layer, rest = hf_name.split(".", 3)
-    module, kind = rest.rsplit(".", 1)
-    return f"blk.{layer}.{_NAMES[module]}.{kind}"
-
-
 def write_tiny_gguf(path, arch: str, extra=None, rope_freqs: bool = True):
     """A random model of `arch` in K-quant blocks at `path`; returns transformers' model holding
     exactly the values the file means (gguf's dequantization)."""
     config = _config(arch)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config).eval().float()
-    writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_eos_token_id(2)
+    writer = gguf_writer(path, config, arch, eos_token_id=2)
     if arch == "llama":
         writer.add_rope_dimension_count(config.hidden_size // config.num_attention_heads)
     if arch == "llama" and rope_freqs:
@@ -112,23 +84,20 @@ def write_tiny_gguf(path, arch: str, extra=None, rope_freqs: bool = True):
             value = (1 + 0.1 * torch.randn(tensor.shape, generator=g)) if "norm" in name else \
                 0.05 * torch.randn(tensor.shape, generator=g)
             state[name] = value
-            writer.add_tensor(_gguf_name(name), value.numpy())
+            writer.add_tensor(gguf_name(name), value.numpy())
             continue
         blocks = random_blocks(qtype, *tensor.shape, seed=seed, amplitude=0.12)
         state[name] = blocks.dequantize()
         raw = blocks.raw.numpy()
         if arch == "llama" and parts[-2] == "q_proj":
-            raw = _permute(raw, config.num_attention_heads)
+            raw = llama_cpp_permute(raw, config.num_attention_heads)
         elif arch == "llama" and parts[-2] == "k_proj":
-            raw = _permute(raw, config.num_key_value_heads)
-        writer.add_tensor(_gguf_name(name), np.ascontiguousarray(raw), raw_dtype=qtype)
+            raw = llama_cpp_permute(raw, config.num_key_value_heads)
+        writer.add_tensor(gguf_name(name), np.ascontiguousarray(raw), raw_dtype=qtype)
     for tensor in extra or []:
         writer.add_tensor(*tensor[:2], **(tensor[2] if len(tensor) > 2 else {}))
     model.load_state_dict(state)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish(writer)
     return model
 
 
@@ -218,3 +187,30 @@ def test_unknown_tensors_are_refused(tmp_path):
     write_tiny_gguf(path, "qwen2", extra=[("blk.0.attn_qkv.weight", np.zeros((8, 8), dtype=np.float32))])
     with pytest.raises(ValueError, match="attn_qkv"):
         load_model_files(str(path), load_tokenizer=False)
+
+
+@pytest.mark.skipif(not native.available(), reason="no C compiler on this machine")
+def test_fused_layer_matches_the_modules_on_k_quant_parts(tiny_gguf, monkeypatch):
+    """The one-call decoder layer (kernels/cpu_layer.c) with GGUF-block projections, mixed
+    parts (Q4_K q|k beside Q6_K v) and Qwen2's biases gives the module path's logits."""
+    from pagellm.layers import linear
+
+    # the fused layer serves CPUs without bf16 units (float32 activations): build it so here
+    monkeypatch.setattr(linear, "UPCAST_BF16", True)
+    path, _ = tiny_gguf
+    llm = LLM(path, kv_cache_memory=2**22, enable_prefix_caching=False)
+    layers = llm.engine.model.layers
+    fused = [layer.fused for layer in layers]
+    assert all(fused)
+    assert any(isinstance(layer.self_attn.qkv_proj.packed, quant.PackedParts) for layer in layers)
+    prompt = PROMPTS[0]
+    with_fused = _prefill_logits(llm, prompt)
+    for layer in layers:
+        layer.fused = None
+    modules = _prefill_logits(llm, prompt)
+    for layer, f in zip(layers, fused):
+        layer.fused = f
+    # float32 rounding (vectorized exp, summation order) can move an activation across one
+    # int16 step (1/32767 of its block's largest value) in either path: 2e-4 of the largest
+    # logit after two layers and the head; a wrong part, offset or bias is off by far more
+    torch.testing.assert_close(with_fused, modules, atol=2e-4 * modules.abs().max(), rtol=0)

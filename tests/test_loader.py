@@ -11,6 +11,7 @@ import transformers
 
 from pagellm import LLM
 from pagellm.models import gguf_loader
+from tests.gguf_files import finish, gguf_name, gguf_writer, llama_cpp_permute
 from pagellm.models.loader import (
     SUPPORTED_ARCHITECTURES,
     default_model_path,
@@ -177,33 +178,6 @@ def test_hf_folder_tokenizer_and_chat_template(tmp_path, default_files):
 
 # ---------------------------------------------------------------- GGUF files written here
 
-_GGUF_NAMES = {  # transformers suffix -> llama.cpp name
-    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
-    "post_attention_layernorm": "ffn_norm",
-}
-
-
-def _gguf_name(hf_name):
-    top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-           "lm_head.weight": "output.weight"}
-    if hf_name in top:
-        return top[hf_name]
-    _, _, layer, rest = hf_name.split(".", 3)
-    module, kind = rest.rsplit(".", 1)
-    return f"blk.{layer}.{_GGUF_NAMES[module]}.{kind}"
-
-
-def _llama_cpp_permute(weights, n_head, n_head_kv):
-    # verbatim from llama.cpp convert_hf_to_gguf.py (LlamaModel.permute)
-    if n_head_kv is not None and n_head != n_head_kv:
-        n_head = n_head_kv
-    return (weights.reshape(n_head, 2, weights.shape[0] // n_head // 2, *weights.shape[1:])
-            .swapaxes(1, 2)
-            .reshape(weights.shape))
-
-
 def _storage_type(hf_name):
     """A mix, as real files have: F32 norms/biases, F16 embedding/head/v/o, Q8_0 the rest."""
     if hf_name.endswith("norm.weight") or hf_name.endswith(".bias"):
@@ -214,34 +188,22 @@ def _storage_type(hf_name):
 
 
 def _write_gguf(path, config, state_dict, arch, storage_type=_storage_type, extra_tensor=None):
-    writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer = gguf_writer(path, config, arch, eos_token_id=3)
     writer.add_rope_dimension_count(config.hidden_size // config.num_attention_heads)
-    writer.add_eos_token_id(3)
     for hf_name, tensor in state_dict.items():
         array = tensor.numpy()
         if arch == "llama" and ".q_proj." in hf_name:
-            array = _llama_cpp_permute(array, config.num_attention_heads, config.num_attention_heads)
+            array = llama_cpp_permute(array, config.num_attention_heads)
         elif arch == "llama" and ".k_proj." in hf_name:
-            array = _llama_cpp_permute(array, config.num_attention_heads, config.num_key_value_heads)
+            array = llama_cpp_permute(array, config.num_key_value_heads)
         qtype = storage_type(hf_name)
         if qtype in (Q.F32, Q.F16):
-            writer.add_tensor(_gguf_name(hf_name), gguf.quants.quantize(array, qtype))
+            writer.add_tensor(gguf_name(hf_name), gguf.quants.quantize(array, qtype))
         else:
-            writer.add_tensor(_gguf_name(hf_name), gguf.quants.quantize(array, qtype), raw_dtype=qtype)
+            writer.add_tensor(gguf_name(hf_name), gguf.quants.quantize(array, qtype), raw_dtype=qtype)
     if extra_tensor is not None:
         writer.add_tensor(*extra_tensor)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish(writer)
 
 
 def _round_trip(tensor, qtype):

@@ -1,10 +1,12 @@
-"""Random, valid GGUF blocks of every packable type, for kernel and model tests.
+"""Writing GGUF files in tests: llama.cpp's tensor names, the header of a transformers
+config, and random, valid blocks of every packable type.
 
 gguf's Python package dequantizes every type but quantizes only the 32-value ones, so K-quant
 weights are made the way the file stores them: random code bytes with sane f16 scales. What
 they mean is read back with gguf's reference dequantizer (gguf.quants.dequantize)."""
 from __future__ import annotations
 
+import gguf
 import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES
@@ -53,3 +55,50 @@ def sub_block_mins(blocks: quant.GGUFBlocks) -> np.ndarray:
                                (sc[:, :, 8:12] >> 4) | ((sc[:, :, 4:8] >> 6) << 4)], axis=-1)
         return (-dmin * mins).reshape(n, -1)
     return np.zeros((n, k // 32))
+
+
+_BLOCK_NAMES = {  # transformers module -> llama.cpp name
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+}
+_TOP_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+              "lm_head.weight": "output.weight"}
+
+
+def gguf_name(hf_name: str) -> str:
+    """llama.cpp's name of a transformers parameter."""
+    if hf_name in _TOP_NAMES:
+        return _TOP_NAMES[hf_name]
+    _, _, layer, rest = hf_name.split(".", 3)
+    module, kind = rest.rsplit(".", 1)
+    return f"blk.{layer}.{_BLOCK_NAMES[module]}.{kind}"
+
+
+def llama_cpp_permute(rows: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's q/k row order for the llama architecture (rotate-half -> interleaved pairs
+    per head), as its converter writes it; works on rows of block bytes too."""
+    return rows.reshape(heads, 2, rows.shape[0] // heads // 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
+
+
+def gguf_writer(path, config, arch: str, eos_token_id: int) -> gguf.GGUFWriter:
+    """A writer with the header a transformers config implies (tensors still to add)."""
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_eos_token_id(eos_token_id)
+    return writer
+
+
+def finish(writer: gguf.GGUFWriter) -> None:
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
