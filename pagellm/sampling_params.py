@@ -1,6 +1,7 @@
 """SamplingParams with vLLM's names; every invalid value raises ValueError naming the field."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 
@@ -45,6 +46,12 @@ class SamplingParams:
                 raise ValueError(f"{name} {msg}, got {getattr(self, name)!r}")
 
         num = (int, float)
+        # NaN fails every comparison below; infinity passes "> 0" (repetition_penalty=inf made
+        # NaN logits inside the step, failing the whole batch): finite numbers only
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty"):
+            value = getattr(self, name)
+            check(not isinstance(value, num) or math.isfinite(value), name, "must be a finite number")
         # Fix: bool is a subclass of int, so n=True or max_tokens=True used to pass.
         for name in ("n", "top_k", "max_tokens", "min_tokens", "logprobs", "seed"):
             check(not isinstance(getattr(self, name), bool), name, "must be an integer, not a bool")

@@ -23,7 +23,8 @@ INVALID = [
     ("min_p", -0.01), ("min_p", 1.5),
     ("presence_penalty", 2.5), ("presence_penalty", -2.1),
     ("frequency_penalty", 3), ("frequency_penalty", -2.5),
-    ("repetition_penalty", 0), ("repetition_penalty", -1.0),
+    ("repetition_penalty", 0), ("repetition_penalty", -1.0), ("repetition_penalty", float("inf")),
+    ("temperature", float("inf")), ("presence_penalty", float("nan")),
     ("max_tokens", 0), ("max_tokens", -5), ("max_tokens", 2.0),
     ("min_tokens", -1),
     ("logprobs", -1), ("logprobs", 21), ("logprobs", 1.5),
@@ -393,6 +394,22 @@ def test_eos_stop_token_ids_max_tokens_and_min_tokens(tiny_llama, tmp_path):
     (out,), = run(eos_llm, [prompt], min_tokens=k + 2, **greedy)
     assert out.token_ids[:k] == ids[:k] and ids[k] not in out.token_ids[: k + 2]
     assert len(out.token_ids) >= k + 2
+
+
+def test_stop_token_id_past_the_vocabulary_is_refused_at_add(tiny_llama):
+    """With min_tokens > 0 an id past the vocabulary was masked inside the step, which raised
+    and failed every sequence of the batch; now add_request refuses it, the others run on."""
+    path, _ = tiny_llama
+    llm = LLM(path, dtype="float32", kv_cache_memory=2**20, block_size=4)
+    eng = llm.engine
+    eng.add_request("good", [5, 17, 33], SamplingParams(temperature=0, max_tokens=4))
+    with pytest.raises(ValueError, match=r"^stop_token_ids out of range \[0, 256\): \[256\]"):
+        eng.add_request("bad", [5, 17, 33], SamplingParams(min_tokens=2, stop_token_ids=[3, 256]))
+    assert "bad" not in eng.requests
+    done = []
+    while eng.has_unfinished_requests():
+        done += [o for o in eng.step() if o.finished]
+    assert [o.request_id for o in done] == ["good"] and len(done[0].outputs[0].token_ids) == 4
 
 
 def test_min_tokens_masks_every_end_token_the_config_lists(tiny_llama, tmp_path):

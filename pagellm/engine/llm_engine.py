@@ -114,6 +114,9 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         prompt_text, ids = self._tokenize(prompt)
         self._check_prompt(ids)
+        bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
+        if bad:  # sampling would index past the logits inside the step, failing its batch
+            raise ValueError(f"stop_token_ids out of range [0, {self.vocab_size}): {bad[:5]}")
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         seqs = [Sequence(next(self._seq_ids), request_id, i, ids, params, self.eos_token_id,
                          arrival_time=arrival, cache_salt=cache_salt) for i in range(params.n)]
