@@ -9,13 +9,15 @@ import torch
 
 from pagellm.engine import llm_engine
 
-_ENGINES: list[weakref.ref] = []
+_ENGINES: list[weakref.ref] = []  # engines made since the last leak check
+_LIVE: weakref.WeakSet = weakref.WeakSet()  # every engine still alive (module fixtures too)
 _original_init = llm_engine.LLMEngine.__init__
 
 
 def _tracking_init(self, *args, **kwargs):
     _original_init(self, *args, **kwargs)
     _ENGINES.append(weakref.ref(self))
+    _LIVE.add(self)
 
 
 llm_engine.LLMEngine.__init__ = _tracking_init
@@ -41,13 +43,12 @@ def assert_no_leaks(engine) -> None:
 
 @pytest.fixture(autouse=True)
 def leak_check():
-    _ENGINES.clear()
+    """After every test, every engine still alive is checked: those the test made and those a
+    module- or session-scoped fixture made before it (and that this test used)."""
     yield
     created = bool(_ENGINES)
-    for ref in _ENGINES:
-        engine = ref()
-        if engine is not None:
-            assert_no_leaks(engine)
+    for engine in list(_LIVE):
+        assert_no_leaks(engine)
     _ENGINES.clear()
     if created:
         gc.collect()  # free the engine's KV pool before the next test allocates its own

@@ -1,6 +1,6 @@
 """The native block-quantized kernels (pagellm/kernels/cpu_quant.c, built by
 pagellm/kernels/native.py) against float64 products
-with the dequantized weights: every row count 1..20 (row blocks of 8, the one-row path with an
+with the dequantized weights: every row count 1..20 and 24, 33, 40 (row blocks of 8, the one-row path with an
 odd number of blocks), Q4 with and without mins, Q8, thread counts, and the portable (non-AVX2)
 build of the same source."""
 from __future__ import annotations
@@ -49,7 +49,7 @@ def test_q4_matches_dequantized_product_for_every_row_count(k):
     w = _q4(40, k, seed=k)
     packed = quant.NativeQ4(w)
     g = torch.Generator().manual_seed(k)
-    for rows in range(1, 21):
+    for rows in [*range(1, 21), 24, 33, 40]:  # the engine sends up to 40 rows (max_rows 41)
         x = torch.randn(rows, k, generator=g) * 3
         _close(packed(x), x, w)
 

@@ -26,10 +26,11 @@ def test_native_norm_matches_torch(rows):
     assert norm._native(x)
     assert torch.allclose(norm(x), ref, rtol=1e-5, atol=1e-6)
     delta = torch.randn(rows, 96)
+    x_before, delta_before = x.clone(), delta.clone()
     x_new, h = norm.add_forward(x, delta)
+    assert torch.equal(x, x_before) and torch.equal(delta, delta_before)  # inputs untouched
     assert torch.equal(x_new, x + delta)  # the residual stream is exact
     assert torch.allclose(h, F.rms_norm(x + delta, (96,), norm.weight, 1e-5), rtol=1e-5, atol=1e-6)
-    assert torch.equal(x, x.clone())  # inputs untouched
 
 
 def test_non_contiguous_and_bf16_inputs():

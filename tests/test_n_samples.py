@@ -73,7 +73,20 @@ def test_n_greedy_samples_identical_and_prefill_once(tiny_llama):
     path, _ = tiny_llama
     llm = LLM(path, dtype="float32", kv_cache_memory=2**20, block_size=4)
     sp = SamplingParams(n=4, temperature=0, max_tokens=8, ignore_eos=True)
-    out = llm.generate([PROMPT], sp, use_tqdm=False)[0]
+    computed, execute = [], llm.engine.runner.execute
+
+    def counting(out, rows):
+        computed.append(out.total_tokens)
+        return execute(out, rows)
+
+    llm.engine.runner.execute = counting
+    try:
+        out = llm.generate([PROMPT], sp, use_tqdm=False)[0]
+    finally:
+        del llm.engine.runner.execute
+    # one prefill of the 7 prompt tokens, then 7 decode inputs for each of the 4 samples (the
+    # 8th token needs none); a prefill per sample would compute 3 x 7 more (3 x 3 from cache)
+    assert sum(computed) == len(PROMPT) + 4 * 7, computed
     single = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
                           use_tqdm=False)[0]
     assert all(o.token_ids == single.outputs[0].token_ids for o in out.outputs)
