@@ -29,8 +29,8 @@ _LAYER_TYPES = [
 _TOP_TYPES = {"model.embed_tokens.weight": Q.Q4_K, "lm_head.weight": Q.Q6_K}
 
 
-def _config(arch: str):
-    common = dict(vocab_size=96, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+def _config(arch: str, vocab_size: int = 96):
+    common = dict(vocab_size=vocab_size, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
                   tie_word_embeddings=False, eos_token_id=2, bos_token_id=1)
     if arch == "qwen2":
@@ -63,10 +63,11 @@ def _llama3_rope_factors(config) -> np.ndarray:
     return np.array(factors, dtype=np.float32)
 
 
-def write_tiny_gguf(path, arch: str, extra=None, rope_freqs: bool = True):
+def write_tiny_gguf(path, arch: str, extra=None, rope_freqs: bool = True, vocab=None):
     """A random model of `arch` in K-quant blocks at `path`; returns transformers' model holding
-    exactly the values the file means (gguf's dequantization)."""
-    config = _config(arch)
+    exactly the values the file means (gguf's dequantization). vocab: write_vocab's callback
+    writing a tokenizer (its vocabulary size first)."""
+    config = _config(arch, vocab[0] if vocab else 96)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config).eval().float()
     writer = gguf_writer(path, config, arch, eos_token_id=2)
@@ -94,6 +95,8 @@ def write_tiny_gguf(path, arch: str, extra=None, rope_freqs: bool = True):
         elif arch == "llama" and parts[-2] == "k_proj":
             raw = llama_cpp_permute(raw, config.num_key_value_heads)
         writer.add_tensor(gguf_name(name), np.ascontiguousarray(raw), raw_dtype=qtype)
+    if vocab:
+        vocab[1](writer)
     for tensor in extra or []:
         writer.add_tensor(*tensor[:2], **(tensor[2] if len(tensor) > 2 else {}))
     model.load_state_dict(state)
@@ -214,3 +217,56 @@ def test_fused_layer_matches_the_modules_on_k_quant_parts(tiny_gguf, monkeypatch
     # int16 step (1/32767 of its block's largest value) in either path: 2e-4 of the largest
     # logit after two layers and the head; a wrong part, offset or bias is off by far more
     torch.testing.assert_close(with_fused, modules, atol=2e-4 * modules.abs().max(), rtol=0)
+
+
+LLAMA3_TEMPLATE = ("{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
+                   "{{ m['content'] }}<|eot_id|>{% endfor %}"
+                   "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}")
+
+
+def _llama3_vocab():
+    """A byte-level BPE vocabulary the way Llama 3 files store one (tokenizer.ggml.model gpt2,
+    pre-tokenizer llama-bpe): the 256 byte symbols, merges that join digits, and Llama 3's
+    special tokens. Llama 3's split groups digits by three ("12345" -> "123", "45"), Qwen2's
+    splits each digit: the ids tell which pre-tokenizer ran."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    symbols = list(bytes_to_unicode().values())
+    merges = ["1 2", "12 3", "4 5"]
+    tokens = symbols + ["12", "123", "45"]
+    specials = ["<|begin_of_text|>", "<|eot_id|>", "<|start_header_id|>", "<|end_header_id|>"]
+    tokens += specials
+    types = [1] * (len(tokens) - len(specials)) + [3] * len(specials)  # 3: control
+
+    def write(writer):
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre("llama-bpe")
+        writer.add_token_list(tokens)
+        writer.add_token_types(types)
+        writer.add_token_merges(merges)
+        writer.add_bos_token_id(tokens.index("<|begin_of_text|>"))
+        writer.add_chat_template(LLAMA3_TEMPLATE)
+    return len(tokens), write, tokens
+
+
+def test_llama3_byte_level_tokenizer_and_template_from_the_file(tmp_path):
+    """A Llama 3-style file's tokenizer: llama-bpe splitting, special tokens as single ids, the
+    end token and chat template from the file; the same ids as transformers' own GGUF tokenizer."""
+    size, write, tokens = _llama3_vocab()
+    path = tmp_path / "llama3.gguf"
+    write_tiny_gguf(path, "llama", vocab=(size, write))
+    files = load_model_files(str(path))
+    tok = files.tokenizer
+    ids = tok("x 12345").input_ids
+    assert [tokens[i] for i in ids] == ["x", "\u0120", "123", "45"]
+    ref = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="llama3.gguf")
+    for text in ("x 12345", "a<|eot_id|>b", "Hello, world!\n\t 99"):
+        assert tok(text).input_ids == ref(text).input_ids, text
+    assert tok("a<|eot_id|>b").input_ids[1] == tokens.index("<|eot_id|>")
+    assert files.config.eos_token_id == 2 and tok.chat_template == LLAMA3_TEMPLATE
+    llm = LLM(str(path), dtype="float32", kv_cache_memory=2**22)
+    msgs = [{"role": "user", "content": "12345"}]
+    expected = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert llm.apply_chat_template(msgs) == expected
+    out = llm.chat(msgs, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)[0]
+    assert out.prompt_token_ids == expected and len(out.outputs[0].token_ids) == 3
