@@ -17,9 +17,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-from gguf.quants import quant_shape_to_byte_shape
-
 from gguf.quants import dequantize as gguf_dequantize
+from gguf.quants import quant_shape_to_byte_shape
 
 from pagellm.layers.quant import GGUF_PACKED_TYPES, GGUFBlocks, Int4Blocks, Int8Blocks
 
