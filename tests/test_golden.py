@@ -46,12 +46,17 @@ def test_default_model_greedy_matches_transformers(reference):
     assert "Paris" in outs[0].outputs[0].text
 
 
-def test_default_model_with_ngram_speculation_is_identical(reference):
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_default_model_with_ngram_speculation_is_identical(reference, adaptive):
+    """Fixed k always drafts where the lookup matches (asserted, so the identity is tested on
+    verified proposals); the adaptive controller, which decides from wall times, may not."""
     llm = LLM(dtype="float32", kv_cache_memory="64MiB",
-              speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+              speculative_config={"method": "ngram", "num_speculative_tokens": 4, "adaptive": adaptive})
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=N, ignore_eos=True),
                         use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == reference
+    if not adaptive:
+        assert llm.engine.spec.stats.num_draft_tokens > 0
 
 
 DEFAULT_PROMPTS = PROMPTS + ["Once upon a time, in a small village by the sea,",
