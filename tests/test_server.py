@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import os
 import random
 import signal
@@ -408,10 +409,20 @@ def test_32_concurrent_streams(srv, offline):
         assert num == n
 
 
+def _aborted(srv) -> float:
+    """pagellm:request_success_total{finished_reason="abort"} as /metrics reports it."""
+    text = httpx.get(srv.url + "/metrics").text
+    found = re.search(r'^pagellm:request_success_total\{[^}]*finished_reason="abort"[^}]*\} (\S+)$', text, re.M)
+    return float(found.group(1)) if found else 0.0
+
+
 def test_disconnect_mid_stream_frees_blocks(srv):
+    """A client that leaves has its request aborted (counted as such) and its blocks freed;
+    a request that merely ran to its end would count as "length", so a broken abort fails."""
     bm = srv.engine.block_manager
     body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 1000, "stream": True,
             "ignore_eos": True}
+    before = _aborted(srv)
     with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=60) as r:
         got = 0
         for line in r.iter_lines():
@@ -420,10 +431,12 @@ def test_disconnect_mid_stream_frees_blocks(srv):
                 break
         assert bm.num_free_blocks < bm.num_blocks  # the request holds blocks now
     wait_idle(srv)  # the server noticed, aborted it and took its blocks back
+    assert _aborted(srv) == before + 1
     # Non-streaming: the client gives up (timeout) while the request runs.
     with pytest.raises(httpx.TimeoutException):
         httpx.post(srv.url + "/v1/completions", json={**body, "stream": False}, timeout=0.5)
     wait_idle(srv)
+    assert _aborted(srv) == before + 2
 
 
 def test_slow_client_does_not_stall_others(srv):
