@@ -130,6 +130,8 @@ CHAT = [{"role": "system", "content": "You are terse."},
 def test_models_health_version(srv):
     models = srv.client.models.list()
     assert [m.id for m in models.data] == [MODEL]
+    listing = httpx.get(srv.url + "/v1/models").text
+    assert srv.engine.model_path not in listing and models.data[0].root == MODEL  # no server paths
     assert httpx.get(srv.url + "/health").status_code == 200
     assert httpx.get(srv.url + "/version").json()["version"]
 

@@ -393,7 +393,9 @@ async def list_models(request: Request):
     api: OpenAIServer = request.app.state.api
     return {"object": "list", "data": [{
         "id": api.model_name, "object": "model", "created": api.created, "owned_by": "pagellm",
-        "root": api.engine.model_path, "max_model_len": api.max_model_len}]}
+        # root: the served name, not the file's absolute path (which tells clients about the
+        # server's file system)
+        "root": api.model_name, "max_model_len": api.max_model_len}]}
 
 
 async def tokenize(request: Request):
