@@ -473,14 +473,36 @@ def test_engine_step_failure_fails_requests_and_keeps_serving(srv, monkeypatch):
 
     monkeypatch.setattr(srv.engine, "step", flaky_step)
     r = post(srv, "/v1/completions", _c(max_tokens=4))
-    assert r.status_code == 500 and "simulated kernel failure" in r.json()["error"]["message"]
+    message = r.json()["error"]["message"]
+    # a 500 says what failed, not the exception's text (that stays in the server log)
+    assert r.status_code == 500 and "engine step failed" in message
+    assert "simulated kernel failure" not in message
     wait_idle(srv)
     calls["n"] = 0
-    with pytest.raises(openai.APIError, match="simulated kernel failure"):
+    with pytest.raises(openai.APIError, match="engine step failed") as failed:
         for _ in srv.client.completions.create(model=MODEL, prompt="hi", max_tokens=4,
                                                stream=True):
             pass
+    assert "simulated kernel failure" not in str(failed.value)
     assert srv.client.completions.create(model=MODEL, prompt="hi", max_tokens=4).choices
+
+
+def test_internal_error_keeps_its_details_in_the_log(srv, monkeypatch, caplog):
+    """An unexpected exception in a handler: a 500 with an id, the text only in the log."""
+    class Broken:
+        def encode(self, *args, **kwargs):
+            raise KeyError("/secret/path/on/the/server")
+
+    monkeypatch.setattr(srv.api, "tokenizer", Broken())
+    with caplog.at_level("ERROR"):
+        r = post(srv, "/tokenize", {"model": MODEL, "prompt": "hi"})
+    assert r.status_code == 500
+    message = r.json()["error"]["message"]
+    assert "secret" not in message and "KeyError" not in message
+    error_id = message.split("(id ")[1].split(";")[0]
+    assert any(error_id in rec.getMessage() for rec in caplog.records)
+    monkeypatch.undo()
+    assert post(srv, "/tokenize", {"model": MODEL, "prompt": "hi"}).status_code == 200
 
 
 # ---- metrics ---------------------------------------------------------------------------------

@@ -247,7 +247,10 @@ class AsyncEngine:
             # which were scheduled), free their blocks, and keep serving new requests.
             self.num_step_failures += 1
             logger.exception("engine step failed; failing %d requests", len(self._slots))
-            self._abort_everything(RequestError(f"engine step failed: {e!r}", 500))
+            # a lost worker is said as such (engine.dead); any other exception's text stays in
+            # the log, not in the responses of every client of the batch
+            why = self.engine.dead or "engine step failed (details in the server log)"
+            self._abort_everything(RequestError(why, 500))
             return
         deliveries = []
         for out in outputs:

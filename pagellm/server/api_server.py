@@ -509,8 +509,11 @@ def build_app(api: OpenAIServer) -> FastAPI:
 
     @app.exception_handler(Exception)
     async def _internal_error(request, exc: Exception):
-        logger.exception("internal error on %s", request.url.path)
-        return error_response(APIError(500, f"internal server error: {exc!r}"))
+        # the exception's text and traceback go to the log under an id the client gets, not
+        # to the client (it would describe the server's code and files)
+        error_id = uuid.uuid4().hex[:12]
+        logger.exception("internal error %s on %s", error_id, request.url.path)
+        return error_response(APIError(500, f"internal server error (id {error_id}; see the server log)"))
 
     return app
 
