@@ -487,6 +487,20 @@ def test_engine_step_failure_fails_requests_and_keeps_serving(srv, monkeypatch):
     assert srv.client.completions.create(model=MODEL, prompt="hi", max_tokens=4).choices
 
 
+def test_unknown_fields_are_logged_once_each_and_boundedly(srv, monkeypatch, caplog):
+    from pagellm.server import protocol
+
+    monkeypatch.setattr(protocol, "_logged_fields", set())
+    with caplog.at_level("WARNING", logger=protocol.logger.name):
+        for _ in range(3):
+            assert post(srv, "/v1/completions", _c(max_tokens=1, my_field=1)).status_code == 200
+        for i in range(200):  # a new name in every request
+            post(srv, "/tokenize", {"model": MODEL, "prompt": "hi", f"f{i}": 1})
+    logged = [r.getMessage() for r in caplog.records if "unknown request fields" in r.getMessage()]
+    assert sum("my_field" in m for m in logged) == 1
+    assert len(logged) <= protocol._MAX_LOGGED_FIELDS and len(protocol._logged_fields) == protocol._MAX_LOGGED_FIELDS
+
+
 def test_internal_error_keeps_its_details_in_the_log(srv, monkeypatch, caplog):
     """An unexpected exception in a handler: a 500 with an id, the text only in the log."""
     class Broken:

@@ -57,8 +57,22 @@ def parse_request(model: type[BaseModel], body: bytes) -> Any:
         msg = err["msg"].removeprefix("Value error, ")
         raise APIError(400, f"{param}: {msg}", param=param) from None
     if req.model_extra:
-        logger.warning("ignoring unknown request fields: %s", sorted(req.model_extra))
+        _note_unknown_fields(req.model_extra)
     return req
+
+
+# Unknown fields are logged once per name, and only the first few names: a client that sends
+# new names in every request must not flood the log.
+_MAX_LOGGED_FIELDS = 64
+_logged_fields: set[str] = set()
+
+
+def _note_unknown_fields(fields) -> None:
+    new = [f[:64] for f in sorted(fields) if f[:64] not in _logged_fields]
+    room = _MAX_LOGGED_FIELDS - len(_logged_fields)
+    if new and room > 0:
+        _logged_fields.update(new[:room])
+        logger.warning("ignoring unknown request fields (each named once): %s", new[:room])
 
 
 def sampling_error(e: ValueError) -> APIError:
