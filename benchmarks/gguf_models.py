@@ -66,7 +66,7 @@ def measure_pagellm(path: str, args) -> dict:
     llm.generate(common.random_prompts(1, args.prompt_len, vocab, seed=999), params, use_tqdm=False)
     runs = []
     for r in tqdm(range(args.repeats), desc="pagellm", leave=False):
-        one = llm.generate(common.random_prompts(1, args.prompt_len, vocab, seed=args.seed_base + r),
+        one = llm.generate(common.random_prompts(1, args.prompt_len, vocab, seed=r),
                            params, use_tqdm=False)[0].metrics
         prompts = common.random_prompts(args.batch, args.prompt_len, vocab, seed=1000 + r)
         t = time.perf_counter()
@@ -85,7 +85,7 @@ def measure_hf(path: str, args) -> dict:
     vocab = runner.model.config.vocab_size
     runs = []
     for r in tqdm(range(args.repeats), desc="hf", leave=False):
-        ttft, tpot = runner.stream(common.random_prompts(1, args.prompt_len, vocab, seed=args.seed_base + r)[0],
+        ttft, tpot = runner.stream(common.random_prompts(1, args.prompt_len, vocab, seed=r)[0],
                                    args.gen)
         prompts = common.random_prompts(args.batch, args.prompt_len, vocab, seed=1000 + r)
         t = time.perf_counter()
@@ -142,7 +142,6 @@ def plot(rows, path: str) -> None:
 def main(argv=None) -> int:
     args = parse_args(argv)
     args.threads = args.threads or os.cpu_count()
-    args.seed_base = 0
     torch.set_num_threads(args.threads)
     path = model_path(args.model)
     peers = [p for p in args.peers.split(",") if p]

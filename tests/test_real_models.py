@@ -88,3 +88,21 @@ def test_packed_default_path_gives_the_same_greedy_tokens(real):
     packed, total = llm.engine.model.num_packed()
     assert packed == total and llm.engine.model.head_packed is not None
     assert _greedy(llm, ref["ids"]) == ref["tokens"]
+
+
+def test_without_native_kernels_k_quants_are_not_counted_packable(real, monkeypatch):
+    """Only Q4_0 / Q4_1 have a packed fallback without a C compiler: a Q4_K_M file must then
+    not steer dtype auto to bfloat16 (it would run dense bf16, slow without bf16 units)."""
+    from pagellm.models.loader import load_model_files
+
+    path, _ = real
+    assert load_model_files(path, load_tokenizer=False).packed_linears == native.available()
+    monkeypatch.setenv("PAGELLM_NATIVE_KERNELS", "0")
+    native.library.cache_clear()
+    try:
+        files = load_model_files(path, load_tokenizer=False)
+        # the 1.5B holds only K-quant projections; the 0.5B's Q5_0 / Q8_0 ones are no Q4 either
+        assert not files.packed_linears
+    finally:
+        monkeypatch.delenv("PAGELLM_NATIVE_KERNELS")
+        native.library.cache_clear()

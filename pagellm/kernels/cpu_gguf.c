@@ -89,17 +89,15 @@ static inline int bytes_of(int type) {
 static inline __m256i even_i8(__m256i v) { return _mm256_srai_epi16(_mm256_slli_epi16(v, 8), 8); }
 static inline __m256i odd_i8(__m256i v) { return _mm256_srai_epi16(v, 8); }
 
-/* sum_j c_j xq_j over one block as 8 int32 lanes -> float */
-static inline __m256 dot_eo(__m256i ev, __m256i od, const int16_t *xq) {
-    return _mm256_cvtepi32_ps(_mm256_add_epi32(
-        _mm256_madd_epi16(ev, _mm256_loadu_si256((const __m256i *)xq)),
-        _mm256_madd_epi16(od, _mm256_loadu_si256((const __m256i *)(xq + 16)))));
-}
-
 /* sum_j c_j xq_j over one block as 8 int32 lanes */
 static inline __m256i idot_eo(__m256i ev, __m256i od, const int16_t *xq) {
     return _mm256_add_epi32(_mm256_madd_epi16(ev, _mm256_loadu_si256((const __m256i *)xq)),
                             _mm256_madd_epi16(od, _mm256_loadu_si256((const __m256i *)(xq + 16))));
+}
+
+/* the same as floats */
+static inline __m256 dot_eo(__m256i ev, __m256i od, const int16_t *xq) {
+    return _mm256_cvtepi32_ps(idot_eo(ev, od, xq));
 }
 
 /* [d0A, d1A, d2A, d3A, d0B, d1B, d2B, d3B]: A the sum of lanes 0-3 of d_i, B of lanes 4-7 */

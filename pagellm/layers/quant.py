@@ -264,6 +264,14 @@ class PackedParts:
         return sum(p.nbytes for p in self.parts)
 
 
+def packable_types() -> frozenset:
+    """The GGUF types this machine can keep packed: all of GGUF_PACKED_TYPES with the native
+    kernels, else only Q4_0 / Q4_1 (PyTorch's int4 kernel)."""
+    if native.available():
+        return GGUF_PACKED_TYPES
+    return frozenset({GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1})
+
+
 def gguf_packable(w: GGUFBlocks) -> bool:
     values, _ = w.unit
     return native.available() and w.ggml_type in GGUF_PACKED_TYPES and w.cols % values == 0

@@ -57,7 +57,8 @@ def model_path(name: str) -> Path:
 
 def fetch(name: str, progress: bool = True) -> Path:
     """Download and assemble `name` (see MODELS) into the cache folder; returns the file."""
-    model, target = MODELS.get(name), model_path(name)
+    target = model_path(name)  # ValueError for an unknown name
+    model = MODELS[name]
     if target.is_file() and target.stat().st_size == model.size:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -20,7 +20,8 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quant_shape_to_byte_shape
 
-from pagellm.layers.quant import GGUF_PACKED_TYPES, GGUFBlocks, Int4Blocks, Int8Blocks
+from pagellm.layers.quant import (GGUF_PACKED_TYPES, GGUFBlocks, Int4Blocks, Int8Blocks,
+                                  packable_types)
 
 _Q = GGMLQuantizationType
 # Stored as plain floats: handed out in their own dtype, no dequantization needed.
@@ -184,9 +185,11 @@ _HEADS = {"model.embed_tokens.weight", "lm_head.weight"}
 
 
 def has_packed_linears(gguf_file: GGUFFile) -> bool:
-    """Whether any projection weight is stored in a block type that can stay packed."""
-    return any(t.ggml_type in GGUF_PACKED_TYPES and _LINEAR.fullmatch(t.hf_name)
-               for t in gguf_file.tensors)
+    """Whether any projection weight is stored in a block type this machine can keep packed
+    (without a C compiler only Q4_0 / Q4_1: a K-quant file then runs dense, in float32 where
+    dtype auto decides, instead of dense bf16 on CPUs without bf16 units)."""
+    types = packable_types()
+    return any(t.ggml_type in types and _LINEAR.fullmatch(t.hf_name) for t in gguf_file.tensors)
 
 
 def _head(gguf_file: GGUFFile) -> GGUFTensor:
