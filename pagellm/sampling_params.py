@@ -2,7 +2,67 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+# The constraint kinds of StructuredOutputsParams, in vLLM's names.
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Constrain the output (vLLM's StructuredOutputsParams). Exactly one of:
+    json: a JSON schema (dict or JSON text); regex: a regular expression the whole output
+    matches; choice: one of these strings; grammar: a Lark or GBNF (llama.cpp) grammar;
+    json_object: any JSON object."""
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def __post_init__(self):
+        given = [k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError("structured_outputs must set exactly one of "
+                             f"{list(STRUCTURED_KINDS)}, got {given or 'none'}")
+        kind = given[0]
+        value = getattr(self, kind)
+        ok = {"json": isinstance(value, (dict, str)) and bool(value),
+              "regex": isinstance(value, str) and bool(value),
+              "grammar": isinstance(value, str) and bool(value.strip()),
+              "choice": isinstance(value, (list, tuple)) and bool(value)
+              and all(isinstance(c, str) and c for c in value),
+              "json_object": value is True}[kind]
+        if not ok:
+            what = {"json": "a JSON schema (an object or its JSON text)",
+                    "regex": "a non-empty string", "grammar": "a non-empty string",
+                    "choice": "a non-empty list of non-empty strings",
+                    "json_object": "true"}[kind]
+            raise ValueError(f"structured_outputs.{kind} must be {what}, got {value!r}")
+        if kind == "choice":
+            self.choice = list(value)
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False))
+
+    @classmethod
+    def from_any(cls, value: Any) -> StructuredOutputsParams | None:
+        """None, a StructuredOutputsParams, or a dict of its fields (vLLM's guided_decoding
+        dicts also name them guided_json, ...)."""
+        if value is None or isinstance(value, cls):
+            return value
+        if not isinstance(value, dict):
+            raise ValueError("structured_outputs must be a StructuredOutputsParams or a dict, "
+                             f"got {type(value).__name__}")
+        names = {f.name for f in fields(cls)}
+        kw = {k.removeprefix("guided_"): v for k, v in value.items()}
+        unknown = sorted(set(kw) - names)
+        if unknown:
+            raise ValueError(f"structured_outputs: unknown fields {unknown}; "
+                             f"expected one of {list(STRUCTURED_KINDS)}")
+        return cls(**kw)
 
 
 @dataclass
@@ -25,6 +85,11 @@ class SamplingParams:
     logprobs: int | None = None  # top-N logprobs of each generated token
     prompt_logprobs: int | None = None  # accepted for compatibility; not computed
     skip_special_tokens: bool = True
+    # Added to the logits of these token ids before sampling (OpenAI's logit_bias: -100 bans,
+    # +100 all but forces).
+    logit_bias: dict[int, float] | None = None
+    structured_outputs: StructuredOutputsParams | dict | None = None
+    guided_decoding: StructuredOutputsParams | dict | None = None  # the older vLLM name
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self):
@@ -38,7 +103,13 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        if self.guided_decoding is not None:
+            if self.structured_outputs is not None:
+                raise ValueError("structured_outputs: give it or guided_decoding, not both")
+            self.structured_outputs, self.guided_decoding = self.guided_decoding, None
+        self.structured_outputs = StructuredOutputsParams.from_any(self.structured_outputs)
         self._validate()
+        self._validate_logit_bias()
 
     def _validate(self) -> None:
         def check(cond: bool, name: str, msg: str) -> None:
@@ -81,6 +152,26 @@ class SamplingParams:
         check(all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
                   for t in self.stop_token_ids), "stop_token_ids",
               "must be a list of non-negative integers")
+
+    def _validate_logit_bias(self) -> None:
+        if self.logit_bias is None:
+            return
+        if not isinstance(self.logit_bias, dict):
+            raise ValueError(f"logit_bias must be a dict of token id -> bias, got "
+                             f"{type(self.logit_bias).__name__}")
+        bias = {}
+        for t, b in self.logit_bias.items():
+            if isinstance(t, str) and t.strip().lstrip("-").isdigit():
+                t = int(t)  # JSON object keys are strings
+            if not isinstance(t, int) or isinstance(t, bool) or t < 0:
+                raise ValueError(f"logit_bias keys must be token ids (non-negative integers), "
+                                 f"got {t!r}")
+            if (not isinstance(b, (int, float)) or isinstance(b, bool) or not math.isfinite(b)
+                    or not -100 <= b <= 100):
+                raise ValueError(f"logit_bias values must be numbers in [-100, 100], got "
+                                 f"{b!r} for token {t}")
+            bias[t] = float(b)
+        self.logit_bias = bias or None
 
     @property
     def greedy(self) -> bool:

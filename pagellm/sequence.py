@@ -51,6 +51,9 @@ class Sequence:
     logprobs: list[dict[int, float]] = field(default_factory=list)
     cumulative_logprob: float = 0.0
     generator: torch.Generator | None = None  # per-sequence RNG when the request has a seed
+    # Structured outputs: the grammar state (pagellm.structured.Constraint), advanced with each
+    # emitted token; None when unconstrained or finished.
+    constraint: object | None = None
 
     first_token_time: float | None = None
     last_token_time: float | None = None

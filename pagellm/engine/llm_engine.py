@@ -22,6 +22,7 @@ from pagellm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pagellm.sampling.sampler import SamplingRow, sample
 from pagellm.sampling_params import SamplingParams
 from pagellm.sequence import Sequence, SequenceStatus
+from pagellm.structured import GrammarBackend, batch_masks
 
 logger = logging.getLogger("pagellm")
 
@@ -69,6 +70,7 @@ class LLMEngine:
         self.eos_token_ids = {self.eos_token_id, *(cfg_eos if isinstance(cfg_eos, list) else
                                                    [cfg_eos])} - {None}
         self.vocab_size = files.config.vocab_size
+        self.structured = GrammarBackend(self.tokenizer, self.vocab_size, self.eos_token_ids)
         cc = config.cache
         self.kv_dtype = resolve_kv_dtype(cc.kv_cache_dtype, self.dtype, self.device)
         self.num_blocks, budget = num_kv_blocks(files.config, cc, self.kv_dtype, self.device,
@@ -117,9 +119,18 @@ class LLMEngine:
         bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
         if bad:  # sampling would index past the logits inside the step, failing its batch
             raise ValueError(f"stop_token_ids out of range [0, {self.vocab_size}): {bad[:5]}")
+        bad = [t for t in params.logit_bias or {} if t >= self.vocab_size]
+        if bad:
+            raise ValueError(f"logit_bias token ids out of range [0, {self.vocab_size}): {bad[:5]}")
+        # Compiled here, so a bad schema or grammar is this request's ValueError, never a step's.
+        constraints = ([self.structured.constraint(params.structured_outputs)
+                        for _ in range(params.n)] if params.structured_outputs else
+                       [None] * params.n)
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         seqs = [Sequence(next(self._seq_ids), request_id, i, ids, params, self.eos_token_id,
                          arrival_time=arrival, cache_salt=cache_salt) for i in range(params.n)]
+        for seq, c in zip(seqs, constraints):
+            seq.constraint = c
         self.requests[request_id] = Request(request_id, prompt_text, ids, params, seqs, arrival,
                                             pending_forks=seqs[1:])
         self.num_prompt_tokens += len(ids)
@@ -267,8 +278,15 @@ class LLMEngine:
         if plain:
             rows = [SamplingRow(s.params, s.prompt_token_ids, s.output_token_ids,
                                 s.generator or self._rng, self.eos_token_ids) for s in plain]
+            constrained = [i for i, s in enumerate(plain) if s.constraint is not None]
+            masks = batch_masks([(plain[i].constraint, []) for i in constrained])
+            for i, mask in zip(constrained, masks):
+                rows[i].allowed = mask[0]
             result = sample(logits[plain_rows], rows)
             for i, seq in enumerate(plain):
+                if rows[i].allowed is not None and not bool(rows[i].allowed.any()):
+                    self._grammar_dead_end(seq)
+                    continue
                 self._append_token(seq, result.token_ids[i], result.logprobs[i], now)
         if spec:
             for seq, verified in zip(spec, self.spec.verify(spec, spec_logits, self._rng)):
@@ -310,8 +328,24 @@ class LLMEngine:
             seq.stop_reason = stop_reason
             self._finish(seq, reason)
 
+    def _grammar_dead_end(self, seq: Sequence) -> None:
+        """The grammar allows no token at all here: it cannot be satisfied any more."""
+        error = seq.constraint.error if seq.constraint is not None else None
+        logger.warning("request %s: the structured-output grammar allows no further token%s",
+                       seq.request_id, f" ({error})" if error else "")
+        seq.stop_reason = "structured output cannot be completed"
+        self._finish(seq, "error")
+
     def _stop_check(self, seq: Sequence, token: int, delta_len: int):
         p = seq.params
+        c = seq.constraint
+        if c is not None:
+            if not c.accept(token):
+                # a token outside the mask (cannot happen when sampling masks it): the output
+                # no longer matches the grammar, so it ends here
+                return "error", "structured output cannot be completed"
+            if token not in self.eos_token_ids and c.is_stopped:
+                return "stop", None  # the grammar is complete: only an end token could follow
         if seq.num_output_tokens >= p.min_tokens:
             if token in self.eos_token_ids and not p.ignore_eos:
                 return "stop", None
@@ -329,6 +363,7 @@ class LLMEngine:
     def _finish(self, seq: Sequence, reason: str) -> None:
         if self.spec is not None:
             self.spec.release(seq)
+        seq.constraint = None
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.finish_time = time.monotonic()

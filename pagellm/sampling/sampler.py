@@ -1,4 +1,5 @@
-"""Turns logits into tokens: penalties, min_tokens, temperature, top-k/top-p/min-p, seeded draws.
+"""Turns logits into tokens: logit bias, penalties, min_tokens, the grammar mask, temperature,
+top-k/top-p/min-p, seeded draws.
 
 One row of logits per position to sample. `processed_logits` is shared with the speculative
 rejection sampler so that the target's p and the draft's q see the same transformations.
@@ -22,6 +23,8 @@ class SamplingRow:
     # One id, or every end token of the model (a config may list several; all end a sequence,
     # so min_tokens must mask all of them).
     eos_token_id: int | Collection[int] | None
+    # Structured outputs: bool [vocab], the tokens the grammar allows here (None: any).
+    allowed: torch.Tensor | None = None
 
 
 @dataclass
@@ -61,6 +64,29 @@ def _apply_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
                 logits[i, banned] = float("-inf")
 
 
+def _apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    vocab = logits.shape[-1]
+    for i, row in enumerate(rows):
+        bias = row.params.logit_bias
+        if bias:
+            ids = [t for t in bias if t < vocab]
+            logits[i, ids] += torch.tensor([bias[t] for t in ids])
+
+
+def _apply_grammar(logits: torch.Tensor, rows: list[SamplingRow], raw: torch.Tensor) -> None:
+    """Tokens the grammar forbids get -inf. The grammar is a hard constraint: where it leaves
+    only tokens that min_tokens banned (it allows nothing but an end token), min_tokens gives
+    way; where it allows nothing at all, the row stays as it is and the engine ends the
+    sequence (the grammar cannot be satisfied)."""
+    for i, row in enumerate(rows):
+        if row.allowed is None or not bool(row.allowed.any()):
+            continue
+        masked = logits[i].masked_fill(~row.allowed, float("-inf"))
+        if not bool(torch.isfinite(masked).any()):
+            masked = raw[i].float().masked_fill(~row.allowed, float("-inf"))
+        logits[i] = masked
+
+
 def _apply_top_k_top_p_min_p(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
     """Mask, in place, tokens outside top-k, outside the top-p nucleus, or below min_p * p_max."""
     top_k = [r.params.top_k for r in rows]
@@ -90,9 +116,13 @@ def _apply_top_k_top_p_min_p(logits: torch.Tensor, rows: list[SamplingRow]) -> N
 def processed_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """[num_rows, vocab] raw logits -> logits after penalties, min_tokens, temperature and
     truncation. Greedy rows are left at temperature 1 (their argmax is what counts)."""
+    raw = logits
     logits = logits.float().clone()
+    _apply_logit_bias(logits, rows)
     _apply_penalties(logits, rows)
     _apply_min_tokens(logits, rows)
+    if any(r.allowed is not None for r in rows):
+        _apply_grammar(logits, rows, raw)
     sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
     if sampled:
         idx = torch.tensor(sampled)

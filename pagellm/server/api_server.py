@@ -31,6 +31,10 @@ from pagellm.server.chat_template import render_chat
 from pagellm.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
                                      DetokenizeRequest, TokenizeRequest, chat_logprobs,
                                      completion_logprobs, parse_request, sampling_error, usage)
+from pagellm.server.tools import (TOOL_CLOSE, TOOL_OPEN, ToolStream, call_grammar,
+                                  parse_tool_calls, prompt_messages, resolve_tool_choice,
+                                  template_knows_tools, tool_dicts)
+from pagellm.structured import StructuredOutputError
 
 logger = logging.getLogger("pagellm.server")
 OPEN_PATHS = ("/health", "/metrics", "/version", "/ping")  # no API key needed
@@ -41,8 +45,11 @@ class OpenAIServer:
     """State shared by the routes: the engine loop, tokenizer, names and limits."""
 
     def __init__(self, engine, model_name: str, api_key: str | None = None,
-                 max_waiting: int | None = None):
+                 max_waiting: int | None = None, sampling_defaults: dict | None = None):
         self.engine = engine
+        # Values for the sampling fields a request leaves out (the model's generation config
+        # or --default-* flags); empty: OpenAI's defaults.
+        self.sampling_defaults = dict(sampling_defaults or {})
         self.metrics = ServerMetrics(engine, model_name)
         self.async_engine = AsyncEngine(engine, self.metrics)
         # The engine thread detokenizes with engine.tokenizer; the event loop gets its own copy.
@@ -68,6 +75,13 @@ class OpenAIServer:
             s = self._token_strs[token_id] = self.tokenizer.decode([token_id])
         return s
 
+    def tag_id(self, text: str) -> int | None:
+        """The id of an added token spelled exactly `text` (Qwen2.5's <tool_call>), or None."""
+        for tid, added in getattr(self.tokenizer, "added_tokens_decoder", {}).items():
+            if added.content == text:
+                return tid
+        return None
+
     def need_tokenizer(self, what: str) -> None:
         if self.tokenizer is None:
             raise APIError(400, f"{what}: this model has no tokenizer; send token ids",
@@ -79,10 +93,13 @@ class OpenAIServer:
             return prompt, self.tokenizer.encode(prompt)  # as LLMEngine._tokenize does
         return None, list(prompt)
 
-    def encode_chat(self, messages, add_generation_prompt: bool) -> list[int]:
+    def encode_chat(self, messages, add_generation_prompt: bool,
+                    tools: list[dict] | None = None) -> list[int]:
+        """messages: ChatMessage models or dicts already in the template's form."""
         try:
-            return render_chat(self.tokenizer, [m.as_dict() for m in messages],
-                               add_generation_prompt)
+            return render_chat(self.tokenizer,
+                               [m if isinstance(m, dict) else m.as_dict() for m in messages],
+                               add_generation_prompt, tools)
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from None
         except Exception as e:  # a template that raises (jinja TemplateError, ...)
@@ -109,9 +126,10 @@ class OpenAIServer:
         return requested
 
     async def add(self, prompts: list[list[int]], params: list, arrival: float,
-                  request_id: str) -> list[RequestSlot]:
+                  request_id: str, structured_field: str | None = None) -> list[RequestSlot]:
         """Hand the prompts to the engine (one engine request per prompt; n is SamplingParams.n).
-        503 when the waiting queue is full; 400 when the engine refuses a prompt."""
+        503 when the waiting queue is full; 400 when the engine refuses a prompt (a schema or
+        grammar it cannot compile: 400 naming structured_field, the field that sent it)."""
         waiting = self.async_engine.num_waiting
         if self.max_waiting is not None and waiting >= self.max_waiting:
             raise APIError(503, f"The server is overloaded: {waiting} requests are waiting "
@@ -123,6 +141,10 @@ class OpenAIServer:
             for i, (ids, p) in enumerate(zip(prompts, params)):
                 slots.append(await self.async_engine.add_request(
                     f"{request_id}-{i}", ids, p, waker, arrival))
+        except StructuredOutputError as e:
+            self.abort(slots)
+            field = structured_field or "structured_outputs"
+            raise APIError(400, f"{field}: {e.detail}", param=field) from None
         except ValueError as e:
             self.abort(slots)
             raise sampling_error(e) from None
@@ -285,9 +307,11 @@ async def create_completion(request: Request):
         raise APIError(400, "logprobs: not supported together with echo (prompt logprobs are "
                        "not computed)", param="logprobs")
     encoded = [api.encode_prompt(p) for p in req.prompts()]
+    structured, structured_field = req.structured()
     try:
         params = [req.sampling_params(api.max_tokens(len(ids), req.max_tokens, "prompt"),
-                                      req.logprobs) for _, ids in encoded]
+                                      req.logprobs, api.sampling_defaults, structured)
+                  for _, ids in encoded]
     except ValueError as e:
         raise sampling_error(e) from None
     if req.echo:
@@ -295,7 +319,7 @@ async def create_completion(request: Request):
     prefixes = [(text if text is not None else api.tokenizer.decode(ids)) if req.echo else ""
                 for text, ids in encoded]
     rid = f"cmpl-{uuid.uuid4().hex}"
-    slots = await api.add([ids for _, ids in encoded], params, arrival, rid)
+    slots = await api.add([ids for _, ids in encoded], params, arrival, rid, structured_field)
     choices = [ChoiceStream(i * req.n + j, params[i], prefixes[i])
                for i in range(len(slots)) for j in range(req.n)]
     base = {"id": rid, "object": "text_completion", "created": int(time.time()),
@@ -342,32 +366,57 @@ async def create_chat_completion(request: Request):
     req = parse_request(ChatCompletionRequest, await request.body())
     api.check_model(req.model)
     api.need_tokenizer("messages")
-    ids = api.encode_chat(req.messages, req.add_generation_prompt)
+    tools = tool_dicts(req.tools)
+    tool_choice, only = resolve_tool_choice(req.tool_choice, tools)
+    native = template_knows_tools(api.tokenizer)
+    messages = prompt_messages([m.as_dict() for m in req.messages], tools, native)
+    ids = api.encode_chat(messages, req.add_generation_prompt, tools if native else None)
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs: requires logprobs to be true", param="top_logprobs")
     num_top = (req.top_logprobs or 0) if req.logprobs else None
+    structured, structured_field = req.structured()
+    if tool_choice == "required":
+        if structured is not None:
+            raise APIError(400, f"tool_choice: a required tool call cannot be combined with "
+                           f"{structured_field}", param="tool_choice")
+        structured, structured_field = call_grammar(
+            tools, only, req.parallel_tool_calls, api.tag_id(TOOL_OPEN),
+            api.tag_id(TOOL_CLOSE)), "tools"
     try:
         params = req.sampling_params(
             api.max_tokens(len(ids), req.max_completion_tokens or req.max_tokens, "messages"),
-            num_top)
+            num_top, api.sampling_defaults, structured)
     except ValueError as e:
         raise sampling_error(e) from None
     rid = f"chatcmpl-{uuid.uuid4().hex}"
-    slots = await api.add([ids], [params], arrival, rid)
+    slots = await api.add([ids], [params], arrival, rid, structured_field)
     choices = [ChoiceStream(j, params) for j in range(req.n)]
     base = {"id": rid, "object": "chat.completion", "created": int(time.time()),
             "model": api.model_name}
+    tool_names = {t["function"]["name"] for t in tools} if tool_choice != "none" else set()
 
     def logprobs(tids, lps):
         return chat_logprobs(api.token_str, tids, lps, num_top) if req.logprobs else None
 
+    def finish_of(comp, calls) -> dict:
+        f = finish(comp)
+        if calls and comp.finish_reason == "stop":
+            f["finish_reason"] = "tool_calls"
+        return f
+
     if req.stream:
         base["object"] = "chat.completion.chunk"
+        tool_streams = [ToolStream(tool_names) for _ in choices] if tool_names else None
 
         def choice_chunk(ch, comp, text, tids, lps):
+            calls = []
+            if tool_streams is not None:
+                text, calls = tool_streams[ch.index].feed(text, comp.finished)
             delta = {"content": text} if text or not comp.finished else {}
+            if calls:
+                delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(calls)]
             return chunk_of(base, {"index": ch.index, "delta": delta,
-                                   "logprobs": logprobs(tids, lps), **finish(comp)},
+                                   "logprobs": logprobs(tids, lps), **finish_of(comp, calls)},
                             req.include_usage)
 
         def usage_chunk(num_generated):
@@ -382,9 +431,15 @@ async def create_chat_completion(request: Request):
         return EventStream(events, on_close=lambda: api.abort(slots))
 
     (final,) = await api.final_outputs(request, slots)
-    out_choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                    "logprobs": logprobs(c.token_ids, c.logprobs or []), **finish(c)}
-                   for c in final.outputs]
+    out_choices = []
+    for c in final.outputs:
+        content, calls = (parse_tool_calls(c.text, tool_names) if tool_names else (c.text, []))
+        message = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = calls
+        out_choices.append({"index": c.index, "message": message,
+                            "logprobs": logprobs(c.token_ids, c.logprobs or []),
+                            **finish_of(c, calls)})
     num_generated = sum(len(c.token_ids) for c in final.outputs)
     return JSONResponse({**base, "choices": out_choices, "usage": usage(len(ids), num_generated)})
 

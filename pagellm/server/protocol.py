@@ -6,13 +6,14 @@ fields it does not know (clients send extras such as `user`).
 """
 from __future__ import annotations
 
+import json
 import logging
 import math
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from pagellm.sampling_params import SamplingParams
+from pagellm.sampling_params import SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger("pagellm.server")
 
@@ -107,6 +108,16 @@ class _Request(BaseModel):
     user: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # Structured outputs: OpenAI's response_format, vLLM's fields, llama.cpp's json_schema and
+    # grammar (GBNF). At most one may be given.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    json_schema: dict[str, Any] | None = None
+    grammar: str | None = None
 
     @field_validator("stop")
     @classmethod
@@ -116,27 +127,67 @@ class _Request(BaseModel):
             raise ValueError("must be a non-empty string or a list of at most 16 non-empty strings")
         return v
 
-    @field_validator("logit_bias")
-    @classmethod
-    def _logit_bias(cls, v):
-        if v:
-            raise ValueError("is not supported by this server")
-        return v
+    def structured(self) -> tuple[StructuredOutputsParams | None, str | None]:
+        """The constraint this request asks for and the field that asked (APIError(400)
+        naming the field when it is malformed or when two fields ask)."""
+        found = []
+        rf = self.response_format
+        if rf is not None:
+            kind = rf.get("type")
+            if kind == "json_object":
+                found.append(("response_format", {"json_object": True}))
+            elif kind == "json_schema":
+                js = rf.get("json_schema")
+                schema = js.get("schema") if isinstance(js, dict) else None
+                if not isinstance(schema, dict):
+                    raise APIError(400, "response_format.json_schema.schema: must be a JSON "
+                                   "schema object", param="response_format.json_schema.schema")
+                found.append(("response_format.json_schema.schema", {"json": schema}))
+            elif kind != "text":
+                raise APIError(400, "response_format.type: must be 'text', 'json_object' or "
+                               f"'json_schema', got {kind!r}", param="response_format.type")
+        if self.structured_outputs is not None:
+            found.append(("structured_outputs", self.structured_outputs))
+        for name, kind in (("guided_json", "json"), ("guided_regex", "regex"),
+                           ("guided_choice", "choice"), ("guided_grammar", "grammar"),
+                           ("json_schema", "json"), ("grammar", "grammar")):
+            value = getattr(self, name)
+            if value is not None:
+                found.append((name, {kind: value}))
+        if not found:
+            return None, None
+        if len(found) > 1:
+            raise APIError(400, f"{found[1][0]}: give only one structured output constraint "
+                           f"(also got {found[0][0]})", param=found[1][0])
+        field, value = found[0]
+        try:
+            return StructuredOutputsParams.from_any(value), field
+        except ValueError as e:
+            raise APIError(400, f"{field}: {e}", param=field) from None
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
-        """ValueError (from SamplingParams) names the field on a bad combination."""
+    def sampling_params(self, max_tokens: int, logprobs: int | None,
+                        defaults: dict | None = None,
+                        structured: StructuredOutputsParams | None = None) -> SamplingParams:
+        """ValueError (from SamplingParams) names the field on a bad combination. `defaults`:
+        the server's values for the sampling fields a request leaves out."""
+        d = defaults or {}
+
+        def pick(name, off):
+            value = getattr(self, name)
+            return value if value is not None else d.get(name, off)
+
         return SamplingParams(
             n=self.n, max_tokens=max_tokens, min_tokens=self.min_tokens,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=self.top_k or 0, min_p=self.min_p or 0.0, seed=self.seed,
-            presence_penalty=self.presence_penalty or 0.0,
-            frequency_penalty=self.frequency_penalty or 0.0,
-            repetition_penalty=self.repetition_penalty or 1.0,
+            temperature=pick("temperature", 1.0), top_p=pick("top_p", 1.0),
+            top_k=pick("top_k", 0), min_p=pick("min_p", 0.0), seed=self.seed,
+            presence_penalty=pick("presence_penalty", 0.0),
+            frequency_penalty=pick("frequency_penalty", 0.0),
+            repetition_penalty=pick("repetition_penalty", 1.0),
             stop=self.stop, stop_token_ids=self.stop_token_ids,
             include_stop_str_in_output=self.include_stop_str_in_output,
             ignore_eos=self.ignore_eos, logprobs=logprobs,
-            skip_special_tokens=self.skip_special_tokens)
+            skip_special_tokens=self.skip_special_tokens, logit_bias=self.logit_bias,
+            structured_outputs=structured)
 
     @property
     def include_usage(self) -> bool:
@@ -191,6 +242,8 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Any = None  # a string, or a list of {"type": "text", "text": ...} parts
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant messages that called tools
+    tool_call_id: str | None = None  # tool messages: the call they answer
 
     @field_validator("content")
     @classmethod
@@ -214,7 +267,56 @@ class ChatMessage(BaseModel):
              "content": content or ""}
         if self.name is not None:
             d["name"] = self.name
+        if self.tool_calls:
+            d["tool_calls"] = [c.as_dict() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            d["tool_call_id"] = self.tool_call_id
         return d
+
+
+class ToolCallFunction(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+    @field_validator("arguments")
+    @classmethod
+    def _arguments(cls, v):
+        try:
+            args = json.loads(v) if v.strip() else {}
+        except ValueError:
+            raise ValueError("must be a JSON object in a string") from None
+        if not isinstance(args, dict):
+            raise ValueError("must be a JSON object in a string")
+        return v
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+    def as_dict(self) -> dict:
+        # Chat templates (Qwen2.5's) write the arguments with `tojson`: they get the object.
+        args = self.function.arguments
+        return {"id": self.id, "type": "function",
+                "function": {"name": self.function.name,
+                             "arguments": json.loads(args) if args.strip() else {}}}
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    type: Literal["function"]
+    function: FunctionDefinition
 
 
 class ChatCompletionRequest(_Request):
@@ -224,21 +326,17 @@ class ChatCompletionRequest(_Request):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True
-    tools: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
 
     @field_validator("tools")
     @classmethod
     def _tools(cls, v):
-        if v:
-            raise ValueError("tool calling is not supported by this server")
-        return v
-
-    @field_validator("response_format")
-    @classmethod
-    def _response_format(cls, v):
-        if v and v.get("type") != "text":
-            raise ValueError("only {'type': 'text'} is supported by this server")
+        names = [t.function.name for t in v or []]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(f"function names must be unique, got {dup[0]!r} twice")
         return v
 
 
@@ -259,6 +357,7 @@ class DetokenizeRequest(BaseModel):
 
 _Request.model_rebuild()
 CompletionRequest.model_rebuild()
+ChatMessage.model_rebuild()
 ChatCompletionRequest.model_rebuild()
 
 

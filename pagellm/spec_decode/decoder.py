@@ -16,6 +16,7 @@ from pagellm.sampling.sampler import SamplingRow, processed_logits, token_logpro
 from pagellm.sequence import Sequence
 from pagellm.spec_decode.adaptive import AdaptiveK
 from pagellm.spec_decode.base import Proposal, Proposer
+from pagellm.structured import batch_masks
 
 
 @dataclass
@@ -106,6 +107,7 @@ class SpecDecoder:
                 if not k and prop.token_ids and seq.seq_id not in self._unverified:
                     self._unverified[seq.seq_id] = (seq.num_output_tokens, prop.token_ids,
                                                     prop.kind)
+        proposals = [_within_grammar(seq, prop) for seq, prop in zip(decoding, proposals)]
         for seq, prop in zip(decoding, proposals):
             seq.spec_token_ids = list(prop.token_ids)
             if prop.token_ids:
@@ -157,25 +159,35 @@ class SpecDecoder:
                rng: torch.Generator) -> list[Verified]:
         """logits[i]: [1 + len(seqs[i].spec_token_ids), vocab] target logits of sequence i."""
         results: list[Verified | None] = [None] * len(seqs)
+        # Structured outputs: the grammar's mask at every verified position, so p is the
+        # target's distribution under the constraint (q was drawn under the same masks).
+        allowed: list[torch.Tensor | None] = [None] * len(seqs)
+        constrained = [i for i, s in enumerate(seqs) if s.constraint is not None]
+        for i, m in zip(constrained, batch_masks([(seqs[i].constraint, seqs[i].spec_token_ids)
+                                                  for i in constrained])):
+            allowed[i] = m
         sampled = []
         for i, (seq, rows_logits) in enumerate(zip(seqs, logits)):
             if seq.params.greedy:
-                results[i] = self._verify_greedy(seq, rows_logits)
+                results[i] = self._verify_greedy(seq, rows_logits, allowed[i])
             else:
                 sampled.append(i)
         if sampled:
             for i, v in zip(sampled, self._verify_sampled([seqs[i] for i in sampled],
-                                                          [logits[i] for i in sampled], rng)):
+                                                          [logits[i] for i in sampled], rng,
+                                                          [allowed[i] for i in sampled])):
                 results[i] = v
         return results
 
-    def _verify_greedy(self, seq: Sequence, rows_logits: torch.Tensor) -> Verified:
+    def _verify_greedy(self, seq: Sequence, rows_logits: torch.Tensor,
+                       allowed: torch.Tensor | None = None) -> Verified:
         """Greedy: p is one-hot at the argmax, so the rejection sampler accepts a proposal iff
         it is the argmax and always emits the argmax, whatever q is. The same result without
         its [k + 1, vocab] tensors (a batch-16 k=4 step built 30 MB of them)."""
         spec = seq.spec_token_ids
         rows = [SamplingRow(seq.params, seq.prompt_token_ids, seq.output_token_ids + spec[:j],
-                            seq.generator, self.eos_token_id) for j in range(len(spec) + 1)]
+                            seq.generator, self.eos_token_id,
+                            None if allowed is None else allowed[j]) for j in range(len(spec) + 1)]
         best = processed_logits(rows_logits, rows).argmax(-1).tolist()
         a = 0
         while a < len(spec) and spec[a] == best[a]:
@@ -186,7 +198,8 @@ class SpecDecoder:
         return Verified(tokens, self._logprobs(seq, rows_logits, tokens))
 
     def _verify_sampled(self, seqs: list[Sequence], logits: list[torch.Tensor],
-                        rng: torch.Generator) -> list[Verified]:
+                        rng: torch.Generator,
+                        allowed: list[torch.Tensor | None]) -> list[Verified]:
         k = max(len(s.spec_token_ids) for s in seqs)
         vocab = logits[0].shape[-1]
         batch = len(seqs)
@@ -197,8 +210,10 @@ class SpecDecoder:
         noise = torch.empty(batch, vocab)
         for b, (seq, rows_logits) in enumerate(zip(seqs, logits)):
             spec = seq.spec_token_ids
+            mask = allowed[b]
             rows = [SamplingRow(seq.params, seq.prompt_token_ids, seq.output_token_ids + spec[:j],
-                                seq.generator or rng, self.eos_token_id) for j in range(len(spec) + 1)]
+                                seq.generator or rng, self.eos_token_id,
+                                None if mask is None else mask[j]) for j in range(len(spec) + 1)]
             proc = processed_logits(rows_logits, rows)
             p[b, : len(spec) + 1] = proc.softmax(dim=-1)
             draft_ids[b, : len(spec)] = torch.tensor(spec, dtype=torch.long)
@@ -253,3 +268,16 @@ class SpecDecoder:
         self._unverified.pop(seq.seq_id, None)
         self.proposer.release(seq)
         self.controller.forget(seq)
+
+
+def _within_grammar(seq: Sequence, prop: Proposal) -> Proposal:
+    """A proposal cut before its first token the sequence's grammar forbids. Exact: such a
+    token has p = 0 under the mask and would be rejected; the cut only removes proposals that
+    are deterministic given the context (n-gram, greedy drafts): a sampled draft draws from
+    the masked q and never proposes one."""
+    if seq.constraint is None or not prop.token_ids:
+        return prop
+    n = seq.constraint.valid_prefix(prop.token_ids)
+    if n == len(prop.token_ids):
+        return prop
+    return Proposal(prop.token_ids[:n], None if prop.probs is None else prop.probs[:n], prop.kind)

@@ -17,6 +17,7 @@ from pagellm.engine.scheduler import SchedulerOutput
 from pagellm.sampling.sampler import SamplingRow, draw, processed_logits
 from pagellm.sequence import Sequence
 from pagellm.spec_decode.base import Proposal, Proposer
+from pagellm.structured import batch_masks
 
 
 class DraftModelProposer(Proposer):
@@ -96,6 +97,12 @@ class DraftModelProposer(Proposer):
                             seq.output_token_ids + shadow.spec_token_ids,
                             seq.generator or self.rng, self.eos_token_id)
                 for seq, shadow, _ in batch]
+        # Structured outputs: q under the grammar's mask after this round's earlier proposals,
+        # as verification masks p.
+        constrained = [i for i, (seq, _, _) in enumerate(batch) if seq.constraint is not None]
+        for i, m in zip(constrained, batch_masks([(batch[i][0].constraint, batch[i][1].spec_token_ids)
+                                                  for i in constrained])):
+            rows[i].allowed = m[-1]
         proc = processed_logits(logits, rows)
         for i, (seq, shadow, _) in enumerate(batch):
             if seq.params.greedy:
