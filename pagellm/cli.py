@@ -127,6 +127,14 @@ def main(argv: list[str] | None = None) -> int:
                      help="queued requests beyond which new ones get 503")
     srv.add_argument("--drain-timeout", type=float, default=30.0,
                      help="seconds SIGTERM waits for running requests")
+    srv.add_argument("--generation-config", choices=["auto", "none"], default="auto",
+                     help="sampling defaults for fields a request omits: auto = the model's "
+                     "generation config, else llama.cpp's (temperature 0.8, top_k 40, top_p "
+                     "0.95, min_p 0.05); none = OpenAI's (temperature 1, no truncation)")
+    for name, kind in (("temperature", float), ("top-p", float), ("top-k", int),
+                       ("min-p", float), ("repetition-penalty", float)):
+        srv.add_argument(f"--default-{name}", type=kind, default=None,
+                         help=f"{name} for requests that omit it")
     add_engine_args(srv)
     srv.set_defaults(func=cmd_serve)
 

@@ -587,8 +587,15 @@ def serve(args, engine_kwargs: dict) -> int:
     engine = LLM(**engine_kwargs).engine
     name = args.served_model_name or default_model_name(engine_kwargs.get("model"),
                                                         engine.model_path)
+    from pagellm.server.defaults import FIELDS, sampling_defaults
+
+    defaults, source = sampling_defaults(
+        engine.model_path, getattr(args, "generation_config", "auto"),
+        {f: getattr(args, f"default_{f}", None) for f in FIELDS})
+    logger.info("sampling defaults for fields a request omits: %s, from %s",
+                ", ".join(f"{k}={v}" for k, v in defaults.items()) or "none", source)
     api = OpenAIServer(engine, name, api_key=args.api_key or os.environ.get("PAGELLM_API_KEY"),
-                       max_waiting=args.max_waiting)
+                       max_waiting=args.max_waiting, sampling_defaults=defaults)
     config = uvicorn.Config(build_app(api), host=args.host, port=args.port, log_level="info",
                             timeout_graceful_shutdown=5, lifespan="on")
     server = DrainingServer(config, api, args.drain_timeout)

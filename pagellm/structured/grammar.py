@@ -25,6 +25,13 @@ class StructuredOutputError(ValueError):
         self.detail = message
 
 
+# Whitespace between JSON tokens: newlines and indentation as models like to write them, but
+# at most 24 characters per gap. Unbounded whitespace (llguidance's flexible default) lets a
+# model loop on "\n\n\n..." until max_tokens, a failure small models fall into; a schema's
+# own "x-guidance" options take precedence.
+JSON_OPTIONS = {"whitespace_pattern": r"[\n\t ]{0,24}"}
+
+
 def _lark_string(s: str) -> str:
     """A Lark string literal matching s exactly."""
     return json.dumps(s)
@@ -46,9 +53,10 @@ def grammar_source(params: StructuredOutputsParams) -> str:
                 schema = json.loads(schema)
             if not isinstance(schema, dict):
                 raise StructuredOutputError(kind, "the schema must be a JSON object")
-            return llguidance.LLMatcher.grammar_from_json_schema(schema)
+            return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
         if kind == "json_object":
-            return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"})
+            return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"},
+                                                                 defaults=JSON_OPTIONS)
         if kind == "regex":
             return llguidance.LLMatcher.grammar_from_regex(params.regex)
         if kind == "choice":
