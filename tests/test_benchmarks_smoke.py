@@ -110,3 +110,13 @@ def test_gguf_models(tmp_path):
         assert r["decode_ms"] > 0 and r["prefill_tok_s"] > 0 and r["batch_output_tok_s"] > 0
     assert rows["pagellm"]["decode_speedup_of_pagellm"] == 1.0
     assert len(data["runs"]["pagellm"]["runs"]) == 1
+
+
+def test_structured(tmp_path):
+    data = run_kind("structured", tmp_path)
+    rows = {r["batch"]: r for r in data["results"]}
+    assert set(rows) == {1, 2}
+    for r in rows.values():
+        assert r["tokens"] > 0 and r["tok_s"] > 0 and r["free_tok_s"] > 0
+        assert 0 < r["mask_share"] < 1 and r["mask_ms_per_step"] > 0
+    assert set(data["targets"]["mask_under_5pct_of_step"]) == {"batch 1", "batch 2"}

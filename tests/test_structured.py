@@ -148,8 +148,8 @@ def _exact_paths(chat_path, llm, prompt_ids, so) -> dict[tuple[int, ...], float]
         (mask,) = batch_masks([(constraint, [])])
         with torch.no_grad():
             logits = hf(torch.tensor([prompt_ids + prefix])).logits[0, -1]
-        p = logits.masked_fill(~mask[0], float("-inf")).softmax(-1)
-        for t in torch.nonzero(mask[0]).flatten().tolist():
+        p = (logits + mask.bias[0]).softmax(-1)
+        for t in torch.nonzero(mask.bias[0] == 0).flatten().tolist():
             if t in llm.engine.eos_token_ids:
                 paths[tuple(prefix)] = paths.get(tuple(prefix), 0.0) + prob * float(p[t])
                 continue

@@ -279,12 +279,16 @@ class LLMEngine:
             rows = [SamplingRow(s.params, s.prompt_token_ids, s.output_token_ids,
                                 s.generator or self._rng, self.eos_token_ids) for s in plain]
             constrained = [i for i, s in enumerate(plain) if s.constraint is not None]
-            masks = batch_masks([(plain[i].constraint, []) for i in constrained])
-            for i, mask in zip(constrained, masks):
-                rows[i].allowed = mask[0]
+            dead = set()
+            for i, m in zip(constrained, batch_masks([(plain[i].constraint, [])
+                                                      for i in constrained])):
+                if m.dead[0]:
+                    dead.add(i)
+                else:
+                    rows[i].grammar_bias = m.bias[0]
             result = sample(logits[plain_rows], rows)
             for i, seq in enumerate(plain):
-                if rows[i].allowed is not None and not bool(rows[i].allowed.any()):
+                if i in dead:
                     self._grammar_dead_end(seq)
                     continue
                 self._append_token(seq, result.token_ids[i], result.logprobs[i], now)

@@ -23,8 +23,9 @@ class SamplingRow:
     # One id, or every end token of the model (a config may list several; all end a sequence,
     # so min_tokens must mask all of them).
     eos_token_id: int | Collection[int] | None
-    # Structured outputs: bool [vocab], the tokens the grammar allows here (None: any).
-    allowed: torch.Tensor | None = None
+    # Structured outputs: float32 [vocab], 0 where the grammar allows a token here and -inf
+    # where it forbids it (None: no grammar).
+    grammar_bias: torch.Tensor | None = None
 
 
 @dataclass
@@ -74,17 +75,24 @@ def _apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
 
 
 def _apply_grammar(logits: torch.Tensor, rows: list[SamplingRow], raw: torch.Tensor) -> None:
-    """Tokens the grammar forbids get -inf. The grammar is a hard constraint: where it leaves
-    only tokens that min_tokens banned (it allows nothing but an end token), min_tokens gives
-    way; where it allows nothing at all, the row stays as it is and the engine ends the
-    sequence (the grammar cannot be satisfied)."""
-    for i, row in enumerate(rows):
-        if row.allowed is None or not bool(row.allowed.any()):
-            continue
-        masked = logits[i].masked_fill(~row.allowed, float("-inf"))
-        if not bool(torch.isfinite(masked).any()):
-            masked = raw[i].float().masked_fill(~row.allowed, float("-inf"))
-        logits[i] = masked
+    """Tokens the grammar forbids get -inf (its bias added to all constrained rows at once).
+    The grammar is a hard constraint: where it leaves only tokens that min_tokens banned (it
+    allows nothing but an end token), min_tokens gives way; where it allows nothing at all, the
+    row stays as it is and the engine ends the sequence (the grammar cannot be satisfied)."""
+    idx = [i for i, r in enumerate(rows) if r.grammar_bias is not None]
+    bias = torch.stack([rows[i].grammar_bias for i in idx])
+    every = len(idx) == logits.shape[0]
+    rows_t = torch.tensor(idx)
+    sub = logits.add_(bias) if every else logits[rows_t].add_(bias)
+    dead = sub.amax(dim=1) == float("-inf")
+    if bool(dead.any()):
+        fixed = raw[rows_t[dead]].float() + bias[dead]
+        # still nothing: the grammar allows no token (the caller ends the sequence)
+        stuck = fixed.amax(dim=1) == float("-inf")
+        fixed[stuck] = raw[rows_t[dead]][stuck].float()
+        sub[dead] = fixed
+    if not every:
+        logits[rows_t] = sub
 
 
 def _apply_top_k_top_p_min_p(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
@@ -121,7 +129,7 @@ def processed_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Ten
     _apply_logit_bias(logits, rows)
     _apply_penalties(logits, rows)
     _apply_min_tokens(logits, rows)
-    if any(r.allowed is not None for r in rows):
+    if any(r.grammar_bias is not None for r in rows):
         _apply_grammar(logits, rows, raw)
     sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
     if sampled:

@@ -165,7 +165,7 @@ class SpecDecoder:
         constrained = [i for i, s in enumerate(seqs) if s.constraint is not None]
         for i, m in zip(constrained, batch_masks([(seqs[i].constraint, seqs[i].spec_token_ids)
                                                   for i in constrained])):
-            allowed[i] = m
+            allowed[i] = m.bias
         sampled = []
         for i, (seq, rows_logits) in enumerate(zip(seqs, logits)):
             if seq.params.greedy:

@@ -102,7 +102,7 @@ class DraftModelProposer(Proposer):
         constrained = [i for i, (seq, _, _) in enumerate(batch) if seq.constraint is not None]
         for i, m in zip(constrained, batch_masks([(batch[i][0].constraint, batch[i][1].spec_token_ids)
                                                   for i in constrained])):
-            rows[i].allowed = m[-1]
+            rows[i].grammar_bias = m.bias[-1]
         proc = processed_logits(logits, rows)
         for i, (seq, shadow, _) in enumerate(batch):
             if seq.params.greedy:
