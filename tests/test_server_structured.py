@@ -18,7 +18,9 @@ from pydantic import BaseModel, Field
 from pagellm import LLM, SamplingParams
 from pagellm.server.defaults import LLAMA_CPP, sampling_defaults
 from pagellm.server.tools import ToolStream, parse_tool_calls, prompt_messages
-from tests.test_server import MODEL, post, running_server, tiny_path, wait_idle  # noqa: F401
+# the tiny chat model and its shared server come from test_server's fixtures
+from tests.test_server import (ENGINE_KW, MODEL, offline, post, running_server,  # noqa: F401
+                               server, srv, tiny_path, wait_idle)
 
 DEFAULT_KW = {"kv_cache_memory": 2**26}
 
@@ -207,27 +209,6 @@ def test_logit_bias_over_http(srv, offline):
     assert forced.json()["choices"][0]["text"] == tok.decode([300] * 3)
 
 
-@pytest.fixture(scope="module")
-def offline(tiny_path):  # noqa: F811
-    from tests.test_server import ENGINE_KW
-
-    return LLM(tiny_path, **ENGINE_KW)
-
-
-@pytest.fixture(scope="module")
-def server(tiny_path):  # noqa: F811
-    from tests.test_server import ENGINE_KW
-
-    with running_server(LLM(tiny_path, **ENGINE_KW)) as s:
-        yield s
-
-
-@pytest.fixture
-def srv(server):
-    yield server
-    wait_idle(server)
-
-
 SCHEMA_OK = {"type": "object", "properties": {"a": {"type": "integer"}}}
 BAD = [
     ({"response_format": {"type": "json_schema", "json_schema": {
@@ -273,8 +254,6 @@ def test_bad_constraint_or_tools_is_a_400_naming_the_field(srv, extra, param):
 
 
 def test_sampling_defaults_apply_to_omitted_fields(tiny_path, offline, tmp_path):  # noqa: F811
-    from tests.test_server import ENGINE_KW
-
     with running_server(LLM(tiny_path, **ENGINE_KW), sampling_defaults={"temperature": 0.0}) as s:
         r = s.client.completions.create(model=MODEL, prompt="Hello", max_tokens=6)
         greedy = offline.generate("Hello", SamplingParams(temperature=0, max_tokens=6),
