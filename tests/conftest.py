@@ -58,6 +58,20 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_atte
             num_key_value_heads=2, vocab_size=256, max_position_embeddings=256)
 
 
+def outputs_on_one_and_two_threads(fn, *args):
+    """fn(*args) computed with 1 and with 2 torch threads (the kernels split outputs between
+    threads; callers assert both are bit-identical)."""
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = fn(*args)
+        torch.set_num_threads(2)
+        two = fn(*args)
+    finally:
+        torch.set_num_threads(before)
+    return one, two
+
+
 def make_tiny_model(path, arch: str = "llama", **overrides):
     """Write a tiny random model of the given architecture to `path`; return the HF model."""
     import transformers

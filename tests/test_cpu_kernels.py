@@ -10,6 +10,7 @@ import torch
 
 from pagellm.kernels import native
 from pagellm.layers import quant
+from tests.conftest import outputs_on_one_and_two_threads
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="no C compiler on this machine")
 
@@ -78,15 +79,7 @@ def test_q8_head_matches_dequantized_product():
 
 def test_threads_split_outputs_without_changing_them():
     w = _q4(64, 128, seed=3)
-    x = torch.randn(3, 128)
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = quant.NativeQ4(w)(x)
-        torch.set_num_threads(2)
-        two = quant.NativeQ4(w)(x)
-    finally:
-        torch.set_num_threads(before)
+    one, two = outputs_on_one_and_two_threads(quant.NativeQ4(w), torch.randn(3, 128))
     assert torch.equal(one, two)  # each output is summed by one thread in a fixed order
 
 

@@ -11,6 +11,7 @@ from gguf import GGMLQuantizationType as Q
 
 from pagellm.kernels import native
 from pagellm.layers import quant
+from tests.conftest import outputs_on_one_and_two_threads
 from tests.gguf_files import F16_FIELDS, random_blocks, sub_block_mins
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="no C compiler on this machine")
@@ -58,15 +59,7 @@ def test_outliers_and_zeros(qtype):
 
 def test_threads_split_outputs_without_changing_them():
     blocks = random_blocks(Q.Q4_K, 64, 512, seed=4)
-    x = torch.randn(3, 512)
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = quant.NativeGGUF(blocks)(x)
-        torch.set_num_threads(2)
-        two = quant.NativeGGUF(blocks)(x)
-    finally:
-        torch.set_num_threads(before)
+    one, two = outputs_on_one_and_two_threads(quant.NativeGGUF(blocks), torch.randn(3, 512))
     assert torch.equal(one, two)  # each output is summed by one thread in a fixed order
 
 

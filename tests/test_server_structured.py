@@ -315,3 +315,19 @@ def test_template_without_tools_gets_them_in_a_system_message():
                       '"arguments": {"city": "Oslo"}}\n</tool_call>'}
     assert out[3] == {"role": "user", "content": "<tool_response>\n12 C\n</tool_response>"}
     assert prompt_messages(msgs, [WEATHER], native=True) is msgs
+
+
+def test_sampling_defaults_from_gguf_metadata(tmp_path):
+    """A GGUF's general.sampling.* keys are its generation config."""
+    import gguf
+
+    path = tmp_path / "m.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_float32("general.sampling.temp", 0.25)
+    writer.add_int32("general.sampling.top_k", 20)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    defaults, source = sampling_defaults(str(path))
+    assert defaults == {"temperature": 0.25, "top_k": 20} and "generation config" in source

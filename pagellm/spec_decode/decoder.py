@@ -161,33 +161,33 @@ class SpecDecoder:
         results: list[Verified | None] = [None] * len(seqs)
         # Structured outputs: the grammar's mask at every verified position, so p is the
         # target's distribution under the constraint (q was drawn under the same masks).
-        allowed: list[torch.Tensor | None] = [None] * len(seqs)
+        bias: list[torch.Tensor | None] = [None] * len(seqs)
         constrained = [i for i, s in enumerate(seqs) if s.constraint is not None]
         for i, m in zip(constrained, batch_masks([(seqs[i].constraint, seqs[i].spec_token_ids)
                                                   for i in constrained])):
-            allowed[i] = m.bias
+            bias[i] = m.bias
         sampled = []
         for i, (seq, rows_logits) in enumerate(zip(seqs, logits)):
             if seq.params.greedy:
-                results[i] = self._verify_greedy(seq, rows_logits, allowed[i])
+                results[i] = self._verify_greedy(seq, rows_logits, bias[i])
             else:
                 sampled.append(i)
         if sampled:
             for i, v in zip(sampled, self._verify_sampled([seqs[i] for i in sampled],
                                                           [logits[i] for i in sampled], rng,
-                                                          [allowed[i] for i in sampled])):
+                                                          [bias[i] for i in sampled])):
                 results[i] = v
         return results
 
     def _verify_greedy(self, seq: Sequence, rows_logits: torch.Tensor,
-                       allowed: torch.Tensor | None = None) -> Verified:
+                       bias: torch.Tensor | None = None) -> Verified:
         """Greedy: p is one-hot at the argmax, so the rejection sampler accepts a proposal iff
         it is the argmax and always emits the argmax, whatever q is. The same result without
         its [k + 1, vocab] tensors (a batch-16 k=4 step built 30 MB of them)."""
         spec = seq.spec_token_ids
         rows = [SamplingRow(seq.params, seq.prompt_token_ids, seq.output_token_ids + spec[:j],
                             seq.generator, self.eos_token_id,
-                            None if allowed is None else allowed[j]) for j in range(len(spec) + 1)]
+                            None if bias is None else bias[j]) for j in range(len(spec) + 1)]
         best = processed_logits(rows_logits, rows).argmax(-1).tolist()
         a = 0
         while a < len(spec) and spec[a] == best[a]:
@@ -199,7 +199,7 @@ class SpecDecoder:
 
     def _verify_sampled(self, seqs: list[Sequence], logits: list[torch.Tensor],
                         rng: torch.Generator,
-                        allowed: list[torch.Tensor | None]) -> list[Verified]:
+                        bias: list[torch.Tensor | None]) -> list[Verified]:
         k = max(len(s.spec_token_ids) for s in seqs)
         vocab = logits[0].shape[-1]
         batch = len(seqs)
@@ -210,7 +210,7 @@ class SpecDecoder:
         noise = torch.empty(batch, vocab)
         for b, (seq, rows_logits) in enumerate(zip(seqs, logits)):
             spec = seq.spec_token_ids
-            mask = allowed[b]
+            mask = bias[b]
             rows = [SamplingRow(seq.params, seq.prompt_token_ids, seq.output_token_ids + spec[:j],
                                 seq.generator or rng, self.eos_token_id,
                                 None if mask is None else mask[j]) for j in range(len(spec) + 1)]
