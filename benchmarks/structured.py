@@ -1,9 +1,10 @@
 """Structured outputs: what the grammar costs a decode step, and JSON-schema throughput
 against unconstrained decoding on the same prompts.
 
-The constrained run times everything structured decoding adds inside the engine step: mask
-computation (llguidance, all rows of the batch in one call), unpacking it, applying it to the
-logits, advancing the matchers, and cutting speculative proposals. Its share is that time over
+The constrained run times everything structured decoding adds inside the engine step: the
+masks (llguidance, all rows of a step in one call, turned into a logit bias), applying them,
+checking unmasked draws against the grammar and drawing again where it forbids them, advancing
+the matchers, verification masks and cutting speculative proposals. Its share is that time over
 the whole step time. The unconstrained run generates the same number of tokens per request
 (ignore_eos, max_tokens set to what the constrained one produced) so tok/s compare like for like.
 
@@ -39,6 +40,10 @@ def parse_args(argv):
     p = argparse.ArgumentParser(prog="python -m benchmarks structured", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batch-sizes", default="1,16")
+    p.add_argument("--sampling", default="greedy,defaults",
+                   help="greedy (temperature 0) and/or defaults (the server's defaults for a "
+                   "model without a generation config: temperature 0.8, top-k 40, top-p 0.95, "
+                   "min-p 0.05; truncating rows compute every mask)")
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct (GGUF)")
     p.add_argument("--dtype", default="auto")
@@ -47,32 +52,62 @@ def parse_args(argv):
     common.add_output_args(p)
     args = p.parse_args(argv)
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    args.sampling = args.sampling.split(",")
     if args.smoke:
         args.batch_sizes, args.max_tokens, args.repeats = [1, 2], 12, 1
     return args
 
 
 class StructuredTimer:
-    """Wall time spent in the structured-output hooks of the engine (patched in place)."""
+    """Wall time in the engine's structured-output work (patched in place): `seconds`."""
 
     def __init__(self):
         import pagellm.engine.llm_engine as eng
         import pagellm.sampling.sampler as sampler
         import pagellm.spec_decode.decoder as dec
+        import pagellm.spec_decode.draft_model as draft
         from pagellm.structured import matcher
 
         self.seconds = 0.0
+        self._redo = False  # inside a second draw of _sample_plain (timed whole)
         self._undo = []
-        self._wrap(eng, "batch_masks")
-        self._wrap(dec, "batch_masks")
-        self._wrap(dec, "_within_grammar")
-        self._wrap(sampler, "_apply_grammar")
-        self._wrap(matcher.Constraint, "accept")
+        for owner, name in ((eng, "mask_rows"), (dec, "batch_masks"), (dec, "_within_grammar"),
+                            (draft, "batch_masks"), (matcher.Constraint, "accept"),
+                            (matcher.Constraint, "allows")):
+            self._wrap(owner, name)
+        self._wrap(sampler, "_apply_grammar", unless_redo=True)
+        plain, timer = eng.LLMEngine._sample_plain, self
 
-    def _wrap(self, owner, name):
+        def sample_plain(engine, *a):
+            calls = [0]
+            first = eng.sample
+
+            def counted(*sa):
+                calls[0] += 1
+                if calls[0] == 1:
+                    return first(*sa)
+                t, timer._redo = time.perf_counter(), True
+                try:
+                    return first(*sa)
+                finally:
+                    timer._redo = False
+                    timer.seconds += time.perf_counter() - t
+
+            eng.sample = counted
+            try:
+                return plain(engine, *a)
+            finally:
+                eng.sample = first
+
+        eng.LLMEngine._sample_plain = sample_plain
+        self._undo.append((eng.LLMEngine, "_sample_plain", plain))
+
+    def _wrap(self, owner, name, unless_redo=False):
         fn = getattr(owner, name)
 
         def timed(*a, **kw):
+            if unless_redo and self._redo:
+                return fn(*a, **kw)
             t = time.perf_counter()
             try:
                 return fn(*a, **kw)
@@ -125,13 +160,16 @@ def main(argv=None) -> int:
     llm = LLM(model, dtype=args.dtype, kv_cache_memory="256MiB")
     tok = llm.get_tokenizer()
     so = StructuredOutputsParams(json=SCHEMA)
+    from pagellm.server.defaults import LLAMA_CPP
+
     results = []
-    for batch in tqdm(args.batch_sizes, desc="batch sizes"):
+    configs = [(s, b) for s in args.sampling for b in args.batch_sizes]
+    for sampling, batch in tqdm(configs, desc="configurations"):
+        base = {"temperature": 0.0} if sampling == "greedy" else dict(LLAMA_CPP, seed=0)
         prompts = [llm.apply_chat_template([{"role": "user", "content":
                    f"Return JSON with name, age, city, skills, employed for: {PEOPLE[i % 8]}"}])
                    for i in range(batch)]
-        constrained = SamplingParams(temperature=0, max_tokens=args.max_tokens,
-                                     structured_outputs=so)
+        constrained = SamplingParams(**base, max_tokens=args.max_tokens, structured_outputs=so)
         llm.generate(prompts, constrained, use_tqdm=False)  # warm: tokenizer, grammar, kernels
         runs = []
         for _ in range(args.repeats):
@@ -140,24 +178,26 @@ def main(argv=None) -> int:
                 wall, ntok, steps, step_s = run_batch(llm, prompts, constrained)
             finally:
                 timer.close()
+            cost = timer.seconds / steps
             per_req = max(1, ntok // batch)
-            free = SamplingParams(temperature=0, max_tokens=per_req, ignore_eos=True)
+            free = SamplingParams(**base, max_tokens=per_req, ignore_eos=True)
             fwall, fntok, fsteps, fstep_s = run_batch(llm, prompts, free)
             runs.append({"tok_s": ntok / wall, "free_tok_s": fntok / fwall,
-                         "mask_ms_per_step": 1e3 * timer.seconds / steps,
-                         "step_ms": 1e3 * step_s / steps, "free_step_ms": 1e3 * fstep_s / fsteps,
-                         "mask_share": timer.seconds / step_s, "tokens": ntok})
+                         "mask_ms_per_step": 1e3 * cost, "step_ms": 1e3 * step_s / steps,
+                         "free_step_ms": 1e3 * fstep_s / fsteps,
+                         "mask_share": cost / (step_s / steps), "tokens": ntok})
         med = {k: common.median([r[k] for r in runs]) for k in runs[0]}
-        results.append({"batch": batch, **med, "ratio_vs_free": med["tok_s"] / med["free_tok_s"],
+        results.append({"sampling": sampling, "batch": batch, **med, "ratio_vs_free": med["tok_s"] / med["free_tok_s"],
                         "runs": runs})
     del tok
-    rows = [[r["batch"], r["mask_ms_per_step"], r["step_ms"], 100 * r["mask_share"], r["tok_s"],
-             r["free_tok_s"], r["ratio_vs_free"]] for r in results]
-    md = ("Structured outputs (JSON schema, greedy), median of "
+    rows = [[r["sampling"], r["batch"], r["mask_ms_per_step"], r["step_ms"],
+             100 * r["mask_share"], r["tok_s"], r["free_tok_s"], r["ratio_vs_free"]]
+            for r in results]
+    md = ("Structured outputs (JSON schema), median of "
           f"{args.repeats}; threads {torch.get_num_threads()}\n\n" + common.markdown_table(
-              ["batch", "mask ms/step", "step ms", "mask % of step", "JSON tok/s",
+              ["sampling", "batch", "mask ms/step", "step ms", "mask % of step", "JSON tok/s",
                "unconstrained tok/s", "ratio"], rows))
-    target = {f"batch {r['batch']}": r["mask_share"] < 0.05 for r in results}
+    target = {f"{r['sampling']} batch {r['batch']}": r["mask_share"] < 0.05 for r in results}
     common.write_results(args.out, "structured", {"results": results, "targets": {
         "mask_under_5pct_of_step": target}, "schema": SCHEMA}, md)
     if not args.no_plot:
@@ -194,10 +234,10 @@ def _plot(results, out: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.5))
-    labels = [str(r["batch"]) for r in results]
+    labels = [f"{r['sampling']}\n{r['batch']}" for r in results]
     a.bar(labels, [100 * r["mask_share"] for r in results])
     a.axhline(5, color="red", linestyle="--", label="5% target")
-    a.set_xlabel("batch size")
+    a.set_xlabel("sampling, batch size")
     a.set_ylabel("structured-output share of step (%)")
     a.legend()
     x = range(len(results))
@@ -205,7 +245,7 @@ def _plot(results, out: str) -> None:
     b.bar([i + 0.2 for i in x], [r["free_tok_s"] for r in results], width=0.4,
           label="unconstrained")
     b.set_xticks(list(x), labels)
-    b.set_xlabel("batch size")
+    b.set_xlabel("sampling, batch size")
     b.set_ylabel("output tok/s")
     b.legend()
     fig.tight_layout()

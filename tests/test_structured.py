@@ -77,9 +77,9 @@ def engines(chat_path):
     return {name: LLM(chat_path, speculative_config=spec, **KW) for name, spec in SPEC.items()}
 
 
-def _run(llm, so, temperature, n=1, seed=None, max_tokens=120):
+def _run(llm, so, temperature, n=1, seed=None, max_tokens=120, **kw):
     sp = SamplingParams(temperature=temperature, max_tokens=max_tokens, n=n, seed=seed,
-                        structured_outputs=so)
+                        structured_outputs=so, **kw)
     return [c for o in llm.generate(PROMPTS, sp, use_tqdm=False) for c in o.outputs]
 
 
@@ -89,7 +89,8 @@ def test_constraint_holds_greedy_and_sampled(engines, spec, case):
     so, valid = CASES[case]
     llm = engines[spec]
     greedy = _run(llm, so, 0.0)
-    for comp in greedy + _run(llm, so, 1.0, n=3, seed=7):
+    # unmasked first draws (plain sampling) and masked-first truncating rows (top-p)
+    for comp in greedy + _run(llm, so, 1.0, n=3, seed=7) + _run(llm, so, 0.8, seed=9, top_p=0.9):
         # any JSON object is unbounded: a random model may still be writing one at max_tokens;
         # what it wrote must then be a start the grammar allows
         if case == "json_object" and comp.finish_reason == "length":
@@ -137,9 +138,11 @@ def test_n_samples_preemption_and_prefix_cache_keep_the_constraint(chat_path):
 
 
 # ---- the sampled distribution -----------------------------------------------------------------
-def _exact_paths(chat_path, llm, prompt_ids, so) -> dict[tuple[int, ...], float]:
+def _exact_paths(chat_path, llm, prompt_ids, so, top_k=0,
+                 logit_bias=None) -> dict[tuple[int, ...], float]:
     """Every token path the grammar allows to its end, with its probability under the target
-    restricted to the mask and renormalised at each position (transformers' float32 logits)."""
+    restricted to the mask and renormalised at each position (transformers' float32 logits),
+    then to the top_k most likely allowed tokens (the mask comes first)."""
     import transformers
 
     from pagellm.structured import batch_masks
@@ -154,8 +157,13 @@ def _exact_paths(chat_path, llm, prompt_ids, so) -> dict[tuple[int, ...], float]
         (mask,) = batch_masks([(constraint, [])])
         with torch.no_grad():
             logits = hf(torch.tensor([prompt_ids + prefix])).logits[0, -1]
-        p = (logits + mask.bias[0]).softmax(-1)
-        for t in torch.nonzero(mask.bias[0] == 0).flatten().tolist():
+        for t, b in (logit_bias or {}).items():
+            logits[t] += b
+        masked = logits + mask.bias[0]
+        if top_k:
+            masked[masked < masked.topk(top_k).values[-1]] = float("-inf")
+        p = masked.softmax(-1)
+        for t in torch.nonzero(p > 0).flatten().tolist():
             if t in llm.engine.eos_token_ids:
                 paths[tuple(prefix)] = paths.get(tuple(prefix), 0.0) + prob * float(p[t])
                 continue
@@ -167,19 +175,27 @@ def _exact_paths(chat_path, llm, prompt_ids, so) -> dict[tuple[int, ...], float]
     return paths
 
 
-@pytest.mark.parametrize("spec", ["off", "draft", "ngram"])
-def test_sampled_paths_follow_the_masked_target_distribution(chat_path, engines, spec):
+@pytest.mark.parametrize("spec,top_k", [("off", 0), ("draft", 0), ("ngram", 0), ("off", 4),
+                                        ("draft", 4)])
+def test_sampled_paths_follow_the_masked_target_distribution(chat_path, engines, spec, top_k):
     """Sampled under a choice constraint (each choice has several tokenizations), the emitted
     token paths follow the exact distribution: transformers' p masked and renormalised at each
-    position. The draft (one layer of the target: q far from p) and n-gram proposals are
-    verified under the same masks, so their rejection sampling must give the same law."""
+    position (then cut to its top-k). Plain rows draw unmasked first and compute the mask only
+    when the grammar forbids the draw (rejection sampling), except truncating rows, masked
+    first; the draft (one layer of the target: q far from p) and n-gram proposals are verified
+    under the same masks, so their rejection sampling must give the same law."""
     so = SO(choice=["yes", "no", "maybe"])
     llm = engines[spec]
-    prompt = llm.get_tokenizer().encode("yes no maybe yes no maybe yes")
-    exact = _exact_paths(chat_path, llm, prompt, so)
-    assert abs(sum(exact.values()) - 1) < 1e-4 and len(exact) >= 6
+    tok = llm.get_tokenizer()
+    prompt = tok.encode("yes no maybe yes no maybe yes")
+    # With top-k, "yes" and "no" are pushed into the unmasked top-k beside forbidden tokens:
+    # truncating before masking would then never emit "maybe"; masking first does.
+    bias = ({tok.convert_tokens_to_ids(w): 1.5 for w in ("yes", "no")} if top_k else None)
+    exact = _exact_paths(chat_path, llm, prompt, so, top_k, bias)
+    assert abs(sum(exact.values()) - 1) < 1e-4 and len(exact) >= (3 if top_k else 6)
     n = 1200
-    sp = SamplingParams(temperature=1.0, max_tokens=8, n=n, seed=11, structured_outputs=so)
+    sp = SamplingParams(temperature=1.0, top_k=top_k, max_tokens=8, n=n, seed=11,
+                        structured_outputs=so, logit_bias=bias)
     (out,) = llm.generate([prompt], sp, use_tqdm=False)
     counts = Counter(tuple(c.token_ids) for c in out.outputs)
     eos = llm.engine.eos_token_ids

@@ -22,7 +22,7 @@ from pagellm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pagellm.sampling.sampler import SamplingRow, sample
 from pagellm.sampling_params import SamplingParams
 from pagellm.sequence import Sequence, SequenceStatus
-from pagellm.structured import GrammarBackend, batch_masks
+from pagellm.structured import GrammarBackend, mask_rows
 
 logger = logging.getLogger("pagellm")
 
@@ -278,15 +278,7 @@ class LLMEngine:
         if plain:
             rows = [SamplingRow(s.params, s.prompt_token_ids, s.output_token_ids,
                                 s.generator or self._rng, self.eos_token_ids) for s in plain]
-            constrained = [i for i, s in enumerate(plain) if s.constraint is not None]
-            dead = set()
-            for i, m in zip(constrained, batch_masks([(plain[i].constraint, [])
-                                                      for i in constrained])):
-                if m.dead[0]:
-                    dead.add(i)
-                else:
-                    rows[i].grammar_bias = m.bias[0]
-            result = sample(logits[plain_rows], rows)
+            result, dead = self._sample_plain(plain, rows, logits[plain_rows])
             for i, seq in enumerate(plain):
                 if i in dead:
                     self._grammar_dead_end(seq)
@@ -304,6 +296,27 @@ class LLMEngine:
                     self.block_manager.truncate(seq, seq.num_computed_tokens)
                     self.spec.after_verify(seq)
         return {seq.request_id for seq, _ in owners}
+
+    def _sample_plain(self, seqs: list[Sequence], rows: list[SamplingRow], logits: torch.Tensor):
+        """Sample one token per row. A constrained row first draws without its grammar's mask:
+        a token the grammar allows is then a draw from the masked distribution (rejection
+        sampling; for greedy rows the masked argmax), so the mask, llguidance's cost, is
+        computed only for rows whose draw it forbids, which draw again under it. Rows that
+        truncate (top-k/top-p/min-p) get the mask first, as truncation must see it. Returns the
+        result and the rows whose grammar allows nothing."""
+        constrained = [i for i, s in enumerate(seqs) if s.constraint is not None]
+        dead = mask_rows(seqs, rows, [i for i in constrained if _truncates(seqs[i].params)])
+        result = sample(logits, rows)
+        redo = [i for i in constrained if rows[i].grammar_bias is None and i not in dead
+                and not seqs[i].constraint.allows(result.token_ids[i])]
+        if redo:
+            dead |= mask_rows(seqs, rows, redo)
+            redo = [i for i in redo if i not in dead]
+        if redo:
+            again = sample(logits[redo], [rows[i] for i in redo])
+            for j, i in enumerate(redo):
+                result.token_ids[i], result.logprobs[i] = again.token_ids[j], again.logprobs[j]
+        return result, dead
 
     def _fork_siblings(self, seq: Sequence) -> list[Sequence]:
         req = self.requests.get(seq.request_id)
@@ -414,6 +427,10 @@ class LLMEngine:
             num_accepted_tokens=sum(s.num_accepted_tokens for s in req.seqs))
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, comps,
                              req.finished, metrics, req.seqs[0].num_cached_tokens)
+
+
+def _truncates(p: SamplingParams) -> bool:
+    return not p.greedy and (p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0)
 
 
 def _context_length(config) -> int:

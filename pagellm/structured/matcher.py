@@ -80,6 +80,10 @@ class Constraint:
             return True  # the end of the output: nothing follows it
         return self.matcher.consume_token(token)
 
+    def allows(self, token: int) -> bool:
+        """Whether the grammar allows token next (~1 us: no mask is computed)."""
+        return self.matcher.validate_tokens([token]) == 1
+
     def valid_prefix(self, tokens: list[int]) -> int:
         """How many leading tokens of a proposal the grammar allows."""
         if not tokens:
@@ -102,6 +106,18 @@ class Masks:
     per row whether it allows nothing at all (the grammar cannot go on)."""
     bias: torch.Tensor
     dead: list[bool]
+
+
+def mask_rows(seqs, rows, which: list[int]) -> set[int]:
+    """Give rows[i] (SamplingRows) the grammar bias of seqs[i]'s next position, for i in
+    `which`; returns those whose grammar allows nothing (they get none)."""
+    dead = set()
+    for i, m in zip(which, batch_masks([(seqs[i].constraint, []) for i in which])):
+        if m.dead[0]:
+            dead.add(i)
+        else:
+            rows[i].grammar_bias = m.bias[0]
+    return dead
 
 
 def batch_masks(items: list[tuple[Constraint, list[int]]]) -> list[Masks]:
