@@ -20,6 +20,7 @@ KINDS = {
     "spec": "speculative decoding benchmark (benchmarks/spec.py)",
     "spec_replay": "speculation controller vs fixed k vs oracle at fixed step costs (replay)",
     "prefix": "shared system prompt: prefix caching on vs off (TTFT, throughput, peak blocks)",
+    "soak": "32 streaming clients, random parameters, disconnects: 5xx, leaks, RSS, TTFT/ITL",
     "structured": "structured outputs: mask cost per step (batch 1, 16), JSON vs unconstrained tok/s",
 }
 _NOT_KINDS = {"common", "__main__", "__init__"}

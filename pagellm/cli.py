@@ -135,6 +135,16 @@ def main(argv: list[str] | None = None) -> int:
                        ("min-p", float), ("repetition-penalty", float)):
         srv.add_argument(f"--default-{name}", type=kind, default=None,
                          help=f"{name} for requests that omit it")
+    lim = srv.add_argument_group("request limits (a request past one gets a 4xx naming it)")
+    for flag, help_ in (("max-body-bytes", "request body size (413); default 8 MiB"),
+                        ("max-sequences", "prompts x n of one request; default 256"),
+                        ("max-prompt-tokens", "tokens of one prompt; default the context length"),
+                        ("max-stop-strings", "stop strings of one request; default 16"),
+                        ("max-stop-length", "characters of one stop string; default 256"),
+                        ("max-logprobs", "logprobs / top_logprobs; default (and at most) 20"),
+                        ("max-connections", "HTTP requests in flight (503 + Retry-After past "
+                         "it); default 512")):
+        lim.add_argument(f"--{flag}", type=int, default=None, help=help_)
     add_engine_args(srv)
     srv.set_defaults(func=cmd_serve)
 

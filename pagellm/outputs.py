@@ -1,7 +1,46 @@
 """What generate() returns: vLLM-shaped RequestOutput / CompletionOutput."""
 from __future__ import annotations
 
+import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+
+class Prefix(Sequence):
+    """The first len() items of a list that only ever grows (a running sequence's tokens,
+    logprobs or token times): what an unfinished output holds, so making one each step costs
+    O(1) instead of a copy of everything so far (O(length^2) over a generation). Slices are
+    lists; finished outputs hold plain lists."""
+
+    __slots__ = ("_items", "_n")
+
+    def __init__(self, items: list):
+        self._items, self._n = items, len(items)
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            start, stop, step = i.indices(self._n)
+            if step == 1:
+                return self._items[start:stop]
+            return [self._items[j] for j in range(start, stop, step)]
+        j = i + self._n if i < 0 else i
+        if not 0 <= j < self._n:
+            raise IndexError("index out of range")
+        return self._items[j]
+
+    def __iter__(self):
+        return itertools.islice(self._items, self._n)
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, (list, tuple, Prefix)):
+            return len(other) == self._n and all(a == b for a, b in zip(self, other))
+        return NotImplemented
+
+    def __repr__(self) -> str:
+        return repr(list(self))
 
 
 @dataclass

@@ -70,6 +70,7 @@ class Sequence:
 
     @property
     def token_ids(self) -> list[int]:
+        """A new list of every token: O(length), so never on a per-step path."""
         return self.prompt_token_ids + self.output_token_ids
 
     @property
@@ -95,7 +96,7 @@ class Sequence:
 
     @property
     def last_token_id(self) -> int:
-        return self.token_ids[-1]
+        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
 
     def token_at(self, i: int) -> int:
         """Token at position i, speculative tail included."""
@@ -108,8 +109,17 @@ class Sequence:
         return self.spec_token_ids[i - len(self.output_token_ids)]
 
     def tokens_slice(self, start: int, end: int) -> list[int]:
-        """Tokens at positions [start, end), speculative tail included."""
-        return (self.prompt_token_ids + self.output_token_ids + self.spec_token_ids)[start:end]
+        """Tokens at positions [start, end), speculative tail included. O(end - start): it is
+        called per block when hashing and per sequence every step, so it never joins the
+        whole token list (which made a long prompt's hashing and lookup quadratic)."""
+        n_prompt = len(self.prompt_token_ids)
+        n_real = n_prompt + len(self.output_token_ids)
+        out = self.prompt_token_ids[start:end] if start < n_prompt else []
+        if end > n_prompt and start < n_real:
+            out += self.output_token_ids[max(start - n_prompt, 0):end - n_prompt]
+        if end > n_real:
+            out += self.spec_token_ids[max(start - n_real, 0):end - n_real]
+        return out
 
     def reset_for_recompute(self) -> None:
         """Preempted: its KV is gone; it will recompute prompt and outputs from scratch."""

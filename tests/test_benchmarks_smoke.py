@@ -120,3 +120,15 @@ def test_structured(tmp_path):
         assert r["tokens"] > 0 and r["tok_s"] > 0 and r["free_tok_s"] > 0
         assert 0 <= r["mask_share"] < 1 and r["mask_ms_per_step"] >= 0
     assert len(data["targets"]["mask_under_5pct_of_step"]) == 4
+
+
+def test_soak(tmp_path):
+    """The soak's short mode: 8 streaming clients for 20 s with random parameters,
+    disconnects and aborts against `pagellm serve` on the default model with n-gram
+    speculation: no 5xx, no error chunk, no block left in use, healthy at the end."""
+    data = run_kind("soak", tmp_path)
+    r = data["results"]
+    assert data["passed"], r
+    assert r["num_5xx"] == 0 and r["stream_errors"] == 0 and r["leaked_blocks"] == 0
+    assert r["requests_completed"] >= 10 and r["ttft_s"]["p50"] is not None
+    assert sum(r["statuses"].values()) >= r["requests_completed"]

@@ -376,3 +376,53 @@ def test_random_operations_reach_sharing_eviction_and_preemption():
         model.check()
     assert model.bm.prefix_hits > 0
     assert sum(b.generation for b in model.bm.blocks) > 0  # cached blocks were evicted
+
+
+# ---- costs linear in the prompt ------------------------------------------------------------
+class CountingList(list):
+    """A token list that counts the elements its slices and joins touch."""
+
+    touched = 0
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            CountingList.touched += len(range(*i.indices(len(self))))
+        return list.__getitem__(self, i)
+
+    def __add__(self, other):
+        CountingList.touched += len(self) + len(other)
+        return list.__add__(self, other)
+
+
+def test_hashing_looking_up_and_registering_a_long_prompt_is_linear():
+    """A 64k-token prompt was hashed by joining every token once per block (~0.8 s), and
+    looked up the same way every step it waited: each block now reads only its own tokens."""
+    bs, length = 16, 8192
+    bm = BlockManager(length // bs + 8, bs)
+    seq = make_seq(0, [])
+    seq.prompt_token_ids = CountingList(range(length))
+    seq.output_token_ids = CountingList([1, 2, 3])
+    CountingList.touched = 0
+    assert bm.find_cached_prefix(seq) == []
+    assert compute(bm, seq, seq.num_tokens)
+    other = make_seq(1, [])
+    other.prompt_token_ids = CountingList(range(length))
+    assert len(bm.find_cached_prefix(other)) == (length - 1) // bs
+    assert CountingList.touched <= 6 * length, CountingList.touched
+    assert seq.tokens_slice(length - 2, length + 5) == [length - 2, length - 1, 1, 2, 3]
+
+
+def test_running_outputs_are_views_and_finished_ones_lists():
+    """make_output runs for every request every step: a running request's token ids, logprobs
+    and token times are O(1) Prefix views (a copy of each was O(length) a step), fixed at the
+    length they had; a finished request's are plain lists."""
+    from pagellm.outputs import Prefix
+
+    items = [1, 2, 3]
+    view = Prefix(items)
+    items.append(4)
+    assert len(view) == 3 and view == [1, 2, 3] and list(view) == [1, 2, 3]
+    assert view[-1] == 3 and view[1:] == [2, 3] and view[::-1] == [3, 2, 1]
+    with pytest.raises(IndexError):
+        view[3]
+    assert repr(view) == "[1, 2, 3]" and view != [1, 2, 3, 4]

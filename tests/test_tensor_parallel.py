@@ -86,3 +86,55 @@ def test_dead_worker_server_fails_clearly(tiny_models):
             assert httpx.get(srv.url + "/health").status_code == 503
     finally:
         llm.shutdown()
+
+
+def test_a_second_tp_engine_after_the_first_is_deleted(tiny_models):
+    """The first engine's process group ends with it (here: garbage collection, no
+    shutdown call), so a second one in the same process starts and gives the same tokens."""
+    import gc
+
+    kw = {"dtype": "float32", "kv_cache_memory": 2**20, "block_size": 4,
+          "tensor_parallel_size": 2}
+    llm = LLM(tiny_models["llama"], **kw)
+    first = _tokens(llm)
+    procs = list(llm.engine._tp_procs)
+    del llm
+    gc.collect()
+    assert not any(p.is_alive() for p in procs)
+    with LLM(tiny_models["llama"], **kw) as again:
+        assert _tokens(again) == first
+
+
+def test_a_worker_dying_while_starting_fails_at_once(tiny_models):
+    """Not after the 120 s store timeout: rank 0 watches the workers while they join."""
+    import multiprocessing
+    import threading
+    import time
+
+    result = {}
+
+    def start():
+        try:
+            result["llm"] = LLM(tiny_models["llama"], dtype="float32", kv_cache_memory=2**20,
+                                tensor_parallel_size=2)
+        except Exception as e:  # noqa: BLE001 - the test inspects it
+            result["error"] = e
+
+    t0 = time.monotonic()
+    thread = threading.Thread(target=start)
+    thread.start()
+    while not multiprocessing.active_children():
+        assert thread.is_alive()
+        time.sleep(0.005)
+    multiprocessing.active_children()[0].kill()  # still importing torch: it never joins
+    thread.join(timeout=60)
+    assert not thread.is_alive()
+    if "llm" in result:  # it had joined already: too late a kill to test anything here
+        result["llm"].shutdown()
+        pytest.fail("the worker joined before it could be killed")
+    assert isinstance(result["error"], WorkerDiedError) and "while starting" in str(
+        result["error"])
+    assert time.monotonic() - t0 < 30
+    with LLM(tiny_models["llama"], dtype="float32", kv_cache_memory=2**20,
+             tensor_parallel_size=2) as llm:  # and the process can start one again
+        assert _tokens(llm, PROMPTS[:1])

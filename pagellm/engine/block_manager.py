@@ -46,6 +46,10 @@ class BlockManager:
         self._seq_num_cached: dict[int, int] = {}
         # Copy-on-write copies (src block, dst block) the model runner must do before the step.
         self.pending_copies: list[tuple[int, int]] = []
+        # Blocks registered in the cache by this step's allocations: the forward about to run
+        # writes their KV (later admissions of the same step already share them). Kept until
+        # the step commits, so a failed step can take them out again.
+        self._uncommitted: list[int] = []
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0  # of those, tokens served from it
         self.peak_used_blocks = 0  # most blocks referenced at once (benchmarks report it)
@@ -122,7 +126,29 @@ class BlockManager:
                 prev = self.blocks[seq.block_table[i - 1]] if i > 0 else None
                 block.parent = (prev.block_id, prev.generation) if prev else None
                 self.cached[hashes[i]] = block.block_id
+                self._uncommitted.append(block.block_id)
         self._seq_num_cached[seq.seq_id] = num_full
+
+    def commit(self) -> None:
+        """The step's forward wrote the KV of every block registered since the last commit."""
+        self._uncommitted.clear()
+
+    def drop_uncommitted(self) -> set[int]:
+        """The step failed before its forward wrote them: take the blocks registered since
+        the last commit out of the prefix cache (a later request with that prefix would read
+        KV never written). Returns their ids: a sequence holding one as a cache hit must
+        recompute."""
+        dropped = set(self._uncommitted)
+        for block_id in self._uncommitted:
+            block = self.blocks[block_id]
+            if block.block_hash is not None and self.cached.get(block.block_hash) == block_id:
+                del self.cached[block.block_hash]
+            block.block_hash = None
+            block.token_ids = None
+            block.parent = None
+            block.generation += 1  # blocks chained after it no longer match
+        self._uncommitted.clear()
+        return dropped
 
     # ---- allocation ----------------------------------------------------------------------
     def _pop_free_block(self) -> KVBlock:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -18,7 +19,7 @@ from pagellm.engine.memory import (keep_freed_memory, num_kv_blocks, resolve_dev
 from pagellm.layers.linear import packed_row_limit
 from pagellm.models.loader import load_model_files
 from pagellm.models.registry import build_model, may_pack
-from pagellm.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from pagellm.outputs import CompletionOutput, Prefix, RequestMetrics, RequestOutput
 from pagellm.sampling.sampler import SamplingRow, sample
 from pagellm.sampling_params import SamplingParams
 from pagellm.sequence import Sequence, SequenceStatus
@@ -58,10 +59,14 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or 10**9,
                                  _context_length(files.config))
         self._tp_procs = None
+        self._tp_stop = None
         if config.tensor_parallel_size > 1:
-            from pagellm.engine.tensor_parallel import start_workers
+            from pagellm.engine.tensor_parallel import start_workers, stop_workers
 
             self._tp_procs = start_workers(config, self.device, self.max_model_len)
+            # Workers and the process group end with the engine: shutdown(), garbage
+            # collection or interpreter exit, whichever comes first.
+            self._tp_stop = weakref.finalize(self, stop_workers, self._tp_procs)
         self.model = build_model(files, self.dtype, self.device, self.max_model_len,
                                  config.quantization)
         self.eos_token_id = _eos_id(files)
@@ -176,8 +181,8 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Stop tensor-parallel workers, if any. The engine is unusable afterwards."""
-        if self._tp_procs is not None:
-            self.runner.shutdown()
+        if self._tp_stop is not None:
+            self._tp_stop()
             self._tp_procs = None
 
     def has_unfinished_requests(self) -> bool:
@@ -193,35 +198,58 @@ class LLMEngine:
 
     # ---- the step --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """One scheduling step. A failure inside it ends only the sequences of its batch
-        (finish_reason "error", blocks returned); a lost tensor-parallel worker ends every
-        request, marks the engine dead and is raised."""
+        """One scheduling step. A failure inside it ends only the request that caused it
+        (finish_reason "error", every sequence of the request, blocks returned): a failed
+        forward is retried one sequence at a time, sampling and token processing are per
+        request. A lost tensor-parallel worker ends every request, marks the engine dead and
+        is raised."""
         if self.dead is not None:
             raise RuntimeError(self.dead)
         start = time.perf_counter()
-        if self.spec is not None:
-            self.spec.propose(self.scheduler.running)
+        self._propose()
         out = self.scheduler.schedule()
+        from pagellm.engine.tensor_parallel import WorkerDiedError
+
         try:
             outputs = self._run_batch(out)
             if self.spec is not None:
                 self.spec.observe_engine_step(len(out.seqs), time.perf_counter() - start)
             return outputs
-        except Exception as e:
-            logger.exception("engine step failed; failing its %d sequences", len(out.seqs))
-            from pagellm.engine.tensor_parallel import WorkerDiedError
+        except WorkerDiedError as e:
+            logger.exception("tensor-parallel worker lost; failing every request")
+            self.dead, lost = str(e), e
+            failed = set(self.requests)
+        except Exception:  # outside the per-request parts: the batch's requests end
+            logger.exception("engine step failed; failing the requests of its batch")
+            self.block_manager.drop_uncommitted()
+            failed = {s.request_id for s in out.seqs}
+        for rid in failed:
+            self._fail_request(rid)
+        outputs = self._collect_outputs(failed)
+        if self.dead is not None:
+            raise lost
+        return outputs
 
-            failed = out.seqs
-            if isinstance(e, WorkerDiedError):
-                self.dead = str(e)
-                failed = [s for r in self.requests.values() for s in r.seqs]
-            for seq in failed:
-                if not seq.is_finished:
-                    self._finish(seq, "error")
-            outputs = self._collect_outputs({s.request_id for s in failed})
-            if self.dead is not None:
-                raise
-            return outputs
+    def _propose(self) -> None:
+        if self.spec is None:
+            return
+        try:
+            self.spec.propose(self.scheduler.running)
+        except Exception:  # proposals are an optimisation: this step decodes without them
+            logger.exception("speculative proposal failed; this step runs without proposals")
+            for seq in self.scheduler.running:
+                self.spec.release(seq)
+
+    def _fail_request(self, request_id: str) -> None:
+        """End every sequence of a request with finish_reason "error", forks not yet made
+        included (n > 1), so none is left holding blocks or a slot."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return
+        req.pending_forks = []
+        for seq in req.seqs:
+            if not seq.is_finished:
+                self._finish(seq, "error")
 
     def _run_batch(self, out: SchedulerOutput) -> list[RequestOutput]:
         self.runner.copy_blocks(self.block_manager.take_pending_copies())
@@ -231,15 +259,56 @@ class LLMEngine:
         if not out.seqs:
             self._fail_unschedulable()
             return self._collect_outputs(set())
-        rows, owners = self._logit_rows(out)
         start = time.perf_counter()
-        logits = self.runner.execute(out, rows)
-        if self.spec is not None:
+        out, logits, failed = self._forward(out)
+        if self.spec is not None and not failed:
             self.spec.observe_step(out.total_tokens, time.perf_counter() - start, len(out.seqs))
+        self.block_manager.commit()  # the KV of this step's newly cached blocks is written
+        _, owners = self._logit_rows(out)
         for seq, n in zip(out.seqs, out.num_tokens):
             seq.num_computed_tokens += n
         touched = self._process_samples(owners, logits)
-        return self._collect_outputs(touched)
+        return self._collect_outputs(touched | failed)
+
+    def _forward(self, out: SchedulerOutput):
+        """The step's forward. If it fails, each sequence runs alone and the requests whose
+        sequence fails alone are ended: one bad request never fails its batch. Returns the
+        sequences that ran, their logits rows and the failed request ids."""
+        from pagellm.engine.tensor_parallel import WorkerDiedError
+
+        rows, _ = self._logit_rows(out)
+        try:
+            return out, self.runner.execute(out, rows), set()
+        except WorkerDiedError:
+            raise
+        except Exception:
+            logger.exception("forward of %d sequences failed; running each alone", len(out))
+        # Blocks this step put in the prefix cache may never be written now; a sequence that
+        # took one as a cache hit in this step recomputes instead.
+        dropped = self.block_manager.drop_uncommitted()
+        bs = self.block_manager.block_size
+        kept, parts, failed = SchedulerOutput(), [], set()
+        for seq, n in zip(out.seqs, out.num_tokens):
+            if seq.is_finished:  # a sibling's failure ended it
+                continue
+            if any(b in dropped for b in seq.block_table[:seq.num_cached_tokens // bs]):
+                self.scheduler.recompute(seq)
+                continue
+            one = SchedulerOutput([seq], [n])
+            try:
+                parts.append(self.runner.execute(one, self._logit_rows(one)[0]))
+            except WorkerDiedError:
+                raise
+            except Exception:
+                logger.exception("request %s: its forward fails alone; ending it",
+                                 seq.request_id)
+                failed.add(seq.request_id)
+                self._fail_request(seq.request_id)
+                continue
+            kept.seqs.append(seq)
+            kept.num_tokens.append(n)
+        logits = torch.cat(parts) if parts else torch.empty(0)
+        return kept, logits, failed
 
     @property
     def spec_stats(self):
@@ -276,26 +345,71 @@ class LLMEngine:
             plain.extend(forks)
             plain_rows.extend([plain_rows[i]] * len(forks))
         if plain:
-            rows = [SamplingRow(s.params, s.prompt_token_ids, s.output_token_ids,
-                                s.generator or self._rng, self.eos_token_ids) for s in plain]
-            result, dead = self._sample_plain(plain, rows, logits[plain_rows])
-            for i, seq in enumerate(plain):
-                if i in dead:
-                    self._grammar_dead_end(seq)
-                    continue
-                self._append_token(seq, result.token_ids[i], result.logprobs[i], now)
+            drawn = self._per_request(self._draw_plain, plain, logits[plain_rows])
+            for seq, d in zip(plain, drawn):
+                if d is not None and not seq.is_finished:
+                    self._guarded(seq, self._emit_plain, seq, d, now)
         if spec:
-            for seq, verified in zip(spec, self.spec.verify(spec, spec_logits, self._rng)):
-                for token, lp in zip(verified.token_ids, verified.logprobs):
-                    self._append_token(seq, token, lp, now)
-                    if seq.is_finished:
-                        break
-                if not seq.is_finished:
-                    # KV is valid up to the last accepted proposal; the rest is rolled back.
-                    seq.num_computed_tokens = seq.num_tokens - 1
-                    self.block_manager.truncate(seq, seq.num_computed_tokens)
-                    self.spec.after_verify(seq)
+            verified = self._per_request(self._verify, spec, spec_logits)
+            for seq, v in zip(spec, verified):
+                if v is not None and not seq.is_finished:
+                    self._guarded(seq, self._emit_verified, seq, v, now)
         return {seq.request_id for seq, _ in owners}
+
+    def _per_request(self, fn, seqs: list[Sequence], data) -> list:
+        """fn(seqs, data) -> one result per sequence, for the batch at once; if that raises,
+        per sequence, ending the requests whose sequence raises alone (result None)."""
+        try:
+            return fn(seqs, data)
+        except Exception:
+            logger.exception("%s over %d sequences failed; retrying each alone", fn.__name__,
+                             len(seqs))
+        results = []
+        for i, seq in enumerate(seqs):
+            results.append(None)
+            if seq.is_finished:
+                continue
+            try:
+                results[-1] = fn([seq], data[i:i + 1])[0]
+            except Exception:
+                logger.exception("request %s: %s fails alone; ending it", seq.request_id,
+                                 fn.__name__)
+                self._fail_request(seq.request_id)
+        return results
+
+    def _guarded(self, seq: Sequence, fn, *args) -> None:
+        try:
+            fn(*args)
+        except Exception:
+            logger.exception("request %s: processing its tokens failed; ending it",
+                             seq.request_id)
+            self._fail_request(seq.request_id)
+
+    def _draw_plain(self, seqs: list[Sequence], logits: torch.Tensor) -> list:
+        rows = [SamplingRow(s.params, s.prompt_token_ids, s.output_token_ids,
+                            s.generator or self._rng, self.eos_token_ids) for s in seqs]
+        result, dead = self._sample_plain(seqs, rows, logits)
+        return [_DEAD_END if i in dead else (result.token_ids[i], result.logprobs[i])
+                for i in range(len(seqs))]
+
+    def _emit_plain(self, seq: Sequence, drawn, now: float) -> None:
+        if drawn is _DEAD_END:
+            self._grammar_dead_end(seq)
+        else:
+            self._append_token(seq, *drawn, now)
+
+    def _verify(self, seqs: list[Sequence], logits: list[torch.Tensor]) -> list:
+        return self.spec.verify(seqs, logits, self._rng)
+
+    def _emit_verified(self, seq: Sequence, verified, now: float) -> None:
+        for token, lp in zip(verified.token_ids, verified.logprobs):
+            self._append_token(seq, token, lp, now)
+            if seq.is_finished:
+                return
+        # KV is valid up to the last accepted proposal; the rest is rolled back.
+        seq.num_computed_tokens = seq.num_tokens - 1
+        self.block_manager.truncate(seq, seq.num_computed_tokens)
+        self.spec.after_verify(seq)
 
     def _sample_plain(self, seqs: list[Sequence], rows: list[SamplingRow], logits: torch.Tensor):
         """Sample one token per row. A constrained row first draws without its grammar's mask:
@@ -409,11 +523,13 @@ class LLMEngine:
         return outputs
 
     def make_output(self, req: Request) -> RequestOutput:
+        # A running request's lists are Prefix views (O(1) a step); a finished one's are copies.
+        snap = list if req.finished else Prefix
         comps = [CompletionOutput(
-            index=s.index, text=s.text, token_ids=list(s.output_token_ids),
+            index=s.index, text=s.text, token_ids=snap(s.output_token_ids),
             finish_reason=s.finish_reason, stop_reason=s.stop_reason,
             cumulative_logprob=s.cumulative_logprob if s.params.logprobs is not None else None,
-            logprobs=list(s.logprobs) if s.params.logprobs is not None else None)
+            logprobs=snap(s.logprobs) if s.params.logprobs is not None else None)
             for s in req.seqs]
         first = [s.first_token_time for s in req.seqs if s.first_token_time is not None]
         fin = [s.finish_time for s in req.seqs if s.finish_time is not None]
@@ -422,11 +538,14 @@ class LLMEngine:
             finished_time=max(fin) if req.finished and fin else None,
             num_cached_tokens=req.seqs[0].num_cached_tokens,
             num_preemptions=sum(s.num_preemptions for s in req.seqs),
-            token_times=list(req.seqs[0].token_times),
+            token_times=snap(req.seqs[0].token_times),
             num_draft_tokens=sum(s.num_draft_tokens for s in req.seqs),
             num_accepted_tokens=sum(s.num_accepted_tokens for s in req.seqs))
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, comps,
                              req.finished, metrics, req.seqs[0].num_cached_tokens)
+
+
+_DEAD_END = object()  # a drawn row whose grammar allows no token
 
 
 def _truncates(p: SamplingParams) -> bool:

@@ -103,6 +103,12 @@ class Scheduler:
             out.num_tokens.append(num)
             budget -= num
 
+    def recompute(self, seq: Sequence) -> None:
+        """Send a running sequence back to the head of the queue to recompute its tokens (its
+        cached prefix was dropped by a failed step)."""
+        self.running.remove(seq)
+        self._preempt(seq, SchedulerOutput())
+
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.block_manager.free(seq)
         seq.reset_for_recompute()

@@ -8,9 +8,11 @@ prefix caching and speculative decoding (the draft runs on rank 0) work unchange
 """
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import socket
+import time
 from datetime import timedelta
 
 import torch
@@ -22,6 +24,7 @@ from pagellm.engine.model_runner import ModelRunner
 
 logger = logging.getLogger("pagellm")
 _TIMEOUT = timedelta(seconds=120)
+_JOINED = "pagellm/joined"  # store counter: workers about to join the group
 
 
 class WorkerDiedError(RuntimeError):
@@ -43,20 +46,67 @@ def _threads(tp_size: int) -> None:
 
 
 def start_workers(config, device: torch.device, max_model_len: int) -> list:
-    """Spawn ranks 1..N-1 and join the process group as rank 0."""
+    """Spawn ranks 1..N-1 and join the process group as rank 0. A worker that exits before
+    it joins is noticed at once (WorkerDiedError), not after the store's timeout."""
+    if dist.is_initialized():
+        gc.collect()  # a deleted engine caught in a reference cycle: its finalizer stops it
+    if dist.is_initialized():
+        raise RuntimeError("this process already runs a tensor-parallel engine; shut it down "
+                           "(LLM.shutdown(), or `with LLM(...)`) before starting another")
     tp = config.tensor_parallel_size
     port = _free_port()
+    store = dist.TCPStore("127.0.0.1", port, tp, True, timeout=_TIMEOUT,
+                          wait_for_workers=False)
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=_worker_main, args=(rank, port, config, str(device), max_model_len),
                          daemon=True, name=f"pagellm-tp{rank}") for rank in range(1, tp)]
     for p in procs:
         p.start()
-    dist.init_process_group(_backend(device), init_method=f"tcp://127.0.0.1:{port}", rank=0,
-                            world_size=tp, timeout=_TIMEOUT)
+    try:
+        _wait_joined(store, procs)
+        dist.init_process_group(_backend(device), store=store, rank=0, world_size=tp,
+                                timeout=_TIMEOUT)
+    except BaseException:
+        stop_workers(procs)
+        raise
     parallel.set_tp(0, tp)
     _threads(tp)
     logger.info("tensor parallel: %d ranks (%s)", tp, _backend(device))
     return procs
+
+
+def _wait_joined(store, procs: list) -> None:
+    """Until every worker has said it is joining (a counter in the store), watching that
+    each is still alive."""
+    deadline = time.monotonic() + _TIMEOUT.total_seconds()
+    while store.add(_JOINED, 0) < len(procs):
+        for p in procs:
+            if not p.is_alive():
+                raise WorkerDiedError(f"tensor-parallel worker {p.name} exited while starting "
+                                      f"(exit code {p.exitcode})")
+        if time.monotonic() > deadline:
+            raise WorkerDiedError("tensor-parallel workers did not start within "
+                                  f"{_TIMEOUT.total_seconds():.0f} s")
+        time.sleep(0.05)
+
+
+def stop_workers(procs: list) -> None:
+    """Stop the workers and leave the process group (idempotent): also run by the engine's
+    finalizer when it is garbage-collected or at exit, so that a later engine in the same
+    process can start its own group."""
+    if procs and dist.is_initialized() and all(p.is_alive() for p in procs):
+        try:
+            dist.broadcast_object_list([("stop",)], src=0)
+        except RuntimeError:
+            pass
+    for p in procs:
+        p.join(timeout=10)
+        if p.is_alive():
+            p.terminate()
+            p.join(timeout=5)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    parallel.set_tp(0, 1)
 
 
 def _worker_main(rank: int, port: int, config, device: str, max_model_len: int) -> None:
@@ -68,7 +118,10 @@ def _worker_main(rank: int, port: int, config, device: str, max_model_len: int) 
     if dev.type == "cuda":
         dev = torch.device("cuda", rank)
         torch.cuda.set_device(dev)
-    dist.init_process_group(_backend(dev), init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+    store = dist.TCPStore("127.0.0.1", port, config.tensor_parallel_size, False,
+                          timeout=_TIMEOUT)
+    store.add(_JOINED, 1)
+    dist.init_process_group(_backend(dev), store=store, rank=rank,
                             world_size=config.tensor_parallel_size, timeout=_TIMEOUT)
     parallel.set_tp(rank, config.tensor_parallel_size)
     _threads(config.tensor_parallel_size)
@@ -137,15 +190,4 @@ class TPModelRunner(ModelRunner):
         super().copy_blocks(copies)
 
     def shutdown(self) -> None:
-        if all(p.is_alive() for p in self.procs):
-            try:
-                self._send(("stop",))
-            except WorkerDiedError:
-                pass
-        for p in self.procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.terminate()
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        parallel.set_tp(0, 1)
+        stop_workers(self.procs)

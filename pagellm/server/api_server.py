@@ -15,6 +15,7 @@ import logging
 import os
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from types import SimpleNamespace
 
@@ -28,6 +29,7 @@ from pagellm.engine.detokenizer import stable_text_len
 from pagellm.metrics import ServerMetrics
 from pagellm.outputs import CompletionOutput, RequestOutput
 from pagellm.server.chat_template import render_chat
+from pagellm.server.limits import LimitGate, Limits
 from pagellm.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
                                      DetokenizeRequest, TokenizeRequest, chat_logprobs,
                                      completion_logprobs, parse_request, sampling_error, usage)
@@ -45,8 +47,10 @@ class OpenAIServer:
     """State shared by the routes: the engine loop, tokenizer, names and limits."""
 
     def __init__(self, engine, model_name: str, api_key: str | None = None,
-                 max_waiting: int | None = None, sampling_defaults: dict | None = None):
+                 max_waiting: int | None = None, sampling_defaults: dict | None = None,
+                 limits: Limits | None = None):
         self.engine = engine
+        self.limits = limits or Limits()
         # Values for the sampling fields a request leaves out (the model's generation config
         # or --default-* flags); empty: OpenAI's defaults.
         self.sampling_defaults = dict(sampling_defaults or {})
@@ -54,6 +58,10 @@ class OpenAIServer:
         self.async_engine = AsyncEngine(engine, self.metrics)
         # The engine thread detokenizes with engine.tokenizer; the event loop gets its own copy.
         self.tokenizer = copy.deepcopy(engine.tokenizer) if engine.tokenizer is not None else None
+        # Tokenizing and chat templating run here, one at a time (a tokenizer is not safe to
+        # share between threads), never on the event loop: a megabyte prompt must not stall
+        # every other client's stream.
+        self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="pagellm-tokenize")
         self.model_name = model_name
         self.api_key = api_key
         self.max_waiting = max_waiting
@@ -87,24 +95,33 @@ class OpenAIServer:
             raise APIError(400, f"{what}: this model has no tokenizer; send token ids",
                            param=what)
 
+    async def off_loop(self, fn, *args):
+        """fn(*args) on the tokenizer thread."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, fn, *args)
+
     def encode_prompt(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             self.need_tokenizer("prompt")
-            return prompt, self.tokenizer.encode(prompt)  # as LLMEngine._tokenize does
-        return None, list(prompt)
+            ids = self.tokenizer.encode(prompt)  # as LLMEngine._tokenize does
+        else:
+            prompt, ids = None, list(prompt)
+        self.limits.check_prompt_tokens(len(ids), "prompt")
+        return prompt, ids
 
     def encode_chat(self, messages, add_generation_prompt: bool,
                     tools: list[dict] | None = None) -> list[int]:
         """messages: ChatMessage models or dicts already in the template's form."""
         try:
-            return render_chat(self.tokenizer,
-                               [m if isinstance(m, dict) else m.as_dict() for m in messages],
-                               add_generation_prompt, tools)
+            ids = render_chat(self.tokenizer,
+                              [m if isinstance(m, dict) else m.as_dict() for m in messages],
+                              add_generation_prompt, tools)
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from None
         except Exception as e:  # a template that raises (jinja TemplateError, ...)
             raise APIError(400, f"messages: the chat template failed: {e}",
                            param="messages") from None
+        self.limits.check_prompt_tokens(len(ids), "messages")
+        return ids
 
     def max_tokens(self, num_prompt: int, requested: int | None, what: str) -> int:
         """The generation budget; 400 when prompt + max_tokens exceed the context."""
@@ -131,7 +148,8 @@ class OpenAIServer:
         503 when the waiting queue is full; 400 when the engine refuses a prompt (a schema or
         grammar it cannot compile: 400 naming structured_field, the field that sent it)."""
         waiting = self.async_engine.num_waiting
-        if self.max_waiting is not None and waiting >= self.max_waiting:
+        new = sum(p.n for p in params)  # every sequence of every prompt will wait
+        if self.max_waiting is not None and waiting + new > self.max_waiting:
             raise APIError(503, f"The server is overloaded: {waiting} requests are waiting "
                            f"(--max-waiting {self.max_waiting}). Retry later.",
                            code="queue_full", headers={"Retry-After": "1"})
@@ -306,7 +324,11 @@ async def create_completion(request: Request):
     if req.echo and req.logprobs is not None:
         raise APIError(400, "logprobs: not supported together with echo (prompt logprobs are "
                        "not computed)", param="logprobs")
-    encoded = [api.encode_prompt(p) for p in req.prompts()]
+    prompts = req.prompts()
+    api.limits.check_sequences(len(prompts), req.n)
+    api.limits.check_stop(req.stop)
+    api.limits.check_logprobs(req.logprobs, "logprobs")
+    encoded = await api.off_loop(lambda: [api.encode_prompt(p) for p in prompts])
     structured, structured_field = req.structured()
     try:
         params = [req.sampling_params(api.max_tokens(len(ids), req.max_tokens, "prompt"),
@@ -369,8 +391,12 @@ async def create_chat_completion(request: Request):
     tools = tool_dicts(req.tools)
     tool_choice, only = resolve_tool_choice(req.tool_choice, tools)
     native = template_knows_tools(api.tokenizer)
+    api.limits.check_sequences(1, req.n)
+    api.limits.check_stop(req.stop)
+    api.limits.check_logprobs(req.top_logprobs, "top_logprobs")
     messages = prompt_messages([m.as_dict() for m in req.messages], tools, native)
-    ids = api.encode_chat(messages, req.add_generation_prompt, tools if native else None)
+    ids = await api.off_loop(api.encode_chat, messages, req.add_generation_prompt,
+                             tools if native else None)
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs: requires logprobs to be true", param="top_logprobs")
     num_top = (req.top_logprobs or 0) if req.logprobs else None
@@ -461,9 +487,10 @@ async def tokenize(request: Request):
         raise APIError(400, "give exactly one of `prompt` and `messages`", param="prompt")
     api.need_tokenizer("prompt" if req.messages is None else "messages")
     if req.messages is not None:
-        ids = api.encode_chat(req.messages, req.add_generation_prompt)
+        ids = await api.off_loop(api.encode_chat, req.messages, req.add_generation_prompt)
     else:
-        ids = api.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        ids = await api.off_loop(lambda: api.tokenizer.encode(
+            req.prompt, add_special_tokens=req.add_special_tokens))
     return {"tokens": ids, "count": len(ids), "max_model_len": api.max_model_len}
 
 
@@ -476,7 +503,7 @@ async def detokenize(request: Request):
     if bad:
         raise APIError(400, f"tokens: ids out of range [0, {api.engine.vocab_size}): {bad[:5]}",
                        param="tokens")
-    return {"prompt": api.tokenizer.decode(req.tokens)}
+    return {"prompt": await api.off_loop(api.tokenizer.decode, req.tokens)}
 
 
 async def health(request: Request):
@@ -540,19 +567,44 @@ def build_app(api: OpenAIServer) -> FastAPI:
             yield
         finally:
             await api.async_engine.shutdown()
+            api._tokenizer_thread.shutdown(wait=False)
 
     app = FastAPI(title="pagellm", lifespan=lifespan)
     app.state.api = api
+    # Gate (drain, API key) runs first, then the limits (in-flight requests, body size).
+    app.add_middleware(LimitGate, limits=api.limits, error_response=error_response)
     app.add_middleware(Gate, api=api)
-    app.add_api_route("/v1/completions", create_completion, methods=["POST"])
-    app.add_api_route("/v1/chat/completions", create_chat_completion, methods=["POST"])
+    bodies = {"/v1/completions": (create_completion, CompletionRequest),
+              "/v1/chat/completions": (create_chat_completion, ChatCompletionRequest),
+              "/tokenize": (tokenize, TokenizeRequest),
+              "/detokenize": (detokenize, DetokenizeRequest)}
+    for path, (route, _) in bodies.items():
+        app.add_api_route(path, route, methods=["POST"])
     app.add_api_route("/v1/models", list_models, methods=["GET"])
-    app.add_api_route("/tokenize", tokenize, methods=["POST"])
-    app.add_api_route("/detokenize", detokenize, methods=["POST"])
     app.add_api_route("/health", health, methods=["GET"])
     app.add_api_route("/ping", health, methods=["GET"])
     app.add_api_route("/metrics", metrics, methods=["GET"])
     app.add_api_route("/version", version, methods=["GET"])
+
+    def openapi() -> dict:
+        """The routes parse their bodies themselves (strict pydantic, errors naming the
+        field); the OpenAPI document still describes each body, for clients and fuzzers."""
+        if app.openapi_schema is None:
+            from fastapi.openapi.utils import get_openapi
+
+            doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            schemas = doc.setdefault("components", {}).setdefault("schemas", {})
+            for path, (_, model) in bodies.items():
+                body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                schemas.update(body.pop("$defs", {}))
+                schemas[model.__name__] = body
+                doc["paths"][path]["post"]["requestBody"] = {"required": True, "content": {
+                    "application/json": {"schema": {
+                        "$ref": f"#/components/schemas/{model.__name__}"}}}}
+            app.openapi_schema = doc
+        return app.openapi_schema
+
+    app.openapi = openapi
 
     @app.exception_handler(APIError)
     async def _api_error(request, exc: APIError):
@@ -595,7 +647,8 @@ def serve(args, engine_kwargs: dict) -> int:
     logger.info("sampling defaults for fields a request omits: %s, from %s",
                 ", ".join(f"{k}={v}" for k, v in defaults.items()) or "none", source)
     api = OpenAIServer(engine, name, api_key=args.api_key or os.environ.get("PAGELLM_API_KEY"),
-                       max_waiting=args.max_waiting, sampling_defaults=defaults)
+                       max_waiting=args.max_waiting, sampling_defaults=defaults,
+                       limits=Limits.from_args(args))
     config = uvicorn.Config(build_app(api), host=args.host, port=args.port, log_level="info",
                             timeout_graceful_shutdown=5, lifespan="on")
     server = DrainingServer(config, api, args.drain_timeout)
