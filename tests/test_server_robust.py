@@ -117,6 +117,8 @@ def test_requests_past_max_connections_get_503_with_retry_after(tiny_path):
             r = post(srv, "/v1/completions", _c())
             assert "--max-connections" in error_of(r, 503)
             assert r.headers["retry-after"] == "1"
+            assert httpx.get(srv.url + "/health").status_code == 200  # probes still answer
+            assert httpx.get(srv.url + "/metrics").status_code == 200
         wait_idle(srv)
         assert post(srv, "/v1/completions", _c()).status_code == 200
         wait_idle(srv)

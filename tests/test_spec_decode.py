@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from pagellm import LLM, SamplingParams
-from pagellm.sampling.rejection import rejection_sample, rejection_sample_reference
+from pagellm.sampling.rejection import rejection_sample
 from pagellm.sequence import Sequence
 from pagellm.spec_decode.adaptive import AdaptiveK, StepTimes, StepWalls
 from tests.conftest import make_tiny_model
@@ -26,27 +26,52 @@ def _random_case(batch, k, vocab, one_hot_q, seed):
     return p, draft, num_draft, q, uniforms, noise
 
 
+def reference_rejection_sample(p, draft, num_draft, q, uniforms, noise):
+    """Speculative rejection sampling written plainly from its definition (Leviathan et al.
+    2023), one row and one position at a time: accept x_j when u_j < p_j(x_j) / q_j(x_j); at
+    the first rejection draw from normalize(max(0, p_j - q_j)); after k accepts, from p_k.
+    q None: one-hot proposals. A draw from a distribution d is argmax(d / Exp(1) noise)."""
+    batch, _, vocab = p.shape
+    num_accepted, final = [], []
+    for b in range(batch):
+        for j in range(int(num_draft[b])):
+            x = int(draft[b, j])
+            qj = torch.nn.functional.one_hot(torch.tensor(x), vocab).to(p.dtype) if q is None \
+                else q[b, j]
+            if float(uniforms[b, j]) < float(p[b, j, x]) / float(qj[x]):
+                continue
+            residual = (p[b, j] - qj).clamp(min=0)
+            d = residual / residual.sum() if residual.sum() > 0 else p[b, j]
+            num_accepted.append(j)
+            final.append(int((d / noise[b]).argmax()))
+            break
+        else:
+            j = int(num_draft[b])
+            num_accepted.append(j)
+            final.append(int((p[b, j] / noise[b]).argmax()))
+    return torch.tensor(num_accepted), torch.tensor(final)
+
+
 @pytest.mark.parametrize("one_hot_q", [False, True])
 def test_batched_equals_reference(one_hot_q):
     for seed in range(5):
         case = _random_case(batch=64, k=4, vocab=12, one_hot_q=one_hot_q, seed=seed)
         got = rejection_sample(*case)
-        want = rejection_sample_reference(*case)
+        want = reference_rejection_sample(*case)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
-def _emitted_histograms(p_row, q_row, n, vocab, one_hot_q, seed):
-    """Repeat one (p, q) case n times with fresh randomness; histograms of the first and
-    second emitted token. p is the same at every position, so each emitted token ~ p."""
+def _emitted_histograms(p_rows, q_rows, n, vocab, one_hot_q, seed):
+    """Repeat one case n times with fresh randomness: a distinct target p_j and draft q_j at
+    each of k = 2 positions (+ the bonus p_2); histograms of the first and second emitted
+    token. p_j does not depend on the tokens before it here, so emitted token j ~ p_j: a
+    sampler reading another position's p or q gets another law."""
     g = torch.Generator().manual_seed(seed)
     k = 2
-    p = p_row.expand(n, k + 1, vocab).contiguous()
-    if one_hot_q:
-        draft = torch.multinomial(q_row, n * k, replacement=True, generator=g).view(n, k)
-        q = None
-    else:
-        q = q_row.expand(n, k, vocab).contiguous()
-        draft = torch.multinomial(q_row, n * k, replacement=True, generator=g).view(n, k)
+    p = p_rows.expand(n, k + 1, vocab).contiguous()
+    draft = torch.stack([torch.multinomial(q_rows[j], n, replacement=True, generator=g)
+                         for j in range(k)], dim=1)
+    q = None if one_hot_q else q_rows.expand(n, k, vocab).contiguous()
     uniforms = torch.rand(n, k, generator=g)
     noise = torch.empty(n, vocab).exponential_(generator=g)
     acc, final = rejection_sample(p, draft, torch.full((n,), k), q, uniforms, noise)
@@ -61,18 +86,19 @@ def _emitted_histograms(p_row, q_row, n, vocab, one_hot_q, seed):
 def test_emitted_tokens_follow_target_distribution(one_hot_q):
     vocab = 8
     g = torch.Generator().manual_seed(3)
-    p = torch.softmax(torch.randn(vocab, generator=g) * 1.5, -1)
-    # The draft guesses from a quite different distribution (for one-hot q: its proposals).
-    q = torch.softmax(torch.randn(vocab, generator=g) * 1.5, -1)
+    p = torch.softmax(torch.randn(3, vocab, generator=g) * 1.5, -1)  # p_0, p_1, bonus p_2
+    # The draft guesses from quite different distributions (for one-hot q: its proposals).
+    q = torch.softmax(torch.randn(2, vocab, generator=g) * 1.5, -1)
     tv = lambda a, b: 0.5 * float((a - b).abs().sum())
     small = _emitted_histograms(p, q, 500, vocab, one_hot_q, seed=1)
     large = _emitted_histograms(p, q, 100_000, vocab, one_hot_q, seed=2)
-    for (hist_small, _), (hist_large, n) in zip(small, large):
+    for j, ((hist_small, _), (hist_large, n)) in enumerate(zip(small, large)):
         # Sampling noise alone gives a total variation of about sqrt(vocab / n) / 2.
-        assert tv(hist_large, p) < (vocab / n) ** 0.5
-        assert tv(hist_large, p) < tv(hist_small, p)  # converges as samples grow
-        assert tv(hist_large, q) > 0.1  # and not to the draft's distribution
-    assert tv(p, q) > 0.15
+        assert tv(hist_large, p[j]) < (vocab / n) ** 0.5, j
+        assert tv(hist_large, p[j]) < tv(hist_small, p[j])  # converges as samples grow
+        assert tv(hist_large, q[j]) > 0.1  # and not to the draft's distribution
+        assert tv(hist_large, p[1 - j]) > 0.1  # nor to the other position's target
+    assert min(tv(p[j], q[j]) for j in range(2)) > 0.15 and tv(p[0], p[1]) > 0.2
 
 
 def test_one_hot_acceptance_has_the_emission_probability():

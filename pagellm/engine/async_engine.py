@@ -243,8 +243,10 @@ class AsyncEngine:
         try:
             outputs = self.engine.step()
         except Exception as e:
-            # The batch failed as a whole; fail every request in it (the engine cannot say
-            # which were scheduled), free their blocks, and keep serving new requests.
+            # LLMEngine.step ends a request that fails inside a step by itself (its output
+            # arrives with finish_reason "error", below); it raises only when the engine is
+            # lost (a tensor-parallel worker) or its own bookkeeping failed: fail everything
+            # inside, free the blocks, and keep serving new requests if it can.
             self.num_step_failures += 1
             logger.exception("engine step failed; failing %d requests", len(self._slots))
             # a lost worker is said as such (engine.dead); any other exception's text stays in

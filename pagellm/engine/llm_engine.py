@@ -260,9 +260,10 @@ class LLMEngine:
             self._fail_unschedulable()
             return self._collect_outputs(set())
         start = time.perf_counter()
-        out, logits, failed = self._forward(out)
-        if self.spec is not None and not failed:
+        ran, logits, failed = self._forward(out)
+        if self.spec is not None and ran is out:  # a rerun's time says nothing of step costs
             self.spec.observe_step(out.total_tokens, time.perf_counter() - start, len(out.seqs))
+        out = ran
         self.block_manager.commit()  # the KV of this step's newly cached blocks is written
         _, owners = self._logit_rows(out)
         for seq, n in zip(out.seqs, out.num_tokens):

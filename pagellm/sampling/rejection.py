@@ -10,7 +10,7 @@ p_j(x_j) and the residual is p_j with x_j removed. Greedy requests use p = one-h
 a proposal is accepted iff it is the argmax, and the emitted token is always the argmax.
 
 Randomness is passed in (uniforms and exponential noise), so the batched version and the plain
-reference below can be compared draw for draw.
+reference in tests/test_spec_decode.py can be compared draw for draw.
 """
 from __future__ import annotations
 
@@ -57,35 +57,6 @@ def rejection_sample(
         p_final = torch.where(rejected.unsqueeze(1), residual, p_final)
     final = (p_final / noise).argmax(dim=1)  # one draw per row: argmax(p / Exp(1))
     return num_accepted, final
-
-
-def rejection_sample_reference(target_probs, draft_token_ids, num_draft, draft_probs, uniforms,
-                               noise) -> tuple[torch.Tensor, torch.Tensor]:
-    """The same rule written plainly, one row and one position at a time."""
-    batch, _, vocab = target_probs.shape
-    num_accepted, final = [], []
-    for b in range(batch):
-        token = None
-        for j in range(int(num_draft[b])):
-            x = int(draft_token_ids[b, j])
-            p = target_probs[b, j]
-            q = torch.zeros(vocab, dtype=p.dtype)
-            if draft_probs is None:
-                q[x] = 1.0
-            else:
-                q = draft_probs[b, j]
-            if float(uniforms[b, j]) * float(q[x]) < float(p[x]):
-                continue
-            residual = torch.clamp(p - q, min=0)
-            dist = residual / residual.sum() if residual.sum() > 0 else p
-            token = (j, int((dist / noise[b]).argmax()))
-            break
-        if token is None:
-            n = int(num_draft[b])
-            token = (n, int((target_probs[b, n] / noise[b]).argmax()))
-        num_accepted.append(token[0])
-        final.append(token[1])
-    return torch.tensor(num_accepted), torch.tensor(final)
 
 
 def one_hot_argmax(probs: torch.Tensor) -> torch.Tensor:

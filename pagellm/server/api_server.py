@@ -156,9 +156,15 @@ class OpenAIServer:
         waker = asyncio.Event()
         slots: list[RequestSlot] = []
         try:
-            for i, (ids, p) in enumerate(zip(prompts, params)):
-                slots.append(await self.async_engine.add_request(
-                    f"{request_id}-{i}", ids, p, waker, arrival))
+            # Queued together, so the engine thread takes them all between two steps (one
+            # await each would add one prompt per step).
+            added = await asyncio.gather(*(
+                self.async_engine.add_request(f"{request_id}-{i}", ids, p, waker, arrival)
+                for i, (ids, p) in enumerate(zip(prompts, params))), return_exceptions=True)
+            slots = [a for a in added if isinstance(a, RequestSlot)]
+            for a in added:
+                if isinstance(a, BaseException):
+                    raise a
         except StructuredOutputError as e:
             self.abort(slots)
             field = structured_field or "structured_outputs"

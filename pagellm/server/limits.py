@@ -65,9 +65,12 @@ class Limits:
                            f"{self.max_logprobs} (--max-logprobs)", param=field)
 
 
+UNLIMITED = ("/health", "/ping", "/metrics", "/version")
+
+
 class LimitGate:
-    """Pure ASGI middleware: 503 + Retry-After past max_connections requests in flight, and
-    413 for a body over max_body_bytes, told by Content-Length or counted as it arrives (a
+    """Pure ASGI middleware: 503 + Retry-After past max_connections requests in flight (health
+    probes and metric scrapes are never refused), and 413 for a body over max_body_bytes, told by Content-Length or counted as it arrives (a
     chunked body is read up to the limit, then handed on whole)."""
 
     def __init__(self, app, limits: Limits, error_response):
@@ -78,6 +81,9 @@ class LimitGate:
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        if scope["path"] in UNLIMITED:  # probes and scrapes must answer under any load
             await self.app(scope, receive, send)
             return
         if self.in_flight >= self.limits.max_connections:
