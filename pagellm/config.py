@@ -51,7 +51,6 @@ class CacheConfig:
 class SchedulerConfig:
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
-    max_waiting: int | None = None  # bound on queued requests (server answers 503 past it)
 
     def __post_init__(self):
         if self.max_num_seqs < 1:
@@ -59,8 +58,6 @@ class SchedulerConfig:
         if self.max_num_batched_tokens < 1:
             raise ValueError(
                 f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
-        if self.max_waiting is not None and self.max_waiting < 0:
-            raise ValueError(f"max_waiting must be >= 0, got {self.max_waiting}")
 
 
 @dataclass(frozen=True, slots=True)

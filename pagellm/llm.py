@@ -99,6 +99,6 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        from pagellm.server.chat_template import render_chat
+        from pagellm.chat_template import render_chat
 
         return render_chat(self.engine.tokenizer, messages, add_generation_prompt)

@@ -56,7 +56,6 @@ class Sequence:
     constraint: object | None = None
 
     first_token_time: float | None = None
-    last_token_time: float | None = None
     finish_time: float | None = None
     token_times: list[float] = field(default_factory=list)
 
@@ -93,20 +92,6 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status == SequenceStatus.FINISHED
-
-    @property
-    def last_token_id(self) -> int:
-        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
-
-    def token_at(self, i: int) -> int:
-        """Token at position i, speculative tail included."""
-        n_prompt = len(self.prompt_token_ids)
-        if i < n_prompt:
-            return self.prompt_token_ids[i]
-        i -= n_prompt
-        if i < len(self.output_token_ids):
-            return self.output_token_ids[i]
-        return self.spec_token_ids[i - len(self.output_token_ids)]
 
     def tokens_slice(self, start: int, end: int) -> list[int]:
         """Tokens at positions [start, end), speculative tail included. O(end - start): it is

@@ -76,25 +76,39 @@ def test_fused_layer_output_equals_module_output_per_step():
     up to float32 rounding (relative to the residual stream's largest value). A rounding
     difference (vectorized exp, summation order) can move an activation across one int16
     quantization step, 1/32767 of its row's largest value, hence 1e-4; a wrong formula is
-    off by more than 1e-2."""
+    off by more than 1e-2. The fused call runs first, on the cache as the step found it, and
+    the K/V it writes are compared with the module path's from the same starting cache (run
+    second, the module path's own writes would hide a fused layer that wrote none)."""
     llm = LLM(dtype="bfloat16", kv_cache_memory="32MiB", block_size=4)
     try:
         layer = llm.engine.model.layers[7]
+        attn = layer.self_attn
         fused = layer.fused
-        diffs = []
+        diffs, kv_diffs = [], []
 
         class Compare:
             def usable(self, x, md):
                 return fused.usable(x, md)
 
             def __call__(self, positions, x, md):
+                before = attn.k_cache.clone(), attn.v_cache.clone()
+                inp = x.clone()
+                out = fused(positions, x, md)
+                fused_kv = attn.k_cache.clone(), attn.v_cache.clone()
+                attn.k_cache.copy_(before[0])
+                attn.v_cache.copy_(before[1])
                 layer.fused = None
                 try:
-                    ref = layer(positions, x.clone(), md)
+                    ref = layer(positions, inp, md)
                 finally:
                     layer.fused = self
-                out = fused(positions, x, md)
                 diffs.append(((out - ref).abs().max() / ref.abs().max()).item())
+                slots = md.slot_mapping.long()
+                for got, cache in zip(fused_kv, (attn.k_cache, attn.v_cache)):
+                    flat_got = got.flatten(0, 1)[slots]
+                    flat_ref = cache.flatten(0, 1)[slots]
+                    kv_diffs.append(((flat_got - flat_ref).abs().max()
+                                     / flat_ref.abs().max()).item())
                 return out
 
         layer.fused = Compare()
@@ -102,4 +116,5 @@ def test_fused_layer_output_equals_module_output_per_step():
         llm.generate(PROMPTS, sp, use_tqdm=False)
     finally:
         llm.shutdown()
+    assert len(kv_diffs) >= 10 and max(kv_diffs) < 1e-4, kv_diffs
     assert len(diffs) >= 5 and max(diffs) < 1e-4, diffs

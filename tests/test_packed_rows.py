@@ -1,4 +1,4 @@
-"""Packed or dense 4-bit products per decode step size (pagellm/engine/packed_rows.py): the
+"""Packed or dense 4-bit products per decode step size (pagellm/kernels/packed_rows.py): the
 choice follows measured step times, settles sizes it did not try from its neighbours, re-checks
 the side not in use, leaves prefill alone, and quant.dense_from switches a product's path."""
 from __future__ import annotations
@@ -10,8 +10,8 @@ from gguf import GGMLQuantizationType
 from gguf.quants import quantize
 
 from pagellm import LLM, SamplingParams
-from pagellm.engine import packed_rows
-from pagellm.engine.packed_rows import PackedRowChoice
+from pagellm.kernels import packed_rows
+from pagellm.kernels.packed_rows import PackedRowChoice
 from pagellm.kernels import native
 from pagellm.layers import quant
 from pagellm.layers.linear import RowParallelLinear

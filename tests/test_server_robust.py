@@ -257,3 +257,23 @@ def test_fuzzing_every_endpoint_from_the_openapi_document(srv, mode):
         assert sum(s == 200 for s in seen) >= 20  # valid bodies that really generate
     wait_idle(srv, timeout=120)
     assert httpx.get(srv.url + "/health").status_code == 200
+
+
+# ---- prefix-cache isolation -------------------------------------------------------------------
+def _prefix_hits(srv) -> float:
+    text = httpx.get(srv.url + "/metrics").text
+    return float(next(line.split()[-1] for line in text.splitlines()
+                      if line.startswith("pagellm:prefix_cache_hits_total")))
+
+
+def test_cache_salt_keeps_tenants_apart(srv):
+    """Requests share cached prefixes only with requests of the same cache_salt."""
+    prompt = list(range(300, 348))  # three full blocks of 16
+    assert post(srv, "/v1/completions", _c(prompt=prompt, cache_salt="tenant-a")).status_code == 200
+    hits = _prefix_hits(srv)
+    assert post(srv, "/v1/completions", _c(prompt=prompt, cache_salt="tenant-b")).status_code == 200
+    assert _prefix_hits(srv) == hits  # another tenant: nothing served from a's blocks
+    assert post(srv, "/v1/completions", _c(prompt=prompt, cache_salt="tenant-a")).status_code == 200
+    assert _prefix_hits(srv) == hits + 32  # the same tenant: two full blocks reused
+    assert "cache_salt" in error_of(post(srv, "/v1/completions", _c(cache_salt="")), 400,
+                                    "cache_salt")

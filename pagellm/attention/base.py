@@ -38,10 +38,6 @@ class AttentionMetadata:
     def max_query_len(self) -> int:
         return max(self.query_lens_cpu, default=0)
 
-    @property
-    def max_seq_len(self) -> int:
-        return max(self.seq_lens_cpu, default=0)
-
 
 class AttentionBackend(ABC):
     """Allocates the KV pool, writes new K/V into their slots and attends over the pool."""

@@ -89,6 +89,7 @@ class _Add:
     params: SamplingParams
     arrival_time: float
     future: asyncio.Future
+    cache_salt: str | None = None
 
 
 class AsyncEngine:
@@ -141,14 +142,16 @@ class AsyncEngine:
     # ---- requests (event loop) ----------------------------------------------------------------
     async def add_request(self, request_id: str, prompt_token_ids: list[int],
                           params: SamplingParams, waker: asyncio.Event,
-                          arrival_time: float | None = None) -> RequestSlot:
+                          arrival_time: float | None = None,
+                          cache_salt: str | None = None) -> RequestSlot:
         """Queue a request; returns once the engine has taken it. ValueError if it refused it."""
         if not self.is_alive:
             raise RequestError("the engine is not running", 503)
         slot = RequestSlot(request_id, waker)
         future = self.loop.create_future()
         cmd = _Add(slot, prompt_token_ids, params,
-                   arrival_time if arrival_time is not None else time.monotonic(), future)
+                   arrival_time if arrival_time is not None else time.monotonic(), future,
+                   cache_salt)
         self._count(+1)
         self._submit(cmd)
         try:
@@ -206,7 +209,8 @@ class AsyncEngine:
     def _apply_add(self, cmd: _Add) -> None:
         rid = cmd.slot.request_id
         try:
-            self.engine.add_request(rid, cmd.prompt, cmd.params, arrival_time=cmd.arrival_time)
+            self.engine.add_request(rid, cmd.prompt, cmd.params, arrival_time=cmd.arrival_time,
+                                    cache_salt=cmd.cache_salt)
         except Exception as e:  # ValueError: bad request (400); anything else: engine bug (500)
             self._count(-1)
             if not isinstance(e, ValueError):
@@ -242,7 +246,7 @@ class AsyncEngine:
     def _step(self) -> None:
         try:
             outputs = self.engine.step()
-        except Exception as e:
+        except Exception:
             # LLMEngine.step ends a request that fails inside a step by itself (its output
             # arrives with finish_reason "error", below); it raises only when the engine is
             # lost (a tensor-parallel worker) or its own bookkeeping failed: fail everything

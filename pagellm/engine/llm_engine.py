@@ -14,7 +14,8 @@ from pagellm.engine.block_manager import BlockManager
 from pagellm.engine.detokenizer import append_text, find_stop_string
 from pagellm.engine.model_runner import ModelRunner
 from pagellm.engine.scheduler import Scheduler, SchedulerOutput
-from pagellm.engine.memory import (keep_freed_memory, num_kv_blocks, resolve_device,
+from pagellm.kernels.malloc import keep_freed_memory
+from pagellm.engine.memory import (num_kv_blocks, resolve_device,
                                    resolve_dtype, resolve_kv_dtype)
 from pagellm.layers.linear import packed_row_limit
 from pagellm.models.loader import load_model_files

@@ -83,21 +83,3 @@ def num_kv_blocks(config, cache: CacheConfig, dtype: torch.dtype, device: torch.
         raise ValueError(f"kv_cache_memory {budget} bytes holds no block of {per_block} bytes")
     return int(n), budget
 
-
-def keep_freed_memory() -> bool:
-    """Ask glibc to serve the per-step temporaries (gathered K/V, activations: a few MB to
-    tens of MB, allocated and freed every layer) from its heap and to keep freed memory
-    there. By default glibc maps each such block fresh from the kernel and unmaps it on free,
-    so every layer page-faults its temporaries in again (measured: a bf16 batch-64 decode
-    attention layer 18.7 ms -> 7.3 ms). Process-wide; a no-op off glibc. Returns success."""
-    import ctypes
-    import ctypes.util
-
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
-        return False
-    m_trim_threshold, m_top_pad, m_mmap_threshold = -1, -2, -3
-    return bool(mallopt(m_mmap_threshold, 32 * 2**20)  # glibc's maximum on 64-bit
-                and mallopt(m_trim_threshold, 256 * 2**20) and mallopt(m_top_pad, 64 * 2**20))

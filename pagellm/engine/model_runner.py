@@ -12,7 +12,7 @@ import time
 import torch
 
 from pagellm.attention.base import AttentionMetadata
-from pagellm.engine.packed_rows import PackedRowChoice
+from pagellm.kernels.packed_rows import PackedRowChoice
 from pagellm.engine.scheduler import SchedulerOutput
 from pagellm.layers import quant
 

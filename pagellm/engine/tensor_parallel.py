@@ -110,7 +110,8 @@ def stop_workers(procs: list) -> None:
 
 
 def _worker_main(rank: int, port: int, config, device: str, max_model_len: int) -> None:
-    from pagellm.engine.memory import keep_freed_memory, resolve_dtype, resolve_kv_dtype
+    from pagellm.engine.memory import resolve_dtype, resolve_kv_dtype
+    from pagellm.kernels.malloc import keep_freed_memory
     from pagellm.models.loader import load_model_files
     from pagellm.models.registry import build_model, may_pack
 

@@ -47,7 +47,7 @@ def dense_from(rows: int | None):
     """Within the block, products of `rows` rows or more skip the packed kernels for the
     dense weights (None: each packed form's own max_rows). The engine's PackedRowChoice picks
     it per decode step: the packed kernel is compute-bound per row, and which side wins at a
-    given row count depends on the CPU and its load (see engine/packed_rows.py)."""
+    given row count depends on the CPU and its load (see kernels/packed_rows.py)."""
     prev = getattr(_step, "rows", None)
     _step.rows = rows
     try:

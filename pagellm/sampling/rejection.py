@@ -57,8 +57,3 @@ def rejection_sample(
         p_final = torch.where(rejected.unsqueeze(1), residual, p_final)
     final = (p_final / noise).argmax(dim=1)  # one draw per row: argmax(p / Exp(1))
     return num_accepted, final
-
-
-def one_hot_argmax(probs: torch.Tensor) -> torch.Tensor:
-    """[..., vocab] -> one-hot of the argmax: the distribution greedy decoding samples from."""
-    return torch.zeros_like(probs).scatter_(-1, probs.argmax(dim=-1, keepdim=True), 1.0)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pagellm.server.protocol import APIError
+from pagellm.server.errors import APIError
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""OpenAI request schemas (pydantic, only here at the HTTP edge), errors, and response pieces.
+"""OpenAI request schemas (pydantic, only here at the HTTP edge).
 
 Requests are validated strictly (no "1" -> 1 coercion): a wrong type or an out-of-range value is
 a 400 naming the field. Unknown fields are accepted and ignored, as OpenAI's own server does for
@@ -7,81 +7,13 @@ fields it does not know (clients send extras such as `user`).
 from __future__ import annotations
 
 import json
-import logging
-import math
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from pagellm.sampling_params import SamplingParams, StructuredOutputsParams
+from pagellm.server.errors import APIError
 
-logger = logging.getLogger("pagellm.server")
-
-
-# ---- errors ----------------------------------------------------------------------------------
-class APIError(Exception):
-    """Becomes {"error": {"message", "type", "param", "code"}} with the HTTP status."""
-
-    def __init__(self, status_code: int, message: str, param: str | None = None,
-                 code: str | int | None = None, type: str | None = None,
-                 headers: dict[str, str] | None = None):
-        super().__init__(message)
-        self.status_code = status_code
-        self.message = message
-        self.param = param
-        self.code = code if code is not None else status_code
-        self.type = type or _ERROR_TYPES.get(
-            status_code, "invalid_request_error" if status_code < 500 else "server_error")
-        self.headers = headers
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.code}}
-
-
-_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
-                404: "invalid_request_error", 499: "request_aborted",
-                503: "service_unavailable"}
-
-
-def parse_request(model: type[BaseModel], body: bytes) -> Any:
-    """JSON body -> validated model, or APIError(400) naming the first bad field."""
-    try:
-        req = model.model_validate_json(body or b"{}")
-    except ValidationError as e:
-        err = e.errors()[0]
-        if err["type"] == "json_invalid":
-            raise APIError(400, f"Invalid JSON body: {err['msg']}") from None
-        if not err["loc"]:
-            raise APIError(400, f"Request body: {err['msg']}") from None
-        param = ".".join(str(p) for p in err["loc"])
-        msg = err["msg"].removeprefix("Value error, ")
-        raise APIError(400, f"{param}: {msg}", param=param) from None
-    if req.model_extra:
-        _note_unknown_fields(req.model_extra)
-    return req
-
-
-# Unknown fields are logged once per name, and only the first few names: a client that sends
-# new names in every request must not flood the log.
-_MAX_LOGGED_FIELDS = 64
-_logged_fields: set[str] = set()
-
-
-def _note_unknown_fields(fields) -> None:
-    new = [f[:64] for f in sorted(fields) if f[:64] not in _logged_fields]
-    room = _MAX_LOGGED_FIELDS - len(_logged_fields)
-    if new and room > 0:
-        _logged_fields.update(new[:room])
-        logger.warning("ignoring unknown request fields (each named once): %s", new[:room])
-
-
-def sampling_error(e: ValueError) -> APIError:
-    """SamplingParams / engine ValueErrors name the field first: use it as `param`."""
-    msg = str(e)
-    first = msg.split(" ", 1)[0].rstrip(":")
-    param = first if first.isidentifier() else None
-    return APIError(400, msg, param=param)
 
 
 # ---- requests --------------------------------------------------------------------------------
@@ -95,6 +27,9 @@ class _Request(BaseModel):
     top_k: int | None = Field(None, ge=-1)
     min_p: float | None = Field(None, ge=0, le=1)
     seed: int | None = Field(None, ge=-(2**63), lt=2**63)
+    # Prefix-cache isolation (vLLM's field): requests share cached prefixes only with
+    # requests of the same salt (tenants that must not learn each other's prompts by timing).
+    cache_salt: str | None = Field(None, min_length=1, max_length=256)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     presence_penalty: float | None = Field(None, ge=-2, le=2)
@@ -359,47 +294,3 @@ _Request.model_rebuild()
 CompletionRequest.model_rebuild()
 ChatMessage.model_rebuild()
 ChatCompletionRequest.model_rebuild()
-
-
-# ---- response pieces -------------------------------------------------------------------------
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
-
-
-def _finite(lp: float) -> float:
-    """JSON has no -inf: a token with zero probability (filtered by top-k/p) reports -9999."""
-    return lp if math.isfinite(lp) else -9999.0
-
-
-def _top(entries: dict[int, float], num: int) -> list[tuple[int, float]]:
-    """The engine gives {sampled: lp, top...}; the top `num` by logprob."""
-    return sorted(entries.items(), key=lambda kv: -kv[1])[:num]
-
-
-def completion_logprobs(token_str, token_ids: list[int], logprobs: list[dict[int, float]],
-                        num: int, text_offset: int) -> dict:
-    """OpenAI completions format: tokens, token_logprobs, top_logprobs, text_offset."""
-    tokens, token_lps, tops, offsets = [], [], [], []
-    for tid, entries in zip(token_ids, logprobs):
-        s = token_str(tid)
-        tokens.append(s)
-        token_lps.append(_finite(entries[tid]))
-        tops.append({token_str(t): _finite(lp) for t, lp in _top(entries, num)})
-        offsets.append(text_offset)
-        text_offset += len(s)
-    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
-            "text_offset": offsets}
-
-
-def chat_logprobs(token_str, token_ids: list[int], logprobs: list[dict[int, float]],
-                  num: int) -> dict:
-    """OpenAI chat format: {"content": [{token, logprob, bytes, top_logprobs}]}."""
-    def entry(tid: int, lp: float) -> dict:
-        s = token_str(tid)
-        return {"token": s, "logprob": _finite(lp), "bytes": list(s.encode("utf-8"))}
-
-    content = [{**entry(tid, entries[tid]),
-                "top_logprobs": [entry(t, lp) for t, lp in _top(entries, num)]}
-               for tid, entries in zip(token_ids, logprobs)]
-    return {"content": content}

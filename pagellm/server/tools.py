@@ -24,7 +24,7 @@ import re
 import uuid
 
 from pagellm.sampling_params import StructuredOutputsParams
-from pagellm.server.protocol import APIError
+from pagellm.server.errors import APIError
 
 TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
 

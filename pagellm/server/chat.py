@@ -1,0 +1,105 @@
+"""POST /v1/chat/completions, with tool calling (server/tools.py)."""
+from __future__ import annotations
+
+import time
+import uuid
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+
+from pagellm.server.errors import APIError, parse_request, sampling_error
+from pagellm.server.protocol import ChatCompletionRequest
+from pagellm.server.responses import chat_logprobs, usage
+from pagellm.server.state import OpenAIServer
+from pagellm.server.streaming import ChoiceStream, EventStream, chunk_of, finish, stream_events
+from pagellm.server.tools import (TOOL_CLOSE, TOOL_OPEN, ToolStream, call_grammar,
+                                  parse_tool_calls, prompt_messages, resolve_tool_choice,
+                                  template_knows_tools, tool_dicts)
+
+
+async def create_chat_completion(request: Request):
+    api: OpenAIServer = request.app.state.api
+    arrival = time.monotonic()
+    req = parse_request(ChatCompletionRequest, await request.body())
+    api.check_model(req.model)
+    api.need_tokenizer("messages")
+    tools = tool_dicts(req.tools)
+    tool_choice, only = resolve_tool_choice(req.tool_choice, tools)
+    native = template_knows_tools(api.tokenizer)
+    api.limits.check_sequences(1, req.n)
+    api.limits.check_stop(req.stop)
+    api.limits.check_logprobs(req.top_logprobs, "top_logprobs")
+    messages = prompt_messages([m.as_dict() for m in req.messages], tools, native)
+    ids = await api.off_loop(api.encode_chat, messages, req.add_generation_prompt,
+                             tools if native else None)
+    if req.top_logprobs is not None and not req.logprobs:
+        raise APIError(400, "top_logprobs: requires logprobs to be true", param="top_logprobs")
+    num_top = (req.top_logprobs or 0) if req.logprobs else None
+    structured, structured_field = req.structured()
+    if tool_choice == "required":
+        if structured is not None:
+            raise APIError(400, f"tool_choice: a required tool call cannot be combined with "
+                           f"{structured_field}", param="tool_choice")
+        structured, structured_field = call_grammar(
+            tools, only, req.parallel_tool_calls, api.tag_id(TOOL_OPEN),
+            api.tag_id(TOOL_CLOSE)), "tools"
+    try:
+        params = req.sampling_params(
+            api.max_tokens(len(ids), req.max_completion_tokens or req.max_tokens, "messages"),
+            num_top, api.sampling_defaults, structured)
+    except ValueError as e:
+        raise sampling_error(e) from None
+    rid = f"chatcmpl-{uuid.uuid4().hex}"
+    slots = await api.add([ids], [params], arrival, rid, structured_field, req.cache_salt)
+    choices = [ChoiceStream(j, params) for j in range(req.n)]
+    base = {"id": rid, "object": "chat.completion", "created": int(time.time()),
+            "model": api.model_name}
+    tool_names = {t["function"]["name"] for t in tools} if tool_choice != "none" else set()
+
+    def logprobs(tids, lps):
+        return chat_logprobs(api.token_str, tids, lps, num_top) if req.logprobs else None
+
+    def finish_of(comp, calls) -> dict:
+        f = finish(comp)
+        if calls and comp.finish_reason == "stop":
+            f["finish_reason"] = "tool_calls"
+        return f
+
+    if req.stream:
+        base["object"] = "chat.completion.chunk"
+        tool_streams = [ToolStream(tool_names) for _ in choices] if tool_names else None
+
+        def choice_chunk(ch, comp, text, tids, lps):
+            calls = []
+            if tool_streams is not None:
+                text, calls = tool_streams[ch.index].feed(text, comp.finished)
+            delta = {"content": text} if text or not comp.finished else {}
+            if calls:
+                delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(calls)]
+            return chunk_of(base, {"index": ch.index, "delta": delta,
+                                   "logprobs": logprobs(tids, lps), **finish_of(comp, calls)},
+                            req.include_usage)
+
+        def usage_chunk(num_generated):
+            return ({**base, "choices": [], "usage": usage(len(ids), num_generated)}
+                    if req.include_usage else None)
+
+        roles = [chunk_of(base, {"index": ch.index, "delta": {"role": "assistant", "content": ""},
+                                 "logprobs": None, "finish_reason": None}, req.include_usage)
+                 for ch in choices]
+        events = stream_events(slots, choices, req.n, req.logprobs, choice_chunk, usage_chunk,
+                               prelude=roles)
+        return EventStream(events, on_close=lambda: api.abort(slots))
+
+    (final,) = await api.final_outputs(request, slots)
+    out_choices = []
+    for c in final.outputs:
+        content, calls = (parse_tool_calls(c.text, tool_names) if tool_names else (c.text, []))
+        message = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = calls
+        out_choices.append({"index": c.index, "message": message,
+                            "logprobs": logprobs(c.token_ids, c.logprobs or []),
+                            **finish_of(c, calls)})
+    num_generated = sum(len(c.token_ids) for c in final.outputs)
+    return JSONResponse({**base, "choices": out_choices, "usage": usage(len(ids), num_generated)})

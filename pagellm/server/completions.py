@@ -1,0 +1,84 @@
+"""POST /v1/completions."""
+from __future__ import annotations
+
+import time
+import uuid
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+
+from pagellm.server.errors import APIError, parse_request, sampling_error
+from pagellm.server.protocol import CompletionRequest
+from pagellm.server.responses import completion_logprobs, usage
+from pagellm.server.state import OpenAIServer
+from pagellm.server.streaming import ChoiceStream, EventStream, chunk_of, finish, stream_events
+
+
+async def create_completion(request: Request):
+    api: OpenAIServer = request.app.state.api
+    arrival = time.monotonic()
+    req = parse_request(CompletionRequest, await request.body())
+    api.check_model(req.model)
+    if req.best_of not in (None, req.n):
+        raise APIError(400, "best_of: must equal n (best-of selection is not supported)",
+                       param="best_of")
+    if req.echo and req.logprobs is not None:
+        raise APIError(400, "logprobs: not supported together with echo (prompt logprobs are "
+                       "not computed)", param="logprobs")
+    prompts = req.prompts()
+    api.limits.check_sequences(len(prompts), req.n)
+    api.limits.check_stop(req.stop)
+    api.limits.check_logprobs(req.logprobs, "logprobs")
+    encoded = await api.off_loop(lambda: [api.encode_prompt(p) for p in prompts])
+    structured, structured_field = req.structured()
+    try:
+        params = [req.sampling_params(api.max_tokens(len(ids), req.max_tokens, "prompt"),
+                                      req.logprobs, api.sampling_defaults, structured)
+                  for _, ids in encoded]
+    except ValueError as e:
+        raise sampling_error(e) from None
+    if req.echo:
+        api.need_tokenizer("echo")
+    prefixes = [(text if text is not None else api.tokenizer.decode(ids)) if req.echo else ""
+                for text, ids in encoded]
+    rid = f"cmpl-{uuid.uuid4().hex}"
+    slots = await api.add([ids for _, ids in encoded], params, arrival, rid, structured_field,
+                          req.cache_salt)
+    choices = [ChoiceStream(i * req.n + j, params[i], prefixes[i])
+               for i in range(len(slots)) for j in range(req.n)]
+    base = {"id": rid, "object": "text_completion", "created": int(time.time()),
+            "model": api.model_name}
+    num_prompt = sum(len(ids) for _, ids in encoded)
+
+    def logprobs(ch: ChoiceStream, ids, lps):
+        if req.logprobs is None:
+            return None
+        lp = completion_logprobs(api.token_str, ids, lps, req.logprobs, ch.text_offset)
+        ch.text_offset += sum(len(t) for t in lp["tokens"])
+        return lp
+
+    if req.stream:
+        def choice_chunk(ch, comp, text, ids, lps):
+            return chunk_of(base, {"index": ch.index, "text": text,
+                                   "logprobs": logprobs(ch, ids, lps), **finish(comp)},
+                            req.include_usage)
+
+        def usage_chunk(num_generated):
+            return ({**base, "choices": [], "usage": usage(num_prompt, num_generated)}
+                    if req.include_usage else None)
+
+        events = stream_events(slots, choices, req.n, req.logprobs is not None, choice_chunk,
+                               usage_chunk, every_token=api.tokenizer is None)
+        return EventStream(events, on_close=lambda: api.abort(slots))
+
+    finals = await api.final_outputs(request, slots)
+    out_choices = []
+    for i, out in enumerate(finals):
+        for comp in out.outputs:
+            ch = choices[i * req.n + comp.index]
+            out_choices.append({"index": ch.index, "text": ch.prefix + comp.text,
+                                "logprobs": logprobs(ch, comp.token_ids, comp.logprobs or []),
+                                **finish(comp)})
+    num_generated = sum(len(c.token_ids) for out in finals for c in out.outputs)
+    return JSONResponse({**base, "choices": out_choices,
+                         "usage": usage(num_prompt, num_generated)})

@@ -1,0 +1,47 @@
+"""Pieces of OpenAI responses: usage, and logprobs in the completions and chat formats."""
+from __future__ import annotations
+
+import math
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def _finite(lp: float) -> float:
+    """JSON has no -inf: a token with zero probability (filtered by top-k/p) reports -9999."""
+    return lp if math.isfinite(lp) else -9999.0
+
+
+def _top(entries: dict[int, float], num: int) -> list[tuple[int, float]]:
+    """The engine gives {sampled: lp, top...}; the top `num` by logprob."""
+    return sorted(entries.items(), key=lambda kv: -kv[1])[:num]
+
+
+def completion_logprobs(token_str, token_ids: list[int], logprobs: list[dict[int, float]],
+                        num: int, text_offset: int) -> dict:
+    """OpenAI completions format: tokens, token_logprobs, top_logprobs, text_offset."""
+    tokens, token_lps, tops, offsets = [], [], [], []
+    for tid, entries in zip(token_ids, logprobs):
+        s = token_str(tid)
+        tokens.append(s)
+        token_lps.append(_finite(entries[tid]))
+        tops.append({token_str(t): _finite(lp) for t, lp in _top(entries, num)})
+        offsets.append(text_offset)
+        text_offset += len(s)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
+            "text_offset": offsets}
+
+
+def chat_logprobs(token_str, token_ids: list[int], logprobs: list[dict[int, float]],
+                  num: int) -> dict:
+    """OpenAI chat format: {"content": [{token, logprob, bytes, top_logprobs}]}."""
+    def entry(tid: int, lp: float) -> dict:
+        s = token_str(tid)
+        return {"token": s, "logprob": _finite(lp), "bytes": list(s.encode("utf-8"))}
+
+    content = [{**entry(tid, entries[tid]),
+                "top_logprobs": [entry(t, lp) for t, lp in _top(entries, num)]}
+               for tid, entries in zip(token_ids, logprobs)]
+    return {"content": content}

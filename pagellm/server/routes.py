@@ -1,0 +1,65 @@
+"""The small routes: GET /v1/models, POST /tokenize, POST /detokenize, GET /health (and
+/ping), GET /metrics, GET /version."""
+from __future__ import annotations
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from pagellm.server.errors import APIError, parse_request
+from pagellm.server.protocol import DetokenizeRequest, TokenizeRequest
+from pagellm.server.state import OpenAIServer
+
+
+async def list_models(request: Request):
+    api: OpenAIServer = request.app.state.api
+    return {"object": "list", "data": [{
+        "id": api.model_name, "object": "model", "created": api.created, "owned_by": "pagellm",
+        # root: the served name, not the file's absolute path (which tells clients about the
+        # server's file system)
+        "root": api.model_name, "max_model_len": api.max_model_len}]}
+
+
+async def tokenize(request: Request):
+    api: OpenAIServer = request.app.state.api
+    req = parse_request(TokenizeRequest, await request.body())
+    api.check_model(req.model)
+    if (req.prompt is None) == (req.messages is None):
+        raise APIError(400, "give exactly one of `prompt` and `messages`", param="prompt")
+    api.need_tokenizer("prompt" if req.messages is None else "messages")
+    if req.messages is not None:
+        ids = await api.off_loop(api.encode_chat, req.messages, req.add_generation_prompt)
+    else:
+        ids = await api.off_loop(lambda: api.tokenizer.encode(
+            req.prompt, add_special_tokens=req.add_special_tokens))
+    return {"tokens": ids, "count": len(ids), "max_model_len": api.max_model_len}
+
+
+async def detokenize(request: Request):
+    api: OpenAIServer = request.app.state.api
+    req = parse_request(DetokenizeRequest, await request.body())
+    api.check_model(req.model)
+    api.need_tokenizer("tokens")
+    bad = [t for t in req.tokens if not 0 <= t < api.engine.vocab_size]
+    if bad:
+        raise APIError(400, f"tokens: ids out of range [0, {api.engine.vocab_size}): {bad[:5]}",
+                       param="tokens")
+    return {"prompt": await api.off_loop(api.tokenizer.decode, req.tokens)}
+
+
+async def health(request: Request):
+    api: OpenAIServer = request.app.state.api
+    if not api.async_engine.is_alive:
+        raise APIError(503, "the engine loop is not running")
+    return Response(status_code=200)
+
+
+async def metrics(request: Request):
+    from prometheus_client import CONTENT_TYPE_LATEST
+
+    return Response(request.app.state.api.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+async def version(request: Request):
+    from pagellm import __version__
+
+    return {"version": __version__}

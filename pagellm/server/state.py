@@ -1,0 +1,208 @@
+"""The server's shared state: the engine loop, the tokenizer thread, limits, names, and
+handing requests to the engine and their outputs back (one per route family uses it)."""
+from __future__ import annotations
+
+import asyncio
+import copy
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from fastapi import Request
+
+from pagellm.chat_template import render_chat
+from pagellm.engine.async_engine import AsyncEngine, RequestError, RequestSlot
+from pagellm.metrics import ServerMetrics
+from pagellm.outputs import RequestOutput
+from pagellm.server.limits import Limits
+from pagellm.server.errors import APIError, sampling_error
+from pagellm.structured import StructuredOutputError
+
+
+class OpenAIServer:
+    """State shared by the routes: the engine loop, tokenizer, names and limits."""
+
+    def __init__(self, engine, model_name: str, api_key: str | None = None,
+                 max_waiting: int | None = None, sampling_defaults: dict | None = None,
+                 limits: Limits | None = None):
+        self.engine = engine
+        self.limits = limits or Limits()
+        # Values for the sampling fields a request leaves out (the model's generation config
+        # or --default-* flags); empty: OpenAI's defaults.
+        self.sampling_defaults = dict(sampling_defaults or {})
+        self.metrics = ServerMetrics(engine, model_name)
+        self.async_engine = AsyncEngine(engine, self.metrics)
+        # The engine thread detokenizes with engine.tokenizer; the event loop gets its own copy.
+        self.tokenizer = copy.deepcopy(engine.tokenizer) if engine.tokenizer is not None else None
+        # Tokenizing and chat templating run here, one at a time (a tokenizer is not safe to
+        # share between threads), never on the event loop: a megabyte prompt must not stall
+        # every other client's stream.
+        self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="pagellm-tokenize")
+        self.model_name = model_name
+        self.api_key = api_key
+        self.max_waiting = max_waiting
+        self.max_model_len = engine.max_model_len
+        self.created = int(time.time())
+        self.draining = False
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._token_strs: dict[int, str] = {}
+
+    # ---- helpers ------------------------------------------------------------------------------
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"The model `{model}` does not exist. This server serves "
+                           f"`{self.model_name}`.", param="model", code="model_not_found")
+
+    def token_str(self, token_id: int) -> str:
+        s = self._token_strs.get(token_id)
+        if s is None:
+            s = self._token_strs[token_id] = self.tokenizer.decode([token_id])
+        return s
+
+    def tag_id(self, text: str) -> int | None:
+        """The id of an added token spelled exactly `text` (Qwen2.5's <tool_call>), or None."""
+        for tid, added in getattr(self.tokenizer, "added_tokens_decoder", {}).items():
+            if added.content == text:
+                return tid
+        return None
+
+    def need_tokenizer(self, what: str) -> None:
+        if self.tokenizer is None:
+            raise APIError(400, f"{what}: this model has no tokenizer; send token ids",
+                           param=what)
+
+    async def off_loop(self, fn, *args):
+        """fn(*args) on the tokenizer thread."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, fn, *args)
+
+    def encode_prompt(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            self.need_tokenizer("prompt")
+            ids = self.tokenizer.encode(prompt)  # as LLMEngine._tokenize does
+        else:
+            prompt, ids = None, list(prompt)
+        self.limits.check_prompt_tokens(len(ids), "prompt")
+        return prompt, ids
+
+    def encode_chat(self, messages, add_generation_prompt: bool,
+                    tools: list[dict] | None = None) -> list[int]:
+        """messages: ChatMessage models or dicts already in the template's form."""
+        try:
+            ids = render_chat(self.tokenizer,
+                              [m if isinstance(m, dict) else m.as_dict() for m in messages],
+                              add_generation_prompt, tools)
+        except ValueError as e:
+            raise APIError(400, str(e), param="messages") from None
+        except Exception as e:  # a template that raises (jinja TemplateError, ...)
+            raise APIError(400, f"messages: the chat template failed: {e}",
+                           param="messages") from None
+        self.limits.check_prompt_tokens(len(ids), "messages")
+        return ids
+
+    def max_tokens(self, num_prompt: int, requested: int | None, what: str) -> int:
+        """The generation budget; 400 when prompt + max_tokens exceed the context."""
+        limit = self.max_model_len
+        if requested is None:
+            if num_prompt >= limit:
+                raise APIError(400, f"This model's maximum context length is {limit} tokens. "
+                               f"However, you requested {num_prompt} tokens in the {what}, "
+                               "which leaves no room for the completion. Please reduce the "
+                               f"length of the {what}.", param=what,
+                               code="context_length_exceeded")
+            return limit - num_prompt
+        if num_prompt + requested > limit:
+            raise APIError(400, f"This model's maximum context length is {limit} tokens. However, "
+                           f"you requested {num_prompt + requested} tokens ({num_prompt} in the "
+                           f"{what}, {requested} in the completion). Please reduce the length "
+                           f"of the {what} or completion.", param="max_tokens",
+                           code="context_length_exceeded")
+        return requested
+
+    async def add(self, prompts: list[list[int]], params: list, arrival: float,
+                  request_id: str, structured_field: str | None = None,
+                  cache_salt: str | None = None) -> list[RequestSlot]:
+        """Hand the prompts to the engine (one engine request per prompt; n is SamplingParams.n).
+        503 when the waiting queue is full; 400 when the engine refuses a prompt (a schema or
+        grammar it cannot compile: 400 naming structured_field, the field that sent it)."""
+        waiting = self.async_engine.num_waiting
+        new = sum(p.n for p in params)  # every sequence of every prompt will wait
+        if self.max_waiting is not None and waiting + new > self.max_waiting:
+            raise APIError(503, f"The server is overloaded: {waiting} requests are waiting "
+                           f"(--max-waiting {self.max_waiting}). Retry later.",
+                           code="queue_full", headers={"Retry-After": "1"})
+        waker = asyncio.Event()
+        slots: list[RequestSlot] = []
+        try:
+            # Queued together, so the engine thread takes them all between two steps (one
+            # await each would add one prompt per step).
+            added = await asyncio.gather(*(
+                self.async_engine.add_request(f"{request_id}-{i}", ids, p, waker, arrival,
+                                              cache_salt)
+                for i, (ids, p) in enumerate(zip(prompts, params))), return_exceptions=True)
+            slots = [a for a in added if isinstance(a, RequestSlot)]
+            for a in added:
+                if isinstance(a, BaseException):
+                    raise a
+        except StructuredOutputError as e:
+            self.abort(slots)
+            field = structured_field or "structured_outputs"
+            raise APIError(400, f"{field}: {e.detail}", param=field) from None
+        except ValueError as e:
+            self.abort(slots)
+            raise sampling_error(e) from None
+        except RequestError as e:
+            self.abort(slots)
+            raise APIError(e.status_code, e.message) from None
+        except BaseException:
+            self.abort(slots)
+            raise
+        return slots
+
+    def abort(self, slots: list[RequestSlot]) -> None:
+        for slot in slots:
+            if not slot.done:
+                self.async_engine.abort(slot.request_id)
+
+    async def final_outputs(self, request: Request,
+                            slots: list[RequestSlot]) -> list[RequestOutput]:
+        """Wait for every slot to finish; abort them if the client goes away meanwhile."""
+        finals: list[RequestOutput | None] = [None] * len(slots)
+
+        async def collect():
+            async for i, out in iterate(slots):
+                if out.finished:
+                    finals[i] = out
+
+        task = asyncio.ensure_future(collect())
+        watcher = asyncio.ensure_future(wait_disconnect(request))
+        try:
+            done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watcher.cancel()
+            task.cancel()
+            self.abort(slots)
+        if task not in done:
+            raise APIError(499, "client disconnected")
+        try:
+            task.result()
+        except RequestError as e:
+            raise APIError(e.status_code, e.message) from None
+        return finals
+
+
+async def iterate(slots: list[RequestSlot]):
+    """(slot index, newest output) as outputs arrive, until every slot is finished.
+    Raises RequestError if a request failed."""
+    waker = slots[0].waker
+    while not all(s.consumed for s in slots):
+        await waker.wait()
+        waker.clear()
+        for i, slot in enumerate(slots):
+            if not slot.consumed:
+                out = slot.take()
+                if out is not None:
+                    yield i, out
+
+
+async def wait_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

@@ -1,0 +1,103 @@
+"""Server-sent events: framing, per-choice deltas (text held back while it could still grow
+into a stop string), and the body both completion endpoints stream."""
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+from fastapi.responses import StreamingResponse
+
+from pagellm.engine.async_engine import RequestError
+from pagellm.engine.detokenizer import stable_text_len
+from pagellm.outputs import CompletionOutput
+from pagellm.server.errors import APIError
+from pagellm.server.state import iterate
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+class EventStream(StreamingResponse):
+    """Server-sent events that abort their requests however the response ends (finished,
+    client gone, cancelled), even when the body generator never got to start."""
+
+    def __init__(self, events, on_close):
+        super().__init__(events, media_type="text/event-stream", headers=SSE_HEADERS)
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
+
+
+def sse(obj) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+class ChoiceStream:
+    """What one choice (prompt i, sample j) has sent so far; yields the next delta."""
+
+    def __init__(self, index: int, params, prefix: str = ""):
+        self.index = index
+        self.params = params
+        self.prefix = prefix  # echo: the prompt text, sent with the first delta
+        self.text_offset = len(prefix)  # completions logprobs: where the next token starts
+        self.text_sent = 0
+        self.tokens_sent = 0
+        self.finished = False
+
+    def advance(self, comp: CompletionOutput, want_logprobs: bool, every_token: bool = False):
+        """(text, token_ids, logprobs) new since the last call, or None if nothing to send.
+        Text that could still turn into a stop string is held back (stable_text_len). New
+        tokens alone make a chunk when logprobs are wanted or every_token is set (a model
+        without a tokenizer has no text to stream)."""
+        if self.finished:
+            return None
+        view = SimpleNamespace(text=comp.text, params=self.params, is_finished=comp.finished)
+        end = stable_text_len(view)
+        text = comp.text[self.text_sent:end] if end > self.text_sent else ""
+        new_tokens = len(comp.token_ids) > self.tokens_sent
+        if not (text or comp.finished or ((want_logprobs or every_token) and new_tokens)):
+            return None
+        ids = comp.token_ids[self.tokens_sent:]
+        lps = (comp.logprobs or [])[self.tokens_sent:] if want_logprobs else []
+        self.text_sent = max(self.text_sent, end)
+        self.tokens_sent = len(comp.token_ids)
+        self.finished = comp.finished
+        text, self.prefix = self.prefix + text, ""
+        return text, ids, lps
+
+
+async def stream_events(slots, choices: list[ChoiceStream], n: int, want_logprobs: bool,
+                        choice_chunk, usage_chunk, prelude=(), every_token: bool = False):
+    """The SSE body of both endpoints. choice_chunk(choice, comp, text, token_ids, logprobs)
+    builds one choice's chunk; usage_chunk(num_generated) the final one (or None)."""
+    num_generated = [0] * len(choices)
+    try:
+        for chunk in prelude:
+            yield sse(chunk)
+        async for i, out in iterate(slots):
+            for comp in out.outputs:
+                ch = choices[i * n + comp.index]
+                num_generated[ch.index] = len(comp.token_ids)
+                piece = ch.advance(comp, want_logprobs, every_token)
+                if piece is not None:
+                    yield sse(choice_chunk(ch, comp, *piece))
+        last = usage_chunk(sum(num_generated))
+        if last is not None:
+            yield sse(last)
+    except RequestError as e:
+        yield sse(APIError(e.status_code, e.message).body())
+    yield "data: [DONE]\n\n"
+
+
+def chunk_of(base: dict, choice: dict, include_usage: bool) -> dict:
+    chunk = {**base, "choices": [choice]}
+    if include_usage:
+        chunk["usage"] = None  # OpenAI: null on every chunk but the last
+    return chunk
+
+
+def finish(comp: CompletionOutput) -> dict:
+    return {"finish_reason": comp.finish_reason, "stop_reason": comp.stop_reason}
