@@ -52,6 +52,9 @@ class CompletionOutput:
     stop_reason: int | str | None = None
     cumulative_logprob: float | None = None
     logprobs: list[dict[int, float]] | None = None  # per token: {token_id: logprob}, sampled first
+    # How much of `text` a stream may show now: a tail that could still grow into a stop
+    # string is held back (all of it once finished). None: all of it.
+    stable_text_len: int | None = None
 
     @property
     def finished(self) -> bool:

@@ -11,7 +11,7 @@ import torch
 
 from pagellm.config import EngineConfig
 from pagellm.engine.block_manager import BlockManager
-from pagellm.engine.detokenizer import append_text, find_stop_string
+from pagellm.engine.detokenizer import append_text, find_stop_string, stable_text_len
 from pagellm.engine.model_runner import ModelRunner
 from pagellm.engine.scheduler import Scheduler, SchedulerOutput
 from pagellm.kernels.malloc import keep_freed_memory
@@ -531,7 +531,8 @@ class LLMEngine:
             index=s.index, text=s.text, token_ids=snap(s.output_token_ids),
             finish_reason=s.finish_reason, stop_reason=s.stop_reason,
             cumulative_logprob=s.cumulative_logprob if s.params.logprobs is not None else None,
-            logprobs=snap(s.logprobs) if s.params.logprobs is not None else None)
+            logprobs=snap(s.logprobs) if s.params.logprobs is not None else None,
+            stable_text_len=stable_text_len(s))
             for s in req.seqs]
         first = [s.first_token_time for s in req.seqs if s.first_token_time is not None]
         fin = [s.finish_time for s in req.seqs if s.finish_time is not None]

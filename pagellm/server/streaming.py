@@ -3,12 +3,9 @@ into a stop string), and the body both completion endpoints stream."""
 from __future__ import annotations
 
 import json
-from types import SimpleNamespace
-
 from fastapi.responses import StreamingResponse
 
 from pagellm.engine.async_engine import RequestError
-from pagellm.engine.detokenizer import stable_text_len
 from pagellm.outputs import CompletionOutput
 from pagellm.server.errors import APIError
 from pagellm.server.state import iterate
@@ -49,13 +46,13 @@ class ChoiceStream:
 
     def advance(self, comp: CompletionOutput, want_logprobs: bool, every_token: bool = False):
         """(text, token_ids, logprobs) new since the last call, or None if nothing to send.
-        Text that could still turn into a stop string is held back (stable_text_len). New
+        Text that could still turn into a stop string is held back (the engine says how much
+        is stable: CompletionOutput.stable_text_len, detokenizer.stable_text_len). New
         tokens alone make a chunk when logprobs are wanted or every_token is set (a model
         without a tokenizer has no text to stream)."""
         if self.finished:
             return None
-        view = SimpleNamespace(text=comp.text, params=self.params, is_finished=comp.finished)
-        end = stable_text_len(view)
+        end = len(comp.text) if comp.stable_text_len is None else comp.stable_text_len
         text = comp.text[self.text_sent:end] if end > self.text_sent else ""
         new_tokens = len(comp.token_ids) > self.tokens_sent
         if not (text or comp.finished or ((want_logprobs or every_token) and new_tokens)):
