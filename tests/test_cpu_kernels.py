@@ -10,7 +10,7 @@ import torch
 
 from pagellm.kernels import native
 from pagellm.layers import quant
-from tests.conftest import outputs_on_one_and_two_threads
+from tests.helpers import outputs_on_one_and_two_threads
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="no C compiler on this machine")
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from pagellm import LLM, SamplingParams
-from tests.conftest import make_tiny_model
+from tests.helpers import make_tiny_model
 
 PROMPTS = [[5, 17, 33, 4, 90, 12, 7], [3, 3, 3], list(range(10, 51)), [200, 100, 50, 25, 12, 6, 3, 1, 9, 8, 7, 6, 5]]
 

@@ -11,7 +11,7 @@ from gguf import GGMLQuantizationType as Q
 
 from pagellm.kernels import native
 from pagellm.layers import quant
-from tests.conftest import outputs_on_one_and_two_threads
+from tests.helpers import outputs_on_one_and_two_threads
 from tests.gguf_files import F16_FIELDS, random_blocks, sub_block_mins
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="no C compiler on this machine")

@@ -11,7 +11,7 @@ from pagellm import LLM, SamplingParams
 from pagellm.engine.detokenizer import find_stop_string, stable_text_len
 from pagellm.sampling.sampler import SamplingRow, processed_logits, sample, token_logprobs
 from pagellm.sequence import Sequence, SequenceStatus
-from tests.conftest import make_tiny_model
+from tests.helpers import make_tiny_model
 
 
 # ---- SamplingParams validation ------------------------------------------------------------

@@ -32,7 +32,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pagellm import LLM, SamplingParams
 from pagellm.server.api_server import OpenAIServer, build_app, default_model_name
-from tests.conftest import assert_no_leaks, make_tiny_model
+from tests.helpers import assert_no_leaks, make_tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "tiny"

@@ -8,7 +8,7 @@ from pagellm import LLM, SamplingParams
 from pagellm.sampling.rejection import rejection_sample
 from pagellm.sequence import Sequence
 from pagellm.spec_decode.adaptive import AdaptiveK, StepTimes, StepWalls
-from tests.conftest import make_tiny_model
+from tests.helpers import make_tiny_model
 
 
 def _random_case(batch, k, vocab, one_hot_q, seed):

@@ -15,7 +15,7 @@ import torch
 
 from pagellm import LLM, SamplingParams
 from pagellm.sampling_params import StructuredOutputsParams as SO
-from tests.conftest import make_tiny_model
+from tests.helpers import make_tiny_model
 
 SCHEMA = {"type": "object",
           "properties": {"name": {"type": "string", "maxLength": 6},

@@ -5,7 +5,7 @@ import pytest
 
 from pagellm import LLM, SamplingParams
 from pagellm.engine.tensor_parallel import WorkerDiedError
-from tests.conftest import make_tiny_model
+from tests.helpers import make_tiny_model
 
 PROMPTS = [[5, 17, 33, 4, 90, 12, 7] * 3, [3, 3, 3], list(range(10, 51)), [1, 2, 1, 2, 1, 2]]
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
