@@ -68,7 +68,8 @@ def running_server(llm: LLM, name: str = MODEL, **server_kw):
         time.sleep(0.02)
     url = f"http://127.0.0.1:{port}"
     try:
-        yield SimpleNamespace(url=url, api=api, engine=llm.engine, client=openai.OpenAI(
+        yield SimpleNamespace(url=url, api=api, engine=llm.engine, api_app=server.config.app,
+                              client=openai.OpenAI(
             base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120))
     finally:
         server.should_exit = True
@@ -451,11 +452,26 @@ def test_disconnect_mid_stream_frees_blocks(srv):
     assert _aborted(srv) == before + 2
 
 
+def _limit_gate(app):
+    """The LimitGate instance inside the app's middleware stack (it counts requests in flight:
+    a response still being written counts)."""
+    from pagellm.server.limits import LimitGate
+
+    layer = app.middleware_stack
+    while layer is not None and not isinstance(layer, LimitGate):
+        layer = getattr(layer, "app", None)
+    return layer
+
+
 def test_slow_client_does_not_stall_others(srv):
-    """A streaming client that never reads: the engine keeps serving everyone else."""
-    body = json.dumps({"model": MODEL, "prompt": "Slow", "max_tokens": 1000, "stream": True,
-                       "ignore_eos": True}).encode()
-    raw = socket.create_connection(("127.0.0.1", int(srv.url.rsplit(":", 1)[1])))
+    """A streaming client that never reads, with a 4 KiB receive buffer and a response of
+    megabytes: the server's writes to it block (its response stays in flight after the engine
+    has finished it), and meanwhile the engine finishes it and keeps serving everyone else."""
+    body = json.dumps({"model": MODEL, "prompt": "Slow", "max_tokens": 900, "stream": True,
+                       "ignore_eos": True, "n": 8, "logprobs": 5}).encode()
+    raw = socket.socket()
+    raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    raw.connect(("127.0.0.1", int(srv.url.rsplit(":", 1)[1])))
     raw.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                 b"Content-Length: %d\r\n\r\n" % len(body) + body)
     try:
@@ -466,10 +482,23 @@ def test_slow_client_does_not_stall_others(srv):
         for _ in range(3):
             res = srv.client.completions.create(model=MODEL, prompt="Fast", max_tokens=8)
             assert res.usage.completion_tokens == 8
-        assert srv.engine.requests  # the slow one is still in flight
+        deadline = time.monotonic() + 120
+        while srv.engine.requests:  # the engine finishes the slow one without waiting on it
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        gate = _limit_gate(srv.api_app)
+        time.sleep(0.5)
+        assert gate.in_flight >= 1  # its response is still being written: the client blocks it
+        received, tail = 0, b""
+        raw.settimeout(30)
+        while chunk := raw.recv(1 << 16):
+            received += len(chunk)
+            tail = (tail + chunk)[-256:]
+            if b"data: [DONE]" in tail:
+                break
+        assert received > 1 << 20  # megabytes that waited for the client, not the engine
     finally:
         raw.close()
-
 
 def test_engine_step_failure_fails_requests_and_keeps_serving(srv, monkeypatch):
     original = srv.engine.step
