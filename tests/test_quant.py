@@ -129,7 +129,7 @@ def test_quantization_choice_and_errors(tiny_llama):
 def test_default_model_packed_matches_dense():
     """bf16, the default model: packed 4-bit projections vs the same values dequantized."""
     prompts = ["The capital of France is", "def fibonacci(n):"]
-    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=1)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
     outs = {}
     for q in ("none", "gguf"):
         llm = LLM(default_model_path(), dtype="bfloat16", quantization=q, kv_cache_memory="32MiB")
@@ -141,13 +141,23 @@ def test_default_model_packed_matches_dense():
             assert llm.engine.model.weight_bytes() > dense  # the packed copies are counted
         outs[q] = llm.generate(prompts, params, use_tqdm=False)
         llm.shutdown()
+    # TOL: both runs are bf16; a bf16 logit near 16 is rounded to 1/16 (2^-8 relative), and
+    # the packed run's int16 activations add ~1e-4 relative: log-probabilities agree within
+    # 0.1. Greedy tokens then agree at every position, except where the dense run's chosen
+    # token leads the runner-up by less than 2 * TOL (a near-tie either side may break);
+    # from there the two continuations may differ.
+    TOL = 0.1
     for dense, packed in zip(outs["none"], outs["gguf"]):
         d, p = dense.outputs[0], packed.outputs[0]
-        assert p.token_ids[:3] == d.token_ids[:3]
-        # the chosen tokens' log-probabilities agree to bf16 accuracy
-        for a, b in zip(d.logprobs[:3], p.logprobs[:3]):
-            tok = next(iter(a))
-            assert abs(a[tok] - b[tok]) < 0.1
+        for i, (a, b) in enumerate(zip(d.logprobs, p.logprobs)):
+            tok = d.token_ids[i]
+            if p.token_ids[i] != tok:
+                margin = a[tok] - max(v for t, v in a.items() if t != tok)
+                assert margin < 2 * TOL, (i, margin, d.token_ids, p.token_ids)
+                break
+            assert abs(a[tok] - b[tok]) < TOL, (i, a, b)
+        else:
+            assert p.token_ids == d.token_ids
 
 
 def test_auto_dtype_follows_packed_weights():
