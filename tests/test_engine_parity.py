@@ -92,10 +92,24 @@ def test_bf16_products_close_to_float32(monkeypatch, upcast_bf16):
 
 
 def test_bf16_engine_greedy_close_to_float32(tiny_llama):
-    """bfloat16 end to end: the first greedy tokens agree with float32 on a tiny model."""
+    """bfloat16 end to end against float32 on a tiny model, every position of 8 greedy tokens:
+    log-probabilities within TOL, and the same tokens except after a float32 near-tie.
+
+    TOL: bf16 keeps 8 significant bits, so each weight and activation is off by up to 2^-9
+    relative; on this model's logits (|logit| < 2) that is ~4e-3 per logit after the last
+    product (measured: at most 2e-3), hence 0.01; a token may flip only where float32's choice
+    leads the runner-up by less than twice that."""
+    TOL = 0.01
     path, _ = tiny_llama
-    sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
     f32 = LLM(path, dtype="float32", kv_cache_memory=2**20).generate(PROMPTS, sp, use_tqdm=False)
     b16 = LLM(path, dtype="bfloat16", kv_cache_memory=2**20).generate(PROMPTS, sp, use_tqdm=False)
-    agree = sum(a.outputs[0].token_ids[0] == b.outputs[0].token_ids[0] for a, b in zip(f32, b16))
-    assert agree >= len(PROMPTS) - 1
+    for a, b in zip(f32, b16):
+        d, q = a.outputs[0], b.outputs[0]
+        for i, (x, y) in enumerate(zip(d.logprobs, q.logprobs)):
+            tok = d.token_ids[i]
+            if q.token_ids[i] != tok:
+                margin = x[tok] - max(v for t, v in x.items() if t != tok)
+                assert margin < 2 * TOL, (i, margin, d.token_ids, q.token_ids)
+                break
+            assert abs(x[tok] - y[tok]) < TOL, (i, x, y)
