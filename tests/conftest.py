@@ -15,10 +15,29 @@ _LIVE: weakref.WeakSet = weakref.WeakSet()  # every engine still alive (module f
 _original_init = llm_engine.LLMEngine.__init__
 
 
+_COLLECTED_LEAKS: list[str] = []  # engines garbage-collected with requests or blocks out
+
+
 def _tracking_init(self, *args, **kwargs):
     _original_init(self, *args, **kwargs)
     _ENGINES.append(weakref.ref(self))
     _LIVE.add(self)
+    # An engine collected before the check after its test would escape it: check its pool
+    # when it goes (the finalizer holds the block managers and the request table, not it).
+    draft = getattr(getattr(self.spec, "proposer", None), "block_manager", None)
+    weakref.finalize(self, _check_collected, self.block_manager, self.requests, draft)
+
+
+def _check_collected(bm, requests, draft_bm) -> None:
+    leaks = []
+    if requests:
+        leaks.append(f"requests left: {list(requests)[:5]}")
+    if bm.num_free_blocks != bm.num_blocks:
+        leaks.append(f"{bm.num_blocks - bm.num_free_blocks} blocks")
+    if draft_bm is not None and draft_bm.num_free_blocks != draft_bm.num_blocks:
+        leaks.append("draft cache blocks")
+    if leaks:
+        _COLLECTED_LEAKS.append(", ".join(leaks))
 
 
 llm_engine.LLMEngine.__init__ = _tracking_init
@@ -33,7 +52,8 @@ gc.freeze()
 @pytest.fixture(autouse=True)
 def leak_check():
     """After every test, every engine still alive is checked: those the test made and those a
-    module- or session-scoped fixture made before it (and that this test used)."""
+    module- or session-scoped fixture made before it (and that this test used); and every
+    engine collected meanwhile was checked as it went."""
     yield
     created = bool(_ENGINES)
     for engine in list(_LIVE):
@@ -41,6 +61,8 @@ def leak_check():
     _ENGINES.clear()
     if created:
         gc.collect()  # free the engine's KV pool before the next test allocates its own
+    leaked, _COLLECTED_LEAKS[:] = list(_COLLECTED_LEAKS), []
+    assert not leaked, f"an engine was collected with leaks: {leaked}"
 
 
 @pytest.fixture(scope="session")
