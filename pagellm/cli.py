@@ -102,6 +102,11 @@ def cmd_fetch(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["bench"]:  # every option after the kind is the kind's own (--help too)
+        from pagellm.benchmarks.__main__ import main as bench_main
+
+        return bench_main(argv[1:])
     parser = argparse.ArgumentParser(prog="pagellm")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -152,10 +157,9 @@ def main(argv: list[str] | None = None) -> int:
     fetch.add_argument("name", nargs="?", default=None, help="omit to list the known models")
     fetch.set_defaults(func=cmd_fetch)
 
-    bench = sub.add_parser("bench", help="benchmarks (see benchmarks/README.md)")
-    bench.add_argument("kind")
-    bench.add_argument("rest", nargs=argparse.REMAINDER)
-    bench.set_defaults(func=lambda a: _bench(a))
+    # listed for --help; `pagellm bench ...` is handled before parsing (above)
+    sub.add_parser("bench", help="benchmarks: spec, profile, serve, soak, ... "
+                   "(`pagellm bench --help`)")
 
     args = parser.parse_args(argv)
     try:
@@ -163,20 +167,6 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-
-
-def _bench(args: argparse.Namespace) -> int:
-    import os
-
-    if os.getcwd() not in sys.path:  # the benchmarks/ folder of a source checkout
-        sys.path.insert(0, os.getcwd())
-    try:
-        from benchmarks.__main__ import main as bench_main
-    except ImportError:
-        print("error: run `pagellm bench` from a pagellm source checkout (benchmarks/ folder)",
-              file=sys.stderr)
-        return 2
-    return bench_main([args.kind, *args.rest])
 
 
 if __name__ == "__main__":

@@ -1,14 +1,10 @@
-"""benchmarks/spec.py and benchmarks/prefix.py run end to end with --smoke (tiny random model)
+"""pagellm/benchmarks/spec.py and prefix.py run end to end with --smoke (tiny random model)
 and write JSON / Markdown / PNG with the expected fields. Timing is never checked here."""
 from __future__ import annotations
 
 import json
-import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from benchmarks import prefix, spec, spec_replay  # noqa: E402
+from pagellm.benchmarks import prefix, spec, spec_replay
 
 
 def outputs(out, kind: str) -> dict:

@@ -3,14 +3,11 @@ its JSON / Markdown / PNG with the expected fields. Timing is never checked here
 from __future__ import annotations
 
 import json
-import os
 import sys
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from benchmarks.__main__ import main as bench_main  # noqa: E402
+from pagellm.benchmarks.__main__ import main as bench_main
 
 
 def run_kind(kind: str, out, *extra: str) -> dict:
@@ -67,7 +64,7 @@ def test_profile(tmp_path):
 
 
 def test_profile_shapes(tmp_path):
-    from benchmarks.profile import Lengths, ngram_matches
+    from pagellm.benchmarks.profile import Lengths, ngram_matches
 
     class Args:
         chars_per_token, tokenizer = 4.0, None
@@ -93,11 +90,11 @@ def test_unknown_kind_and_help(capsys):
 def test_other_kinds_dispatch_when_present(kind, monkeypatch):
     import types
 
-    import benchmarks.__main__ as m
+    import pagellm.benchmarks.__main__ as m
 
     called = []
     fake = types.SimpleNamespace(main=lambda argv: called.append(argv) or 0)
-    monkeypatch.setitem(sys.modules, f"benchmarks.{kind}", fake)  # import_module finds it
+    monkeypatch.setitem(sys.modules, f"pagellm.benchmarks.{kind}", fake)  # import_module finds it
     monkeypatch.setattr(m, "available", lambda: m.KINDS)
     assert m.main([kind, "--x"]) == 0 and called == [["--x"]]
 
@@ -132,3 +129,16 @@ def test_soak(tmp_path):
     assert r["num_5xx"] == 0 and r["stream_errors"] == 0 and r["leaked_blocks"] == 0
     assert r["requests_completed"] >= 10 and r["ttft_s"]["p50"] is not None
     assert sum(r["statuses"].values()) >= r["requests_completed"]
+
+
+def test_installed_command_lists_the_kinds_outside_a_checkout(tmp_path):
+    """`pagellm bench` works for a pip-installed pagellm: the benchmarks are part of the
+    package, found without the source tree on the path or as the working directory."""
+    import subprocess
+
+    r = subprocess.run([sys.executable, "-c", "import sys; from pagellm.cli import main; "
+                        "sys.exit(main(['bench', '--help']))"], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    for kind in ("spec", "profile", "serve", "soak"):
+        assert kind in r.stdout

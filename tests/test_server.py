@@ -768,7 +768,7 @@ def test_default_model_equals_offline():
 
 # ---- the serving benchmark client --------------------------------------------------------------
 def test_benchmark_client_against_server(srv, tmp_path):
-    from benchmarks.serve import main as bench_serve
+    from pagellm.benchmarks.serve import main as bench_serve
 
     assert bench_serve(["--base-url", srv.url, "--num-prompts", "3", "--request-rates", "inf",
                         "--input-len", "4", "--output-len", "3", "--token-range", "1000,2000",

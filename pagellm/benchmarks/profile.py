@@ -28,8 +28,8 @@ import tempfile
 import numpy as np
 from tqdm.auto import tqdm
 
-from benchmarks import common
-from benchmarks.memory import SMOLLM2_KV_BYTES_PER_TOKEN
+from pagellm.benchmarks import common
+from pagellm.benchmarks.memory import SMOLLM2_KV_BYTES_PER_TOKEN
 
 
 class Lengths:

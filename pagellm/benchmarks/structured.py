@@ -17,7 +17,7 @@ import time
 
 from tqdm.auto import tqdm
 
-from benchmarks import common
+from pagellm.benchmarks import common
 
 SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 24},

@@ -24,7 +24,7 @@ import time
 import torch
 from tqdm.auto import tqdm
 
-from benchmarks import common
+from pagellm.benchmarks import common
 
 PARAGRAPHS = [
     "The river runs through the middle of the town, and every morning the fishermen push their "

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from tqdm.auto import tqdm
 
-from benchmarks import common
+from pagellm.benchmarks import common
 
 PARTS = ["used", "internal_frag", "reserved_not_yet", "reserved_never", "external_frag", "free"]
 # SmolLM2-135M in bfloat16: 2 (K and V) x 30 layers x 3 KV heads x 64 dims x 2 bytes.

@@ -11,7 +11,7 @@ import time
 
 from tqdm.auto import tqdm
 
-from benchmarks import common
+from pagellm.benchmarks import common
 
 
 def parse_args(argv):

@@ -15,7 +15,7 @@ import torch
 from torch.utils import benchmark as torch_benchmark
 from tqdm.auto import tqdm
 
-from benchmarks import common
+from pagellm.benchmarks import common
 
 
 def parse_args(argv):

@@ -23,8 +23,8 @@ import statistics
 
 from tqdm.auto import tqdm
 
-from benchmarks import common
-from benchmarks import spec as live
+from pagellm.benchmarks import common
+from pagellm.benchmarks import spec as live
 
 
 def parse_args(argv):

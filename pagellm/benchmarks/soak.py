@@ -26,8 +26,8 @@ from collections import Counter
 
 import httpx
 
-from benchmarks import common
-from benchmarks.serve import launch, percentiles, served_model, wait_ready
+from pagellm.benchmarks import common
+from pagellm.benchmarks.serve import launch, percentiles, served_model, wait_ready
 
 WORDS = ("the a of and to in is was for on that with as by at from it an be this which or "
          "time story code river city number light music garden market window letter").split()

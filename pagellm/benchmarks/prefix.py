@@ -22,7 +22,7 @@ import time
 import torch
 from tqdm.auto import tqdm
 
-from benchmarks import common
+from pagellm.benchmarks import common
 
 
 def parse_args(argv):

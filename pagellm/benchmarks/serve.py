@@ -33,9 +33,7 @@ from urllib.parse import urlparse
 
 import httpx
 
-if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks import common  # noqa: E402
+from pagellm.benchmarks import common
 
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 
