@@ -79,3 +79,31 @@ def test_spec_replay_smoke(tmp_path):
         fixed = data["per_request"][f"{w} fixed k=4"]
         assert all(o >= 1.0 for o in oracle)
         assert all(o >= f - 1e-9 for o, f in zip(oracle, fixed))
+
+
+def test_spec_pretest_of_a_draft_on_your_prompts(tmp_path):
+    """The acceptance pre-test: `pagellm bench spec --draft D --prompts mine.jsonl` runs the
+    user's prompts through the pair and reports acceptance per position, mean accepted length,
+    ms/token with and without the draft, and a verdict per configuration. A draft equal to
+    the target ('target') accepts every proposal."""
+    prompts = tmp_path / "mine.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt_token_ids": [5 + i, 17, 33, 4, 90] * 3})
+                                 for i in range(3)) + "\n")
+    out = tmp_path / "out"
+    assert spec.main(["--smoke", "--draft", "target", "--prompts", str(prompts), "--peers", "",
+                      "--out", str(out)]) == 0
+    data = outputs(out, "spec")
+    rows = {(r["workload"], r["batch"], r["engine"]): r for r in data["results"]}
+    assert {w for w, _, _ in rows} == {"yours"}
+    assert {e for _, _, e in rows} == {"off", "ngram", "ngram fixed-k", "ngram spec-off",
+                                       "draft", "draft fixed-k", "draft spec-off"}
+    fixed = rows[("yours", 1, "draft fixed-k")]
+    # every proposal accepted (near max_tokens fewer than k are proposed, so the mean length
+    # is below k + 1 and the later positions are not always drafted)
+    assert fixed["acceptance_rate"] == 1.0 and 2 < fixed["mean_acceptance_length"] <= 5
+    assert fixed["accepted_per_position"][0] == 1.0 and fixed["ms_per_token"] > 0
+    verdicts = data["targets"]["verdicts"]
+    assert set(verdicts) == {"ngram", "ngram fixed-k", "draft", "draft fixed-k"}
+    assert all(v.startswith(("pays at batch <= ", "does not pay at batch 1"))
+               for v in verdicts.values())
+    assert "Verdicts" in (out / "spec.md").read_text()

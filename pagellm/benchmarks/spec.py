@@ -1,6 +1,7 @@
 """Does this draft pay? Speculative decoding vs none, per proposer, workload and batch size.
 
-    python -m benchmarks spec [--max-tokens 128 --repeats 2 --batch1-prompts 4 --threads 1]
+    pagellm bench spec [--max-tokens 128 --repeats 2 --batch1-prompts 4 --threads 1]
+    pagellm bench spec --model T.gguf --draft D.gguf --prompts mine.jsonl   # pre-test a draft
 
 Greedy, default model, bfloat16. Workloads (chat template): `copy` (rewrite a given paragraph,
 edit given code: the answer repeats much of the prompt) and `chat` (open questions), at batch 1
@@ -12,6 +13,9 @@ each with the adaptive controller on and "fixed-k" (off). Peers at batch 1, same
 ms/token: time per output token after the first, median over requests and repeats; speedup =
 off's median / this one's. Acceptance from `engine.spec.stats` (per position: share of verified
 drafts whose j-th token was accepted); "spec steps": share of decode steps with proposals.
+With --draft, the draft model runs as its own configuration (adaptive and fixed k) and each
+configuration gets a verdict: the batch sizes at which it is faster than off on every workload
+("pays at batch <= N"). With --prompts, your own prompts are the workload.
 The floor ("never below 0.95x") is judged on paired runs: each adaptive engine runs next to
 itself with speculation forced off on the same prompts, and the median of those ratios counts
 (the machine's speed swings more between runs minutes apart than the effects measured).
@@ -75,13 +79,22 @@ CHAT = ["Write a short story about a robot who learns to paint.", "Explain how a
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(prog="python -m benchmarks spec", description=__doc__,
+    p = argparse.ArgumentParser(prog="pagellm bench spec", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct (GGUF)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
-    p.add_argument("--draft-layers", default="8,15", help="comma-separated N for draft_model")
+    p.add_argument("--draft-layers", default=None,
+                   help="comma-separated N: the target's own first N layers as drafts "
+                        "(default 8,15; none when --draft is given)")
+    p.add_argument("--draft", default=None,
+                   help="a draft model (GGUF file or HF folder with the target's tokenizer) "
+                        "to pre-test; 'target' = the target's own files")
+    p.add_argument("--prompts", default=None,
+                   help="your prompts: a JSONL file, one {\"prompt\": text}, {\"messages\": "
+                        "[...]} (chat template) or {\"prompt_token_ids\": [...]} per line; "
+                        "replaces the built-in copy/chat workloads")
     p.add_argument("--batch-sizes", default="1,16")
     p.add_argument("--batch1-prompts", type=int, default=4,
                    help="prompts per workload per repeat at batch 1 (rotating through the set)")
@@ -99,8 +112,11 @@ def parse_args(argv):
                    help="leave out the fixed-k (adaptive off) configurations")
     common.add_output_args(p)
     args = p.parse_args(argv)
+    if args.draft_layers is None:
+        args.draft_layers = "" if args.draft else "8,15"
     if args.smoke:
-        args.max_tokens, args.draft_layers, args.batch_sizes = 8, "1", "1,4"
+        args.max_tokens, args.batch_sizes = 8, "1,4"
+        args.draft_layers = "" if args.draft else "1"
         args.batch1_prompts, args.repeats, args.kv_cache_memory = 1, 1, "16MiB"
         args.ignore_eos = True
     return args
@@ -115,6 +131,31 @@ def chat_prompts(llm) -> dict[str, list[list[int]]]:
             "chat": [llm.apply_chat_template(msg(t)) for t in CHAT]}
 
 
+def user_prompts(llm, path: str) -> dict[str, list[list[int]]]:
+    """The user's own workload from a JSONL file (see --prompts)."""
+    import json
+
+    out = []
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            item = json.loads(line)
+            if isinstance(item, str):
+                item = {"prompt": item}
+            if "messages" in item:
+                out.append(llm.apply_chat_template(item["messages"]))
+            elif "prompt_token_ids" in item:
+                out.append([int(t) for t in item["prompt_token_ids"]])
+            elif "prompt" in item:
+                out.append(llm.get_tokenizer().encode(item["prompt"]))
+            else:
+                raise SystemExit(f"{path}:{n}: need 'prompt', 'messages' or 'prompt_token_ids'")
+    if not out:
+        raise SystemExit(f"{path}: no prompts")
+    return {"yours": out}
+
+
 def smoke_prompts(vocab: int) -> dict[str, list[list[int]]]:
     rand = common.random_prompts(32, 12, vocab, seed=0)
     return {"copy": [r + r for r in rand[:16]], "chat": [r + r[::-1] for r in rand[16:]]}
@@ -125,6 +166,8 @@ def configs(args) -> dict[str, dict | None]:
     methods = [("ngram", {"method": "ngram"})] + [
         (f"draft-L{n}", {"method": "draft_model", "draft_num_layers": int(n)})
         for n in args.draft_layers.split(",") if n]
+    if args.draft:
+        methods.append(("draft", {"method": "draft_model", "model": args.draft}))
     for name, cfg in methods:
         for adaptive in (True, False) if args.fixed_k else (True,):
             out[f"{name}{'' if adaptive else ' fixed-k'}"] = {
@@ -357,9 +400,30 @@ def targets(rows: list[dict]) -> dict:
                 if v and e != "off" and "fixed" not in e and "spec-off" not in e
                 and not e.startswith("hf")}
     worst = min(adaptive.items(), key=lambda kv: kv[1]) if adaptive else (None, None)
-    return {"ngram_copy_b1_speedup": ngram, "ngram_copy_b1_met": bool(ngram and ngram >= 2.0),
+    return {"verdicts": verdicts(rows),"ngram_copy_b1_speedup": ngram, "ngram_copy_b1_met": bool(ngram and ngram >= 2.0),
             "adaptive_worst": worst[0], "adaptive_worst_speedup": worst[1],
             "adaptive_floor_met": worst[1] is None or worst[1] >= 0.95}
+
+
+def verdicts(rows: list[dict]) -> dict[str, str]:
+    """Per speculative configuration: the batch sizes at which it is faster than off on every
+    workload (paired ratio where measured, else vs off), read from the smallest batch up:
+    "pays at batch <= N" or "does not pay at batch 1"."""
+    out = {}
+    engines = [e for e in dict.fromkeys(r["engine"] for r in rows)
+               if e != "off" and "spec-off" not in e and not e.startswith("hf")]
+    batches = sorted({r["batch"] for r in rows})
+    for e in engines:
+        pays = []
+        for b in batches:
+            ratios = [r.get("paired_vs_own_off") or r["speedup_vs_off"] for r in rows
+                      if r["engine"] == e and r["batch"] == b]
+            if not ratios or any(x is None or x < 1.0 for x in ratios):
+                break
+            pays.append(b)
+        out[e] = (f"pays at batch <= {pays[-1]}" if pays else
+                  f"does not pay at batch {batches[0]}")
+    return out
 
 
 def controller_view(row: dict) -> str:
@@ -399,7 +463,9 @@ def render(rows, args, tg) -> str:
                f"{fmt(tg['ngram_copy_b1_speedup'], '{:.2f}x')} "
                f"({'met' if tg['ngram_copy_b1_met'] else 'NOT met'}); adaptive never below "
                f"0.95x: worst {tg['adaptive_worst']} {fmt(tg['adaptive_worst_speedup'])}x "
-               f"({'met' if tg['adaptive_floor_met'] else 'NOT met'}).\n\n")
+               f"({'met' if tg['adaptive_floor_met'] else 'NOT met'}).\n\n"
+               "Verdicts (faster than off on every workload, from the smallest batch up): "
+               + "; ".join(f"{e}: {v}" for e, v in tg["verdicts"].items()) + ".\n\n")
     return head + body + verdict + ctl
 
 
@@ -434,13 +500,16 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     spec = common.ModelSpec.resolve(common.smoke_model_dir() if args.smoke else args.model)
     common.log(f"loading {len(configs(args))} engines for {spec.path}")
+    if args.draft == "target":
+        args.draft = spec.path
     engines = {name: Engine(spec, args, cfg) for name, cfg in configs(args).items()}
     off = engines["off"].llm
-    prompts = (smoke_prompts(off.engine.vocab_size) if off.get_tokenizer() is None
+    prompts = (user_prompts(off, args.prompts) if args.prompts else
+               smoke_prompts(off.engine.vocab_size) if off.get_tokenizer() is None
                else chat_prompts(off))
     hf = HFPeer(spec, args) if "hf" in args.peers.split(",") else None
     for e in engines.values():  # warm-up
-        e.run(prompts["copy"][:1])
+        e.run(next(iter(prompts.values()))[:1])
     runs = []
     for batch in (int(b) for b in args.batch_sizes.split(",")):
         runs += measure(args, engines, hf, prompts, batch)
