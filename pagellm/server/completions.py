@@ -44,23 +44,23 @@ async def create_completion(request: Request):
     rid = f"cmpl-{uuid.uuid4().hex}"
     slots = await api.add([ids for _, ids in encoded], params, arrival, rid, structured_field,
                           req.cache_salt)
-    choices = [ChoiceStream(i * req.n + j, params[i], prefixes[i])
+    token_str = api.token_str if req.logprobs is not None else None
+    choices = [ChoiceStream(i * req.n + j, params[i], prefixes[i], token_str)
                for i in range(len(slots)) for j in range(req.n)]
     base = {"id": rid, "object": "text_completion", "created": int(time.time()),
             "model": api.model_name}
     num_prompt = sum(len(ids) for _, ids in encoded)
 
-    def logprobs(ch: ChoiceStream, ids, lps):
+    def logprobs(offset: int, ids, lps):
         if req.logprobs is None:
             return None
-        lp = completion_logprobs(api.token_str, ids, lps, req.logprobs, ch.text_offset)
-        ch.text_offset += sum(len(t) for t in lp["tokens"])
-        return lp
+        return completion_logprobs(api.token_str, ids, lps, req.logprobs, offset)
 
     if req.stream:
         def choice_chunk(ch, comp, text, ids, lps):
             return chunk_of(base, {"index": ch.index, "text": text,
-                                   "logprobs": logprobs(ch, ids, lps), **finish(comp)},
+                                   "logprobs": logprobs(ch.delta_offset, ids, lps),
+                                   **finish(comp)},
                             req.include_usage)
 
         def usage_chunk(num_generated):
@@ -77,7 +77,8 @@ async def create_completion(request: Request):
         for comp in out.outputs:
             ch = choices[i * req.n + comp.index]
             out_choices.append({"index": ch.index, "text": ch.prefix + comp.text,
-                                "logprobs": logprobs(ch, comp.token_ids, comp.logprobs or []),
+                                "logprobs": logprobs(len(ch.prefix), comp.token_ids,
+                                                     comp.logprobs or []),
                                 **finish(comp)})
     num_generated = sum(len(c.token_ids) for out in finals for c in out.outputs)
     return JSONResponse({**base, "choices": out_choices,

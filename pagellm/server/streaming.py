@@ -35,11 +35,15 @@ def sse(obj) -> str:
 class ChoiceStream:
     """What one choice (prompt i, sample j) has sent so far; yields the next delta."""
 
-    def __init__(self, index: int, params, prefix: str = ""):
+    def __init__(self, index: int, params, prefix: str = "", token_str=None):
+        """token_str(id) -> the token's text: given, the stream keeps each delta's offset in
+        the text (completions logprobs' text_offset) as part of its own state."""
         self.index = index
         self.params = params
         self.prefix = prefix  # echo: the prompt text, sent with the first delta
-        self.text_offset = len(prefix)  # completions logprobs: where the next token starts
+        self.token_str = token_str
+        self.text_offset = len(prefix)  # where the next token's text starts
+        self.delta_offset = len(prefix)  # where the latest delta's first token starts
         self.text_sent = 0
         self.tokens_sent = 0
         self.finished = False
@@ -59,6 +63,9 @@ class ChoiceStream:
             return None
         ids = comp.token_ids[self.tokens_sent:]
         lps = (comp.logprobs or [])[self.tokens_sent:] if want_logprobs else []
+        self.delta_offset = self.text_offset
+        if self.token_str is not None:
+            self.text_offset += sum(len(self.token_str(t)) for t in ids)
         self.text_sent = max(self.text_sent, end)
         self.tokens_sent = len(comp.token_ids)
         self.finished = comp.finished
