@@ -97,6 +97,13 @@ class EngineCollector:
         yield gauge("pagellm:kv_cache_usage_perc", "Fraction of KV blocks in use (0 to 1).",
                     bm.usage)
         yield gauge("pagellm:kv_cache_num_blocks", "KV blocks in the pool.", bm.num_blocks)
+        split = GaugeMetricFamily("pagellm:memory_bytes", "The memory budget's split: weights "
+                                  "and KV pool of the target and of a draft model.",
+                                  labels=["model_name", "model", "part"])
+        for key, value in e.memory_split().items():
+            which, part = key.split("_")
+            split.add_metric([name, which, part], value)
+        yield split
         yield counter("pagellm:prompt_tokens", "Prompt tokens of accepted requests.",
                       e.num_prompt_tokens)
         yield counter("pagellm:generation_tokens", "Generated tokens.", e.num_generation_tokens)

@@ -277,3 +277,28 @@ def test_cache_salt_keeps_tenants_apart(srv):
     assert _prefix_hits(srv) == hits + 32  # the same tenant: two full blocks reused
     assert "cache_salt" in error_of(post(srv, "/v1/completions", _c(cache_salt="")), 400,
                                     "cache_salt")
+
+
+# ---- the memory budget's split in /metrics -----------------------------------------------------
+def test_metrics_expose_the_memory_split(tiny_path):
+    """Target and draft weights and KV pools, as /metrics reports them and as they are."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    spec = {"method": "draft_model", "model": tiny_path, "num_speculative_tokens": 2,
+            "draft_num_layers": 1, "adaptive": False}
+    llm = LLM(tiny_path, **ENGINE_KW, speculative_config=spec)
+    with running_server(llm) as srv:
+        text = httpx.get(srv.url + "/metrics").text
+        got = {(s.labels["model"], s.labels["part"]): s.value
+               for fam in text_string_to_metric_families(text) for s in fam.samples
+               if s.name == "pagellm:memory_bytes"}
+        eng = llm.engine
+        pool = lambda runner: sum(k.nbytes + v.nbytes for k, v in runner.kv_caches)  # noqa: E731
+        assert got[("target", "weights")] == eng.model.weight_bytes() > 0
+        assert got[("target", "kv")] == pool(eng.runner) > 0
+        proposer = eng.spec.proposer
+        assert got[("draft", "weights")] == proposer.model.weight_bytes() > 0
+        assert got[("draft", "kv")] == pool(proposer.runner) > 0
+        # one budget: the two pools together stay within the configured KV memory
+        assert got[("target", "kv")] + got[("draft", "kv")] <= 16 * 2**20
+        wait_idle(srv)

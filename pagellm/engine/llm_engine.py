@@ -106,6 +106,10 @@ class LLMEngine:
         if self.spec is not None:
             self.spec.proposer.bind_target(self.block_manager, self.runner)
             self.spec.controller.row_limit = packed_row_limit(self.model)
+        m = {k: v / 2**20 for k, v in self.memory_split().items()}
+        logger.info("memory: target weights %.0f MiB + KV %.0f MiB; draft weights %.0f MiB + "
+                    "KV %.0f MiB", m["target_weights"], m["target_kv"], m["draft_weights"],
+                    m["draft_kv"])
         self.requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
         self._rng = torch.Generator().manual_seed(config.seed)
@@ -311,6 +315,21 @@ class LLMEngine:
             kept.num_tokens.append(n)
         logits = torch.cat(parts) if parts else torch.empty(0)
         return kept, logits, failed
+
+    def memory_split(self) -> dict[str, int]:
+        """Bytes of the one memory budget: the target's weights and KV pool and, with a draft
+        model of its own, the draft's (an early-exit draft shares the target's; n-gram has
+        none). Printed at start and exposed in /metrics."""
+        def pool(runner) -> int:
+            return sum(k.nbytes + v.nbytes for k, v in runner.kv_caches)
+
+        split = {"target_weights": self.model.weight_bytes(), "target_kv": pool(self.runner),
+                 "draft_weights": 0, "draft_kv": 0}
+        proposer = getattr(self.spec, "proposer", None)
+        if getattr(proposer, "block_manager", None) is not None:  # a draft with its own cache
+            split["draft_weights"] = proposer.model.weight_bytes()
+            split["draft_kv"] = pool(proposer.runner)
+        return split
 
     @property
     def spec_stats(self):
