@@ -662,9 +662,13 @@ def test_greedy_identical_with_speculation(tiny_pair, spec, setting):
     llm = LLM(path, speculative_config=_spec(spec, path), **kw)
     shares = spec.startswith("draft") and spec != "draft_files" or spec == "adaptive"
     assert (getattr(llm.engine.spec.proposer, "target_blocks", None) is not None) == shares
-    if spec == "adaptive":  # a confident prior: it speculates whatever this machine's timings
+    if spec == "adaptive":
+        # A confident prior, and step costs from a fixed model instead of this machine's wall
+        # clock (a slow or loaded machine could otherwise make it never draft, and this test
+        # would then exercise nothing): its choices are the same on every machine.
         ctl = llm.engine.spec.controller
         ctl.prior_alpha = ctl.alpha = 0.95
+        fixed_costs(ctl)
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
                         use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == base
@@ -761,6 +765,16 @@ def test_cli_flags_build_the_early_exit_draft(tiny_pair):
     out = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=6),
                        use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 6 and llm.engine.spec.stats.num_drafts > 0
+
+
+def fixed_costs(ctl) -> None:
+    """Feed the controller step costs from a fixed model (10 ms + 0.5 ms a row per target
+    step, 1 ms a draft round) whatever the wall clock said."""
+    step, draft, decode = ctl.observe_step, ctl.observe_draft, ctl.observe_decode_step
+    ctl.observe_step = lambda num_tokens, seconds: step(num_tokens, 0.010 + 0.0005 * num_tokens)
+    ctl.observe_draft = lambda rounds, seconds: draft(rounds, 0.001 * rounds)
+    ctl.observe_decode_step = lambda batch, seconds, k, tokens, rows=None: decode(
+        batch, 0.010 + 0.0005 * (rows or batch) + 0.001 * k, k, tokens, rows)
 
 
 def test_mismatched_vocab_refused(tiny_pair):
