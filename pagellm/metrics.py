@@ -100,7 +100,7 @@ class EngineCollector:
         split = GaugeMetricFamily("pagellm:memory_bytes", "The memory budget's split: weights "
                                   "and KV pool of the target and of a draft model.",
                                   labels=["model_name", "model", "part"])
-        for key, value in e.memory_split().items():
+        for key, value in e.memory_split.items():
             which, part = key.split("_")
             split.add_metric([name, which, part], value)
         yield split

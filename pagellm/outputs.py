@@ -5,6 +5,8 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from pagellm.engine.detokenizer import stable_len
+
 
 class Prefix(Sequence):
     """The first len() items of a list that only ever grows (a running sequence's tokens,
@@ -52,9 +54,15 @@ class CompletionOutput:
     stop_reason: int | str | None = None
     cumulative_logprob: float | None = None
     logprobs: list[dict[int, float]] | None = None  # per token: {token_id: logprob}, sampled first
-    # How much of `text` a stream may show now: a tail that could still grow into a stop
-    # string is held back (all of it once finished). None: all of it.
-    stable_text_len: int | None = None
+    # The request's stop strings: a stream holds back a tail of `text` that could still grow
+    # into one (stable_text_len).
+    stop_strings: Sequence[str] = ()
+
+    @property
+    def stable_text_len(self) -> int:
+        """How much of `text` a stream may show now (all of it once finished). Computed when
+        read: only for the outputs a consumer takes, not for every request every step."""
+        return stable_len(self.text, self.stop_strings, self.finished)
 
     @property
     def finished(self) -> bool:

@@ -51,3 +51,18 @@ def make_tiny_model(path, arch: str = "llama", **overrides):
     model = model_cls(cfg_cls(**kwargs)).eval().float()
     model.save_pretrained(path)
     return model
+
+
+def assert_greedy_close(ref, got, tol: float) -> None:
+    """Two greedy CompletionOutputs (with logprobs=2 or more): at every position the chosen
+    token's log-probability agrees within tol, and the tokens are equal, except from a
+    position where the reference's choice led its runner-up by less than 2 * tol (a near-tie
+    either run may break; the continuations may differ from there on)."""
+    for i, (a, b) in enumerate(zip(ref.logprobs, got.logprobs)):
+        tok = ref.token_ids[i]
+        if got.token_ids[i] != tok:
+            margin = a[tok] - max(v for t, v in a.items() if t != tok)
+            assert margin < 2 * tol, (i, margin, ref.token_ids, got.token_ids)
+            return
+        assert abs(a[tok] - b[tok]) < tol, (i, a, b)
+    assert list(got.token_ids) == list(ref.token_ids)

@@ -14,7 +14,7 @@ from pagellm import LLM, SamplingParams
 from pagellm.engine import llm_engine
 
 PROMPTS = {
-    "a": [5, 17, 33, 2 + 40, 61, 7, 9, 120, 44, 3],
+    "a": [5, 17, 33, 42, 61, 7, 9, 120, 44, 3],
     "b": [8, 8, 19, 200, 31, 77, 15, 6],
     "bad": [99, 14, 27, 140, 55, 18, 71, 9, 23],
     "c": [64, 3, 91, 12, 180, 7],

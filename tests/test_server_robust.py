@@ -94,6 +94,10 @@ def test_the_limits_themselves_pass(srv):
     for path, body in ok:
         r = post(srv, path, body)
         assert r.status_code == 200, r.text
+    # /tokenize counts any prompt: the prompt-token limit is for generation
+    r = post(srv, "/tokenize", {"model": MODEL, "messages": [
+        {"role": "user", "content": "hello " * 300}]})
+    assert r.status_code == 200 and r.json()["count"] > 200
 
 
 def test_waiting_queue_counts_every_sequence_of_a_request(tiny_path):

@@ -178,8 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         wait_ready(url, args.startup_timeout, proc)
         model = served_model(url)
-        warm = random.Random(1)
-        asyncio.run(_warm_up(url, model, warm))
+        asyncio.run(_warm_up(url, model))
         rss_start = rss_mib(proc.pid)
         common.log(f"soak: {args.clients} clients for {args.minutes:g} min against {url}")
         tally, rss = asyncio.run(soak(url, model, args, proc.pid))
@@ -216,15 +215,14 @@ def main(argv: list[str] | None = None) -> int:
     }
     ok = not num_5xx and not tally.stream_errors and not leaked and not busy and healthy
     md = render(result, ok)
-    files = common.write_results(args.out, "soak", {"config": vars(args), "results": result,
-                                                    "passed": ok}, md)
+    common.write_results(args.out, "soak", {"config": vars(args), "results": result,
+                                            "passed": ok}, md)
     if not args.no_plot:
         plot(result, os.path.join(args.out, "soak.png"))
-        files.append(os.path.join(args.out, "soak.png"))
     return 0 if ok else 1
 
 
-async def _warm_up(url: str, model: str, rng: random.Random) -> None:
+async def _warm_up(url: str, model: str) -> None:
     async with httpx.AsyncClient(timeout=300) as client:
         for _ in range(2):
             r = await client.post(url + "/v1/completions",

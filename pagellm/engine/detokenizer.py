@@ -43,15 +43,19 @@ def find_stop_string(seq: Sequence, delta_len: int) -> str | None:
     return s
 
 
-def stable_text_len(seq: Sequence) -> int:
-    """How much of seq.text can be shown while streaming: hold back a tail that could still
+def stable_len(text: str, stop_strings, finished: bool) -> int:
+    """How much of `text` can be shown while streaming: hold back a tail that could still
     grow into a stop string (stop strings must never leak into the text)."""
-    if seq.is_finished or not seq.params.stop_strings:
-        return len(seq.text)
+    if finished or not stop_strings:
+        return len(text)
     hold = 0
-    for s in seq.params.stop_strings:
-        for k in range(min(len(s) - 1, len(seq.text)), 0, -1):
-            if seq.text.endswith(s[:k]):
+    for s in stop_strings:
+        for k in range(min(len(s) - 1, len(text)), 0, -1):
+            if text.endswith(s[:k]):
                 hold = max(hold, k)
                 break
-    return len(seq.text) - hold
+    return len(text) - hold
+
+
+def stable_text_len(seq: Sequence) -> int:
+    return stable_len(seq.text, seq.params.stop_strings, seq.is_finished)

@@ -11,8 +11,8 @@ import torch
 
 from pagellm.config import EngineConfig
 from pagellm.engine.block_manager import BlockManager
-from pagellm.engine.detokenizer import append_text, find_stop_string, stable_text_len
-from pagellm.engine.model_runner import ModelRunner
+from pagellm.engine.detokenizer import append_text, find_stop_string
+from pagellm.engine.model_runner import ModelRunner, WorkerDiedError
 from pagellm.engine.scheduler import Scheduler, SchedulerOutput
 from pagellm.kernels.malloc import keep_freed_memory
 from pagellm.engine.memory import (num_kv_blocks, resolve_device,
@@ -106,7 +106,8 @@ class LLMEngine:
         if self.spec is not None:
             self.spec.proposer.bind_target(self.block_manager, self.runner)
             self.spec.controller.row_limit = packed_row_limit(self.model)
-        m = {k: v / 2**20 for k, v in self.memory_split().items()}
+        self.memory_split = self._memory_split()  # fixed from here on: read by /metrics
+        m = {k: v / 2**20 for k, v in self.memory_split.items()}
         logger.info("memory: target weights %.0f MiB + KV %.0f MiB; draft weights %.0f MiB + "
                     "KV %.0f MiB", m["target_weights"], m["target_kv"], m["draft_weights"],
                     m["draft_kv"])
@@ -213,8 +214,6 @@ class LLMEngine:
         start = time.perf_counter()
         self._propose()
         out = self.scheduler.schedule()
-        from pagellm.engine.tensor_parallel import WorkerDiedError
-
         try:
             outputs = self._run_batch(out)
             if self.spec is not None:
@@ -280,8 +279,6 @@ class LLMEngine:
         """The step's forward. If it fails, each sequence runs alone and the requests whose
         sequence fails alone are ended: one bad request never fails its batch. Returns the
         sequences that ran, their logits rows and the failed request ids."""
-        from pagellm.engine.tensor_parallel import WorkerDiedError
-
         rows, _ = self._logit_rows(out)
         try:
             return out, self.runner.execute(out, rows), set()
@@ -316,7 +313,7 @@ class LLMEngine:
         logits = torch.cat(parts) if parts else torch.empty(0)
         return kept, logits, failed
 
-    def memory_split(self) -> dict[str, int]:
+    def _memory_split(self) -> dict[str, int]:
         """Bytes of the one memory budget: the target's weights and KV pool and, with a draft
         model of its own, the draft's (an early-exit draft shares the target's; n-gram has
         none). Printed at start and exposed in /metrics."""
@@ -551,7 +548,7 @@ class LLMEngine:
             finish_reason=s.finish_reason, stop_reason=s.stop_reason,
             cumulative_logprob=s.cumulative_logprob if s.params.logprobs is not None else None,
             logprobs=snap(s.logprobs) if s.params.logprobs is not None else None,
-            stable_text_len=stable_text_len(s))
+            stop_strings=s.params.stop_strings)
             for s in req.seqs]
         first = [s.first_token_time for s in req.seqs if s.first_token_time is not None]
         fin = [s.finish_time for s in req.seqs if s.finish_time is not None]

@@ -24,6 +24,10 @@ def kv_bytes_per_block(config, block_size: int, dtype: torch.dtype, tp_size: int
     return 2 * config.num_hidden_layers * block_size * kv_heads * head_dim * elem
 
 
+class WorkerDiedError(RuntimeError):
+    """A tensor-parallel worker is gone: the engine cannot run any step any more."""
+
+
 class ModelRunner:
     def __init__(self, model, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device):

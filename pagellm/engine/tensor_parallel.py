@@ -20,15 +20,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from pagellm import parallel
-from pagellm.engine.model_runner import ModelRunner
+from pagellm.engine.model_runner import ModelRunner, WorkerDiedError  # noqa: F401 (re-export)
 
 logger = logging.getLogger("pagellm")
 _TIMEOUT = timedelta(seconds=120)
 _JOINED = "pagellm/joined"  # store counter: workers about to join the group
-
-
-class WorkerDiedError(RuntimeError):
-    pass
 
 
 def _free_port() -> int:

@@ -95,7 +95,6 @@ class OpenAIServer:
         except Exception as e:  # a template that raises (jinja TemplateError, ...)
             raise APIError(400, f"messages: the chat template failed: {e}",
                            param="messages") from None
-        self.limits.check_prompt_tokens(len(ids), "messages")
         return ids
 
     def max_tokens(self, num_prompt: int, requested: int | None, what: str) -> int:

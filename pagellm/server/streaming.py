@@ -51,12 +51,12 @@ class ChoiceStream:
     def advance(self, comp: CompletionOutput, want_logprobs: bool, every_token: bool = False):
         """(text, token_ids, logprobs) new since the last call, or None if nothing to send.
         Text that could still turn into a stop string is held back (the engine says how much
-        is stable: CompletionOutput.stable_text_len, detokenizer.stable_text_len). New
+        is stable: CompletionOutput.stable_text_len). New
         tokens alone make a chunk when logprobs are wanted or every_token is set (a model
         without a tokenizer has no text to stream)."""
         if self.finished:
             return None
-        end = len(comp.text) if comp.stable_text_len is None else comp.stable_text_len
+        end = comp.stable_text_len
         text = comp.text[self.text_sent:end] if end > self.text_sent else ""
         new_tokens = len(comp.token_ids) > self.tokens_sent
         if not (text or comp.finished or ((want_logprobs or every_token) and new_tokens)):
