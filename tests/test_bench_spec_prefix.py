@@ -31,7 +31,7 @@ def test_spec_smoke(tmp_path):
         assert 0 <= r["same_as_off"] <= 1 and r["preemptions"] == 0
         if e in engines - {"off", "ngram spec-off", "draft-L1 spec-off"}:
             assert 0 <= r["spec_step_share"] <= 1 and set(r["controller"]) == {
-                "alpha", "alpha_by_kind", "draft_round_s", "step_s", "step_wall_s"}
+                "alpha", "alpha_by_kind", "draft_round_s", "step_wall_s"}
             assert r["acceptance_rate"] is None or len(r["accepted_per_position"]) == 4
     # "spec-off": the same engine with speculation forced off, the floor's baseline.
     for e in ("ngram spec-off", "draft-L1 spec-off"):

@@ -242,6 +242,41 @@ def test_a_sequence_that_preempts_itself_is_not_scheduled():
     assert b.output_token_ids == expected_output([2, 2, 2, 2], 2)
 
 
+def test_lookahead_is_reserved_trimmed_and_rolled_back_by_the_scheduler():
+    """Proposals are the scheduler's business end to end: slots reserved ahead (`reserve`,
+    the early-exit draft), trimmed to the token budget in `schedule`, and after verification
+    the rejected ones' slots returned (`rollback`); `on_release` hears of every sequence
+    that leaves or is preempted."""
+    released = []
+    bm = BlockManager(num_blocks=8, block_size=2, enable_prefix_caching=False)
+    sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=3, on_release=released.append)
+    seq = Sequence(0, "r0", 0, [1, 2, 3], SamplingParams(max_tokens=20), None)
+    sched.add(seq)
+    out = sched.schedule()
+    sched.advance(out)
+    seq.output_token_ids.append(4)  # the prompt's token: 4 tokens, 3 with KV
+    assert seq.num_computed_tokens == 3
+    seq.spec_token_ids = [5, 6, 7, 8]
+    assert sched.reserve(seq, 1 + 4)  # the last token and four proposals: 8 slots
+    assert len(seq.block_table) == 4
+    out = sched.schedule()  # a budget of 3: the last token and two proposals
+    assert out.num_tokens == [3] and seq.spec_token_ids == [5, 6]
+    assert len(seq.block_table) == 3  # the slot of positions 6-7 went back
+    sched.advance(out)
+    assert seq.num_computed_tokens == 6
+    seq.output_token_ids += [5, 9]  # one proposal accepted, then the target's own token
+    sched.rollback(seq)
+    assert seq.spec_token_ids == [] and seq.num_computed_tokens == 5
+    assert len(seq.block_table) == 3  # positions 0-5 (5 valid, 6 is the new token's)
+    assert released == []
+    other = Sequence(1, "r1", 0, [1] * 9, SamplingParams(max_tokens=4), None)
+    sched.add(other)
+    sched._preempt(seq, SchedulerOutput())
+    sched.remove(other)
+    assert released == [seq, other] and bm.num_free_blocks == bm.num_blocks
+    sched.remove(seq)
+
+
 # ---- random workloads: never a lost request ---------------------------------------------
 @settings(max_examples=40, deadline=None, derandomize=True)
 @given(data=st.data(), block_size=st.sampled_from([1, 2, 4]), num_blocks=st.integers(4, 24),

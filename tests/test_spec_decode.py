@@ -7,7 +7,8 @@ import torch
 from pagellm import LLM, SamplingParams
 from pagellm.sampling.rejection import rejection_sample
 from pagellm.sequence import Sequence
-from pagellm.spec_decode.adaptive import AdaptiveK, StepTimes, StepWalls
+from pagellm.spec_decode.adaptive import _PRIOR_ROW_COST, AdaptiveK
+from pagellm.spec_decode.measure import StepWalls
 from tests.helpers import make_tiny_model
 
 
@@ -227,17 +228,21 @@ def test_held_back_proposal_is_scored_while_another_is_verified():
     dec.release(seq)
 
 
-def test_step_times_follow_the_measured_sizes():
-    st = StepTimes()
-    assert st.predict(4) is None
-    st.observe(16, 0.05)
-    assert st.predict(32) == pytest.approx(0.075)  # one size: 1/32 of it per token beyond
-    st.observe(32, 0.20)  # a kernel switch between 16 and 32 rows
-    assert st.predict(8) == pytest.approx(0.05)
-    assert st.predict(24) == pytest.approx(0.125)
-    assert st.predict(48) == pytest.approx(0.35)  # the slope of the two largest sizes
-    st.observe(32, 0.30)
-    assert 0.20 < st.predict(32) < 0.30  # an average, not the latest value
+def test_unmeasured_k_costs_what_measured_rows_cost():
+    """A k not measured at a batch size is priced per verified row at what the measured k's
+    rows cost there (their extra time over a plain step, draft rounds aside), plus its draft
+    rounds; with nothing measured, at the prior row cost. A measured k's extra time scales
+    with the rows verified."""
+    ctl = AdaptiveK(max_k=4, draft_cost=True)
+    ctl.observe_draft(2, 0.004)  # 2 ms a round
+    for _ in range(3):
+        ctl.observe_decode_step(4, 0.040, 0, 4, 0)
+    assert ctl.step_wall(4, 2, 8) == pytest.approx(0.040 + _PRIOR_ROW_COST * 8 * 0.010 + 0.004)
+    for _ in range(3):
+        ctl.observe_decode_step(4, 0.040 + 0.002 + 4 * 0.005, 1, 6, 4)  # 5 ms a row
+    assert ctl.step_wall(4, 3, 12) == pytest.approx(0.040 + 12 * 0.005 + 3 * 0.002)
+    assert ctl.step_wall(4, 1, 2) == pytest.approx(0.040 + (0.002 + 4 * 0.005) / 2)
+    assert ctl.step_wall(4, 0, 0) == pytest.approx(0.040)
 
 
 def simulate(ctl, batch: int, steps: int, forward, accept: float, draft_round: float = 0.0,
@@ -257,7 +262,6 @@ def simulate(ctl, batch: int, steps: int, forward, accept: float, draft_round: f
         ks = ctl.choose(seqs, [ctl.max_k] * batch if ctl.scores_unverified else None)
         n = sum(k + 1 for k in ks)
         t = forward(n) + max(ks) * draft_round + overhead * (n - batch)
-        ctl.observe_step(n, forward(n))
         if draft_round and max(ks):
             ctl.observe_draft(max(ks), max(ks) * draft_round)
         tokens = 0
@@ -290,7 +294,6 @@ def test_draft_probe_at_batch_uses_one_sequence():
     """While off, a draft-model probe catches up one sequence (the shortest), not the batch."""
     ctl = AdaptiveK(max_k=4, draft_cost=True)
     seqs = [Sequence(i, str(i), 0, [1] * (40 - i), SamplingParams(), None) for i in range(8)]
-    ctl.observe_step(8, 0.05)
     ctl.observe_decode_step(8, 0.05, 0, 8)
     for _ in range(20):  # plain steps until the first probe
         ks = ctl.choose(seqs)
@@ -299,24 +302,20 @@ def test_draft_probe_at_batch_uses_one_sequence():
         ctl.observe_decode_step(8, 0.05, 0, 8)
     assert sorted(ks) == [0] * 7 + [ks[7]] and ks[7] >= 1  # seq 7 has the fewest tokens
     ctl.observe_decode_step(8, 5.0, max(ks), 8)  # its catch-up: not the batch's step time
-    assert 1 not in ctl.walls[8].seconds and ctl.walls[8].seconds[0] == 0.05
+    assert list(ctl.walls[8].steps) == [0] and ctl.walls[8].wall(0) == 0.05
 
 
 def test_draft_needs_a_clear_predicted_gain_before_a_whole_batch_step():
-    """Batch 16, draft model, only plain steps measured: a modest predicted gain (the
-    forward-time model knows only step sizes up to 16) is no reason for a whole-batch draft
-    step; at most one sequence probes."""
+    """Batch 16, draft model, only plain steps measured: a modest predicted gain (the step
+    time of a k is only modelled there) is no reason for a whole-batch draft step; at most
+    one sequence probes."""
     ctl = AdaptiveK(max_k=4, draft_cost=True)
-    for n in (8, 16):
-        ctl.observe_step(n, 0.07)  # flat up to 16 rows: the model extrapolates it flat
+    ctl.prior_alpha = ctl.alpha = 0.6
     ctl.observe_draft(1, 0.01)
     ctl.observe_decode_step(16, 0.07, 0, 16)
     seqs = [Sequence(i, str(i), 0, [1, 2], SamplingParams(), None) for i in range(16)]
-    for seq in seqs:  # acceptance about 0.3: the model predicts ~1.1x
-        ctl.observe_acceptance(seq, 2, 0)
-        ctl.observe_acceptance(seq, 2, 1)
-    rates = [sum(ctl.expected(ctl.seq_estimate(s), k) for s in seqs)
-             / ctl._wall(ctl.walls[16], 16, k) for k in range(5)]
+    alphas = [ctl.seq_estimate(s) for s in seqs]
+    rates = [ctl._plan(16, k, alphas, [4] * 16, [0] * 16)[1] for k in range(5)]
     assert 1.02 < max(rates[1:]) / rates[0] < 1.25
     for _ in range(20):
         ks = ctl.choose(seqs)
@@ -344,7 +343,7 @@ def test_acceptance_is_learnt_per_kind_of_proposal():
     other = Sequence(1, "1", 0, [1, 2], SamplingParams(), None)
     assert ctl.seq_estimate(other, 4) == ctl.kind_alpha(4)  # a new request starts pooled
     ctl.forget(seq)
-    assert not ctl.seq_alpha and not ctl.seq_count
+    assert not ctl.seq_alpha
 
 
 def test_step_walls_are_medians_and_a_gain_must_beat_their_noise():
@@ -352,8 +351,8 @@ def test_step_walls_are_medians_and_a_gain_must_beat_their_noise():
     predicted gain of 6% is taken when the walls are steady, not when they scatter by 15%."""
     walls = StepWalls()
     for seconds in (0.020, 0.021, 0.019, 0.060, 0.020):
-        walls.observe(0, seconds, 1)
-    assert walls.seconds[0] == 0.020 and walls.spread(0) < 0.05
+        walls.observe(0, seconds, 0, 1)
+    assert walls.wall(0) == pytest.approx(0.020, rel=0.02) and walls.spread(0) < 0.05
 
     def controller(scatter: float) -> AdaptiveK:
         ctl = AdaptiveK(max_k=1, scores_unverified=True)
@@ -371,7 +370,7 @@ def test_step_walls_are_medians_and_a_gain_must_beat_their_noise():
     steady, seq = controller(0.0)
     assert steady.choose([seq], [1]) == [1]
     noisy, seq = controller(0.15)
-    ratio = lambda c: c.walls[1].seconds[1] / c.walls[1].seconds[0]  # noqa: E731
+    ratio = lambda c: c.walls[1].wall(1) / c.walls[1].wall(0)  # noqa: E731
     assert ratio(noisy) <= ratio(steady) * 1.001  # promises at least the steady gain
     assert noisy.walls[1].spread(1) > 0.03
     assert noisy.choose([seq], [1]) == [0]
@@ -383,14 +382,14 @@ def test_step_walls_follow_the_machine_speed():
     step at the new speed agrees with them."""
     walls = StepWalls()
     for _ in range(5):
-        walls.observe(0, 0.020, 1)
+        walls.observe(0, 0.020, 0, 1)
     for _ in range(9):
-        walls.observe(4, 0.026, 4)
+        walls.observe(4, 0.026, 4, 4)
     for _ in range(12):
-        walls.observe(4, 0.026 * 1.3, 4)
-    assert walls.seconds[4] / walls.seconds[0] == pytest.approx(1.3, rel=0.1)
-    walls.observe(0, 0.020 * 1.3, 1)
-    assert walls.seconds[4] / walls.seconds[0] == pytest.approx(1.3, rel=0.1)
+        walls.observe(4, 0.026 * 1.3, 4, 4)
+    assert walls.wall(4) / walls.wall(0) == pytest.approx(1.3, rel=0.1)
+    walls.observe(0, 0.020 * 1.3, 0, 1)
+    assert walls.wall(4) / walls.wall(0) == pytest.approx(1.3, rel=0.1)
     assert walls.speed == pytest.approx(1.3, rel=0.1)
 
 
@@ -404,20 +403,20 @@ def test_a_measured_step_never_costs_more_than_one_with_more_rows():
         for _ in range(3):
             ctl.observe_decode_step(1, wall, k, 1 + k, k)
     walls = ctl.walls[1]
-    assert walls.seconds[3] == pytest.approx(0.0394)
-    assert ctl._wall(walls, 1, 3) == pytest.approx(0.0289)
-    assert ctl._wall(walls, 1, 2) == pytest.approx(0.0239)
+    assert walls.wall(3) == pytest.approx(0.0394)
+    assert ctl.step_wall(1, 3, 3) == pytest.approx(0.0289)
+    assert ctl.step_wall(1, 2, 2) == pytest.approx(0.0239)
     b16 = AdaptiveK(max_k=2, scores_unverified=True)
     for k, wall, rows in ((0, 0.08, 0), (1, 0.20, 16), (2, 0.12, 4)):
         b16.observe_decode_step(16, wall, k, 16 + rows, rows)
-    assert b16._wall_k(b16.walls[16], 16, 1) == pytest.approx(0.20)
+    assert b16.step_wall(16, 1, 16) == pytest.approx(0.20)
 
 
-def test_no_step_past_the_few_row_kernels_on_a_straight_line():
-    """Batch 16, n-gram, copy-like acceptance: k=1 (32 rows) and k=2 (36 rows) measured. The
-    line through them calls a k=4 step (80 rows) cheap; past the packed kernels' 40 rows it
-    took 7x a plain step. With the engine's row limit known, the controller assumes a row
-    there costs twice what a row of a plain step does and never tries it."""
+def test_no_step_past_the_few_row_kernels_at_the_measured_row_cost():
+    """Batch 16, n-gram, copy-like acceptance: k=1 (32 rows) and k=2 (36 rows) measured. Their
+    row cost calls a k=4 step (80 rows) cheap; past the packed kernels' 40 rows it took 7x a
+    plain step. With the engine's row limit known, the controller assumes a row there costs
+    twice what a row of a plain step does and never tries it."""
     def controller(row_limit):
         ctl = AdaptiveK(max_k=4, scores_unverified=True)
         ctl.row_limit = row_limit
@@ -431,10 +430,12 @@ def test_no_step_past_the_few_row_kernels_on_a_straight_line():
         return ctl, seqs
 
     ctl, seqs = controller(None)
-    assert max(ctl.choose(seqs, [4] * 16, [4] * 16)) == 4  # what the line alone says
+    row = ((0.131 - 0.08) / 16 + (0.140 - 0.08) / 20) / 2  # the measured rows' mean cost
+    assert ctl.step_wall(16, 4, 64) == pytest.approx(0.08 + 64 * row)  # what rows alone say
+    assert ctl._plan(16, 4, [1.0] * 16, [4] * 16, [4] * 16)[1] > 16 / 0.08 * 1.25
     ctl, seqs = controller(40)
-    assert ctl._wall(ctl.walls[16], 16, 4, [4] * 16) == pytest.approx(2 * 0.08 * 80 / 16)
-    assert ctl._wall(ctl.walls[16], 16, 1, [4] * 16) == pytest.approx(0.131)  # measured
+    assert ctl.step_wall(16, 4, 64) == pytest.approx(2 * 0.08 * 80 / 16)
+    assert ctl.step_wall(16, 1, 16) == pytest.approx(0.131)  # measured
     assert max(ctl.choose(seqs, [4] * 16, [4] * 16)) <= 1
 
 
@@ -446,9 +447,8 @@ def test_step_time_scales_with_the_rows_verified():
     for _ in range(2):
         ctl.observe_decode_step(16, 0.08, 0, 16, 0)
     ctl.observe_decode_step(16, 0.12, 1, 17, 2)
-    walls = ctl.walls[16]
-    assert ctl._wall(walls, 16, 1, [1] * 2 + [0] * 14) == pytest.approx(0.12)
-    assert ctl._wall(walls, 16, 1, [4] * 16) == pytest.approx(0.08 + 0.04 * 8)
+    assert ctl.step_wall(16, 1, 2) == pytest.approx(0.12)
+    assert ctl.step_wall(16, 1, 16) == pytest.approx(0.08 + 0.04 * 8)
     seqs = [Sequence(i, str(i), 0, [1, 2], SamplingParams(), None) for i in range(16)]
     for seq in seqs:  # acceptance ~0.7: pays for 2 extra rows at 20 ms each, not for 16
         for _ in range(4):
@@ -468,26 +468,24 @@ def test_walls_are_kept_per_batch_size():
     seqs = [Sequence(i, str(i), 0, [1, 2], SamplingParams(), None) for i in range(9)]
     assert ctl.choose(seqs, [4] * 9, [4] * 9) == [0] * 9  # a new size: plain decoding first
     ctl.observe_decode_step(9, 0.053, 0, 9, 0)
-    assert ctl.walls[9].seconds == {0: 0.053} and ctl.walls[16].seconds[0] == 0.096
+    assert list(ctl.walls[9].steps) == [0] and ctl.walls[9].wall(0) == 0.053
+    assert ctl.walls[16].wall(0) == 0.096
 
 
 def test_unmeasured_k_costs_rows_like_the_nearest_smaller_batch():
     """Batch 8 measured a verified row at 0.8 plain-step rows ((0.09 - 0.05) / 8 over
-    0.05 / 8). At batch 12, k=1 not measured yet, the forward-time model (fitted where rows
-    were cheap) must not price a row below that: with acceptance 0.7 per proposal, a k=1
-    step there is then not worth even a probe soon."""
+    0.05 / 8). At batch 12, k=1 not measured yet, a row costs that much (not the prior's
+    cheap rows): with acceptance 0.7 per proposal, a k=1 step there is then not worth even
+    a probe soon."""
     ctl = AdaptiveK(max_k=4, scores_unverified=True)
-    for n, t in ((8, 0.05), (12, 0.07), (16, 0.072), (24, 0.075)):  # cheap rows: the model
-        ctl.observe_step(n, t)
     for _ in range(3):
         ctl.observe_decode_step(8, 0.05, 0, 8, 0)
         ctl.observe_decode_step(8, 0.09, 1, 14, 8)
         ctl.observe_decode_step(12, 0.07, 0, 12, 0)
-    assert ctl._row_cost_below(12) == pytest.approx(0.8)
-    assert ctl._row_cost_below(8) is None
-    walls = ctl.walls[12]
-    assert ctl._wall(walls, 12, 1, [1] * 12) == pytest.approx(0.07 + 0.8 * 12 * 0.07 / 12)
-    assert ctl._wall(walls, 12, 1, [1] * 3 + [0] * 9) == pytest.approx(0.07 + 0.8 * 3 * 0.07 / 12)
+    assert ctl._row_cost(12, 0.0) == pytest.approx(0.8)
+    assert ctl._row_cost(7, 0.0) == _PRIOR_ROW_COST  # nothing measured at or below 7
+    assert ctl.step_wall(12, 1, 12) == pytest.approx(0.07 + 0.8 * 12 * 0.07 / 12)
+    assert ctl.step_wall(12, 1, 3) == pytest.approx(0.07 + 0.8 * 3 * 0.07 / 12)
     seqs = [Sequence(i, str(i), 0, [1, 2], SamplingParams(), None) for i in range(12)]
     for seq in seqs:
         for _ in range(4):
@@ -519,27 +517,25 @@ def test_a_free_proposers_probe_at_batch_16_verifies_one_sequence():
     assert probes and all(sum(k > 0 for k in ks) == 1 and ks[5] for ks in probes)
 
 
-def test_unmeasured_k_is_not_cheaper_than_the_measured_line():
+def test_unmeasured_k_is_not_cheaper_than_the_measured_rows():
     """Batch 16: plain steps 80 ms, k=1 250 ms (rows past the packed kernels' sweet spot).
-    The forward-time model, fitted on prefill chunks too, calls k=4 only 1.25x a k=1 step;
-    the measured line says 0.08 + 4 * 0.17. With copy-like acceptance k=4 must not look like a
-    gain (a cold start used to try each unmeasured k once, ~300 ms extra each)."""
+    An unmeasured k=4 costs what its rows cost at k=1: 0.08 + 4 * 0.17. With copy-like
+    acceptance k=4 must not look like a gain (a cold start used to try each unmeasured k
+    once, ~300 ms extra each)."""
     ctl = AdaptiveK(max_k=4, scores_unverified=True)
-    ctl.observe_step(16, 0.08)
-    ctl.observe_step(2048, 1.0)  # a prefill chunk
     for _ in range(2):
         ctl.observe_decode_step(16, 0.08, 0, 16)
     ctl.observe_decode_step(16, 0.25, 1, 30)
-    walls = ctl.walls[16]
-    assert ctl._wall(walls, 16, 4) == pytest.approx(0.08 + 4 * 0.17)
-    assert ctl._wall(walls, 16, 1) == 0.25
+    assert ctl.step_wall(16, 4, 64) == pytest.approx(0.08 + 4 * 0.17)
+    assert ctl.step_wall(16, 1, 16) == 0.25
     seqs = [Sequence(i, str(i), 0, [1, 2], SamplingParams(), None) for i in range(16)]
     for seq in seqs:
         for _ in range(3):
             ctl.observe_acceptance(seq, 4, 4)
     assert ctl.choose(seqs, [4] * 16) == [0] * 16
-    ctl.observe_decode_step(16, 0.50, 3, 40)  # measured k on both sides: in between, a line
-    assert ctl._wall(walls, 16, 2) == pytest.approx(0.375)
+    ctl.observe_decode_step(16, 0.50, 3, 40)  # k=2 then costs the mean row of k=1 and k=3
+    row = ((0.25 - 0.08) / 16 + (0.50 - 0.08) / 48) / 2
+    assert ctl.step_wall(16, 2, 32) == pytest.approx(0.08 + 32 * row)
 
 
 @pytest.mark.parametrize("case,unverified", [
@@ -661,7 +657,7 @@ def test_greedy_identical_with_speculation(tiny_pair, spec, setting):
     base = _greedy(LLM(path, **kw))
     llm = LLM(path, speculative_config=_spec(spec, path), **kw)
     shares = spec.startswith("draft") and spec != "draft_files" or spec == "adaptive"
-    assert (getattr(llm.engine.spec.proposer, "target_blocks", None) is not None) == shares
+    assert (getattr(llm.engine.spec.proposer, "scheduler", None) is not None) == shares
     if spec == "adaptive":
         # A confident prior, and step costs from a fixed model instead of this machine's wall
         # clock (a slow or loaded machine could otherwise make it never draft, and this test
@@ -681,6 +677,46 @@ def test_greedy_identical_with_speculation(tiny_pair, spec, setting):
         assert stats.num_accepted_tokens == stats.num_draft_tokens
     if setting == "preempt":
         assert llm.engine.scheduler.num_preemptions > 0
+
+
+class _Recorder:
+    """Stands in for the engine's SpecDecoder and records which of its members are used."""
+
+    def __init__(self, inner):
+        self.inner, self.used = inner, set()
+
+    def __getattr__(self, name):
+        self.used.add(name)
+        return getattr(self.inner, name)
+
+
+@pytest.mark.parametrize("spec", ["ngram", "draft_1layer", "draft_files"])
+def test_the_engine_speaks_to_speculation_through_one_seam(tiny_pair, spec, monkeypatch):
+    """Each step the engine calls propose (before scheduling), verify (after the forward) and
+    observe (the step's times), and reads stats; a sequence that leaves or is preempted is
+    released through the scheduler's on_release. Nothing else: the slots of proposals and the
+    rollback after verification are the scheduler's. Sampling and verification run on the
+    logits' device: no step copies a tensor to the host (Tensor.cpu)."""
+    path, _ = tiny_pair
+    llm = LLM(path, dtype="float32", kv_cache_memory=4096 * 20, block_size=4,
+              speculative_config=_spec(spec, path))
+    engine = llm.engine
+    rec = _Recorder(engine.spec)
+    engine.spec = rec
+    engine.scheduler.on_release = rec.release
+    copies = []
+    monkeypatch.setattr(torch.Tensor, "cpu", lambda t, *a, **k: copies.append(t.shape) or t)
+    sps = [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
+           SamplingParams(temperature=0.8, top_p=0.9, max_tokens=16, seed=3, logprobs=2)]
+    outs = llm.generate(PROMPTS * 2, sps * len(PROMPTS), use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 16 for o in outs)
+    assert engine.spec_stats.num_draft_tokens > 0
+    assert engine.scheduler.num_preemptions > 0  # the pool is small: release on preemption too
+    assert rec.used <= {"propose", "verify", "observe", "release", "stats"}, rec.used
+    assert {"propose", "verify", "observe", "release"} <= rec.used
+    assert copies == []
+    inner = rec.inner.proposer
+    assert not getattr(inner, "shadows", {})  # every draft shadow released
 
 
 def test_early_exit_draft_reads_copied_blocks_of_parallel_samples(tiny_pair):
@@ -770,8 +806,7 @@ def test_cli_flags_build_the_early_exit_draft(tiny_pair):
 def fixed_costs(ctl) -> None:
     """Feed the controller step costs from a fixed model (10 ms + 0.5 ms a row per target
     step, 1 ms a draft round) whatever the wall clock said."""
-    step, draft, decode = ctl.observe_step, ctl.observe_draft, ctl.observe_decode_step
-    ctl.observe_step = lambda num_tokens, seconds: step(num_tokens, 0.010 + 0.0005 * num_tokens)
+    draft, decode = ctl.observe_draft, ctl.observe_decode_step
     ctl.observe_draft = lambda rounds, seconds: draft(rounds, 0.001 * rounds)
     ctl.observe_decode_step = lambda batch, seconds, k, tokens, rows=None: decode(
         batch, 0.010 + 0.0005 * (rows or batch) + 0.001 * k, k, tokens, rows)

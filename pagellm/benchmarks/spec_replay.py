@@ -112,7 +112,7 @@ def replay(requests, args, policy: str) -> list[float]:
                 a = _leading(spec, greedy[pos:])
                 dec._record(seq, len(spec), a)
                 dec._q.pop(seq.seq_id, None)
-                dec.observe_engine_step(1, costs[len(spec)] * rng.lognormvariate(0, args.noise))
+                dec.observe(1, costs[len(spec)] * rng.lognormvariate(0, args.noise))
             seq.output_token_ids.extend(greedy[pos:pos + a + 1])
             seq.num_computed_tokens = seq.num_tokens - 1
             cost += costs[len(spec)]

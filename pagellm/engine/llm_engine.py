@@ -94,7 +94,8 @@ class LLMEngine:
                     cc.block_size, budget / 2**20, self.kv_dtype, self.num_blocks * cc.block_size)
         self.block_manager = BlockManager(self.num_blocks, cc.block_size, cc.enable_prefix_caching)
         sc = config.scheduler
-        self.scheduler = Scheduler(self.block_manager, sc.max_num_seqs, sc.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.block_manager, sc.max_num_seqs, sc.max_num_batched_tokens,
+                                   on_release=self.spec.release if self.spec else None)
         if self._tp_procs is not None:
             from pagellm.engine.tensor_parallel import TPModelRunner
 
@@ -104,8 +105,7 @@ class LLMEngine:
             self.runner = ModelRunner(self.model, self.num_blocks, cc.block_size, self.kv_dtype,
                                       self.device)
         if self.spec is not None:
-            self.spec.proposer.bind_target(self.block_manager, self.runner)
-            self.spec.controller.row_limit = packed_row_limit(self.model)
+            self.spec.bind(self.scheduler, self.runner, packed_row_limit(self.model))
         self.memory_split = self._memory_split()  # fixed from here on: read by /metrics
         m = {k: v / 2**20 for k, v in self.memory_split.items()}
         logger.info("memory: target weights %.0f MiB + KV %.0f MiB; draft weights %.0f MiB + "
@@ -212,12 +212,13 @@ class LLMEngine:
         if self.dead is not None:
             raise RuntimeError(self.dead)
         start = time.perf_counter()
-        self._propose()
+        if self.spec is not None:  # speculation's two calls: propose before scheduling ...
+            self.spec.propose(self.scheduler.running)
         out = self.scheduler.schedule()
         try:
-            outputs = self._run_batch(out)
+            outputs = self._run_batch(out)  # ... and verify after the forward (_verify)
             if self.spec is not None:
-                self.spec.observe_engine_step(len(out.seqs), time.perf_counter() - start)
+                self.spec.observe(len(out.seqs), time.perf_counter() - start)
             return outputs
         except WorkerDiedError as e:
             logger.exception("tensor-parallel worker lost; failing every request")
@@ -234,16 +235,6 @@ class LLMEngine:
             raise lost
         return outputs
 
-    def _propose(self) -> None:
-        if self.spec is None:
-            return
-        try:
-            self.spec.propose(self.scheduler.running)
-        except Exception:  # proposals are an optimisation: this step decodes without them
-            logger.exception("speculative proposal failed; this step runs without proposals")
-            for seq in self.scheduler.running:
-                self.spec.release(seq)
-
     def _fail_request(self, request_id: str) -> None:
         """End every sequence of a request with finish_reason "error", forks not yet made
         included (n > 1), so none is left holding blocks or a slot."""
@@ -256,22 +247,14 @@ class LLMEngine:
                 self._finish(seq, "error")
 
     def _run_batch(self, out: SchedulerOutput) -> list[RequestOutput]:
-        self.runner.copy_blocks(self.block_manager.take_pending_copies())
-        for seq in out.preempted:
-            if self.spec is not None:
-                self.spec.release(seq)
+        self.runner.copy_blocks(self.scheduler.take_pending_copies())
         if not out.seqs:
             self._fail_unschedulable()
             return self._collect_outputs(set())
-        start = time.perf_counter()
-        ran, logits, failed = self._forward(out)
-        if self.spec is not None and ran is out:  # a rerun's time says nothing of step costs
-            self.spec.observe_step(out.total_tokens, time.perf_counter() - start, len(out.seqs))
-        out = ran
+        out, logits, failed = self._forward(out)
         self.block_manager.commit()  # the KV of this step's newly cached blocks is written
         _, owners = self._logit_rows(out)
-        for seq, n in zip(out.seqs, out.num_tokens):
-            seq.num_computed_tokens += n
+        self.scheduler.advance(out)
         touched = self._process_samples(owners, logits)
         return self._collect_outputs(touched | failed)
 
@@ -322,10 +305,10 @@ class LLMEngine:
 
         split = {"target_weights": self.model.weight_bytes(), "target_kv": pool(self.runner),
                  "draft_weights": 0, "draft_kv": 0}
-        proposer = getattr(self.spec, "proposer", None)
-        if getattr(proposer, "block_manager", None) is not None:  # a draft with its own cache
-            split["draft_weights"] = proposer.model.weight_bytes()
-            split["draft_kv"] = pool(proposer.runner)
+        draft = self.spec.draft_runner() if self.spec is not None else None
+        if draft is not None:  # a draft with a cache of its own
+            split["draft_weights"] = draft.model.weight_bytes()
+            split["draft_kv"] = pool(draft)
         return split
 
     @property
@@ -424,10 +407,7 @@ class LLMEngine:
             self._append_token(seq, token, lp, now)
             if seq.is_finished:
                 return
-        # KV is valid up to the last accepted proposal; the rest is rolled back.
-        seq.num_computed_tokens = seq.num_tokens - 1
-        self.block_manager.truncate(seq, seq.num_computed_tokens)
-        self.spec.after_verify(seq)
+        self.scheduler.rollback(seq)  # KV stays valid up to the last accepted proposal
 
     def _sample_plain(self, seqs: list[Sequence], rows: list[SamplingRow], logits: torch.Tensor):
         """Sample one token per row. A constrained row first draws without its grammar's mask:
@@ -510,8 +490,6 @@ class LLMEngine:
         return None, None
 
     def _finish(self, seq: Sequence, reason: str) -> None:
-        if self.spec is not None:
-            self.spec.release(seq)
         seq.constraint = None
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason

@@ -92,8 +92,9 @@ class ModelRunner:
         return torch.tensor(input_ids, device=dev), pos.to(dev), md
 
     def execute(self, out: SchedulerOutput, logit_rows: list[int]) -> torch.Tensor:
-        """Run the step; return float32 logits [len(logit_rows), vocab] on the CPU for the given
-        rows of the flat token batch."""
+        """Run the step; return float32 logits [len(logit_rows), vocab] for the given rows of
+        the flat token batch, on the model's device (sampling runs there: a GPU step copies no
+        logits to the host)."""
         # Decode steps only (each sequence's latest token and its proposals) pick packed or
         # dense products: prefill keeps each packed form's own limit, so that a prompt's
         # numerics do not depend on what the machine measured so far.
@@ -116,4 +117,4 @@ class ModelRunner:
         if logit_rows is None:  # a tensor-parallel worker: rank 0 computes the logits
             return None
         rows = torch.tensor(logit_rows, dtype=torch.long, device=hidden.device)
-        return self.model.compute_logits(hidden.index_select(0, rows)).cpu()
+        return self.model.compute_logits(hidden.index_select(0, rows))

@@ -4,10 +4,16 @@ Each step hands the model runner `{sequence: number of tokens to compute now}`. 
 sequences go first (oldest first), then waiting ones are admitted while budget, sequence slots
 and blocks last. When a running sequence cannot get a block, the newest running sequence is
 preempted: its blocks go back to the pool and it waits to recompute its tokens later.
+
+Speculative proposals are tokens to compute like any other (`Sequence.spec_token_ids`): the
+scheduler alone takes their slots (in `schedule`, or ahead of it through `reserve` for a
+proposer that writes the lookahead's KV into this cache), returns those its budget leaves
+unverified, and rolls a sequence back after verification (`rollback`).
 """
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pagellm.engine.block_manager import BlockManager
@@ -31,8 +37,12 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int,
-                 max_num_batched_tokens: int):
+                 max_num_batched_tokens: int,
+                 on_release: Callable[[Sequence], None] | None = None):
         self.block_manager = block_manager
+        # Called when a sequence leaves (finished, aborted) or is preempted: whoever keeps
+        # state per sequence beside the scheduler (speculation) drops it there.
+        self.on_release = on_release
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -52,6 +62,30 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.block_manager.forget(seq)
+        if self.on_release is not None:
+            self.on_release(seq)
+
+    def reserve(self, seq: Sequence, num_tokens: int) -> bool:
+        """Take the slots of seq's next num_tokens tokens now, before `schedule` (a proposer
+        that writes its proposals' KV into this cache: the early-exit draft). `schedule` finds
+        them taken and returns those its token budget leaves unverified. False: no room."""
+        return self.block_manager.allocate_slots(seq, num_tokens)
+
+    def take_pending_copies(self) -> list[tuple[int, int]]:
+        """Copy-on-write block copies the runner must make before the next forward."""
+        return self.block_manager.take_pending_copies()
+
+    def advance(self, out: SchedulerOutput) -> None:
+        """The step's forward ran: each sequence's computed count catches up."""
+        for seq, n in zip(out.seqs, out.num_tokens):
+            seq.num_computed_tokens += n
+
+    def rollback(self, seq: Sequence) -> None:
+        """After verification, seq's KV is valid up to its last accepted proposal (every
+        token but the newest); the slots of the rejected ones return."""
+        seq.spec_token_ids = []
+        seq.num_computed_tokens = seq.num_tokens - 1
+        self.block_manager.truncate(seq, seq.num_computed_tokens)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -71,7 +105,7 @@ class Scheduler:
                 continue
             if seq.spec_token_ids and num < seq.num_tokens_to_compute:
                 # Out of budget for all proposals: verify only those that fit, and return the
-                # slots of the others if a proposer took them ahead (the early-exit draft).
+                # slots of the others if they were reserved ahead (`reserve`).
                 fit = num - (seq.num_tokens - seq.num_computed_tokens)
                 seq.spec_token_ids = seq.spec_token_ids[: max(fit, 0)]
                 self.block_manager.truncate(seq, seq.num_computed_tokens + num)
@@ -111,6 +145,8 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.block_manager.free(seq)
+        if self.on_release is not None:
+            self.on_release(seq)
         seq.reset_for_recompute()
         self.waiting.appendleft(seq)
         out.preempted.append(seq)

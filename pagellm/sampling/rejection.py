@@ -29,7 +29,8 @@ def rejection_sample(
     draft_token_ids[b, :num_accepted[b]] followed by final_token[b]."""
     batch, k1, vocab = target_probs.shape
     k = k1 - 1
-    positions = torch.arange(k).unsqueeze(0)  # [1, k]
+    dev = target_probs.device
+    positions = torch.arange(k, device=dev).unsqueeze(0)  # [1, k]
     ids = draft_token_ids.clamp(min=0)
     p_x = target_probs[:, :k].gather(2, ids.unsqueeze(-1)).squeeze(-1)  # [batch, k]
     if draft_probs is None:
@@ -40,13 +41,13 @@ def rejection_sample(
     accepted = (uniforms * q_x < p_x) & (positions < num_draft.unsqueeze(1))
     num_accepted = accepted.long().cumprod(dim=1).sum(dim=1)  # leading run of accepts
 
-    rows = torch.arange(batch)
+    rows = torch.arange(batch, device=dev)
     p_final = target_probs[rows, num_accepted]  # [batch, vocab]
     rejected = num_accepted < num_draft
     if rejected.any():
         j = num_accepted.clamp(max=max(k - 1, 0))
         if draft_probs is None:
-            q_final = torch.zeros(batch, vocab, dtype=p_final.dtype)
+            q_final = torch.zeros(batch, vocab, dtype=p_final.dtype, device=dev)
             q_final[rows, ids[rows, j]] = 1.0
         else:
             q_final = draft_probs[rows, j]

@@ -3,6 +3,10 @@ top-k/top-p/min-p, seeded draws.
 
 One row of logits per position to sample. `processed_logits` is shared with the speculative
 rejection sampler so that the target's p and the draft's q see the same transformations.
+
+Everything runs on the logits' device (the model's): a GPU step sends only token ids and
+logprobs to the host. Random draws come from the rows' generators (CPU, so that a seed gives
+the same draws on every device) and travel to the logits.
 """
 from __future__ import annotations
 
@@ -36,16 +40,17 @@ class SampleResult:
 
 
 def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
-    vocab = logits.shape[-1]
+    vocab, dev = logits.shape[-1], logits.device
     for i, row in enumerate(rows):
         p = row.params
         if not p.needs_penalties:
             continue
-        out = torch.tensor(row.output_ids, dtype=torch.long)
-        counts = torch.zeros(vocab).index_add_(0, out, torch.ones(len(out))) if len(out) else None
+        out = torch.tensor(row.output_ids, dtype=torch.long, device=dev)
+        counts = (torch.zeros(vocab, device=dev).index_add_(0, out, torch.ones(len(out), device=dev))
+                  if len(out) else None)
         if p.repetition_penalty != 1.0:
-            seen = torch.zeros(vocab, dtype=torch.bool)
-            seen[torch.tensor(row.prompt_ids, dtype=torch.long)] = True
+            seen = torch.zeros(vocab, dtype=torch.bool, device=dev)
+            seen[torch.tensor(row.prompt_ids, dtype=torch.long, device=dev)] = True
             if counts is not None:
                 seen |= counts > 0
             l = logits[i]
@@ -71,7 +76,7 @@ def _apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
         bias = row.params.logit_bias
         if bias:
             ids = [t for t in bias if t < vocab]
-            logits[i, ids] += torch.tensor([bias[t] for t in ids])
+            logits[i, ids] += torch.tensor([bias[t] for t in ids], device=logits.device)
 
 
 def _apply_grammar(logits: torch.Tensor, rows: list[SamplingRow], raw: torch.Tensor) -> None:
@@ -80,9 +85,9 @@ def _apply_grammar(logits: torch.Tensor, rows: list[SamplingRow], raw: torch.Ten
     allows nothing but an end token), min_tokens gives way; where it allows nothing at all, the
     row stays as it is and the engine ends the sequence (the grammar cannot be satisfied)."""
     idx = [i for i, r in enumerate(rows) if r.grammar_bias is not None]
-    bias = torch.stack([rows[i].grammar_bias for i in idx])
+    bias = torch.stack([rows[i].grammar_bias for i in idx]).to(logits.device)
     every = len(idx) == logits.shape[0]
-    rows_t = torch.tensor(idx)
+    rows_t = torch.tensor(idx, device=logits.device)
     sub = logits.add_(bias) if every else logits[rows_t].add_(bias)
     dead = sub.amax(dim=1) == float("-inf")
     if bool(dead.any()):
@@ -100,24 +105,25 @@ def _apply_top_k_top_p_min_p(logits: torch.Tensor, rows: list[SamplingRow]) -> N
     top_k = [r.params.top_k for r in rows]
     top_p = [r.params.top_p for r in rows]
     min_p = [r.params.min_p for r in rows]
-    vocab = logits.shape[-1]
+    vocab, dev = logits.shape[-1], logits.device
     if any(0 < k < vocab for k in top_k) or any(p < 1.0 for p in top_p):
         sorted_logits, order = logits.sort(dim=-1, descending=True)
-        k = torch.tensor([k if 0 < k < vocab else vocab for k in top_k]).unsqueeze(1)
-        ranks = torch.arange(vocab).unsqueeze(0)
+        k = torch.tensor([k if 0 < k < vocab else vocab for k in top_k], device=dev).unsqueeze(1)
+        ranks = torch.arange(vocab, device=dev).unsqueeze(0)
         remove = ranks >= k
         probs = sorted_logits.masked_fill(remove, float("-inf")).softmax(dim=-1)
         # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
         mass_before = probs.cumsum(dim=-1) - probs
         # Fix: only rows with top_p < 1. A float32 cumsum reaches 1.0 before the tail, which cut
         # tokens from rows with top_p = 1 (off), e.g. top_k alone or a batch mate's top_p.
-        p = torch.tensor(top_p).unsqueeze(1)
+        p = torch.tensor(top_p, device=dev).unsqueeze(1)
         remove |= (mass_before >= p) & (p < 1.0)
         sorted_logits.masked_fill_(remove, float("-inf"))
         logits.scatter_(1, order, sorted_logits)
     if any(p > 0 for p in min_p):
         probs = logits.softmax(dim=-1)
-        threshold = probs.max(dim=-1, keepdim=True).values * torch.tensor(min_p).unsqueeze(1)
+        threshold = (probs.max(dim=-1, keepdim=True).values
+                     * torch.tensor(min_p, device=dev).unsqueeze(1))
         logits.masked_fill_(probs < threshold, float("-inf"))
 
 
@@ -133,22 +139,34 @@ def processed_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Ten
         _apply_grammar(logits, rows, raw)
     sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
     if sampled:
-        idx = torch.tensor(sampled)
-        temps = torch.tensor([rows[i].params.temperature for i in sampled]).unsqueeze(1)
+        idx = torch.tensor(sampled, device=logits.device)
+        temps = torch.tensor([rows[i].params.temperature for i in sampled],
+                             device=logits.device).unsqueeze(1)
         sub = logits[idx] / temps
         _apply_top_k_top_p_min_p(sub, [rows[i] for i in sampled])
         logits[idx] = sub
     return logits
 
 
+def exponential(shape, generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
+    """Exp(1) draws from the generator (on its own device), on `device`."""
+    where = generator.device if generator is not None else device
+    return torch.empty(shape, device=where).exponential_(generator=generator).to(device)
+
+
+def uniform(shape, generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
+    """U(0, 1) draws from the generator (on its own device), on `device`."""
+    where = generator.device if generator is not None else device
+    return torch.empty(shape, device=where).uniform_(generator=generator).to(device)
+
+
 def draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     """One draw from a [vocab] distribution: argmax(p / E) with E ~ Exp(1) (Gumbel-max form)."""
-    noise = torch.empty_like(probs).exponential_(generator=generator)
-    return int((probs / noise).argmax())
+    return int((probs / exponential(probs.shape, generator, probs.device)).argmax())
 
 
 def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SampleResult:
-    """logits: [num_rows, vocab] float32 from the model."""
+    """logits: [num_rows, vocab] from the model, on its device."""
     want_logprobs = any(r.params.logprobs is not None for r in rows)
     raw_logprobs = torch.log_softmax(logits.float(), dim=-1) if want_logprobs else None
     proc = processed_logits(logits, rows)

@@ -24,15 +24,21 @@ class Proposer(ABC):
     def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> list[Proposal]:
         """Propose up to num_tokens[i] tokens to follow each sequence's current tokens."""
 
-    def bind_target(self, block_manager, runner) -> None:
-        """The engine's block manager and model runner, once built (for proposers that share
-        the target's cache)."""
+    def bind_target(self, scheduler, runner) -> None:
+        """The engine's scheduler and model runner, once built (for proposers that share the
+        target's cache: they take its slots through `scheduler.reserve`)."""
 
-    def on_verified(self, seq: Sequence) -> None:
-        """The target verified seq's proposals; seq.num_computed_tokens is its new valid length."""
+    def on_verified(self, seq: Sequence, num_valid: int) -> None:
+        """The target verified seq's proposals: its first num_valid tokens (context and
+        accepted proposals) stand; the rest of what was proposed does not."""
 
     def release(self, seq: Sequence) -> None:
         """seq finished or was preempted: drop any state kept for it."""
+
+    @property
+    def own_runner(self):
+        """The model runner of a draft with a KV cache of its own (None: none)."""
+        return None
 
     @property
     def has_cost(self) -> bool:

@@ -1,22 +1,31 @@
 """Speculative decoding inside the engine step: propose before scheduling, verify after the
 target's forward pass, and keep the statistics.
 
+The engine's whole interface to speculation: `bind` once, then each step `propose`, `verify`
+and `observe` (the step's times, for the controller); `release` is the scheduler's
+`on_release` (a sequence left or was preempted). Slots for proposals and the rollback after
+verification are the scheduler's (`Scheduler.reserve` / `schedule` / `rollback`).
+
 The target scores each sequence's last real token plus its k proposals in one pass, giving
 k + 1 rows of logits. The rejection sampler turns them into 1..k+1 emitted tokens, distributed
 exactly as the target alone would emit them.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import torch
 
 from pagellm.sampling.rejection import rejection_sample
-from pagellm.sampling.sampler import SamplingRow, processed_logits, token_logprobs
+from pagellm.sampling.sampler import (SamplingRow, exponential, processed_logits,
+                                      token_logprobs, uniform)
 from pagellm.sequence import Sequence
 from pagellm.spec_decode.adaptive import AdaptiveK
 from pagellm.spec_decode.base import Proposal, Proposer
 from pagellm.structured import batch_masks
+
+logger = logging.getLogger("pagellm")
 
 
 @dataclass
@@ -72,9 +81,28 @@ class SpecDecoder:
         self.num_unverified = 0
         self._verified = [0, 0]
 
+    def bind(self, scheduler, runner, row_limit: int | None) -> None:
+        """The target's scheduler and model runner, once built; row_limit: the most rows the
+        target's few-row kernels take (layers.linear.packed_row_limit)."""
+        self.proposer.bind_target(scheduler, runner)
+        self.controller.row_limit = row_limit
+
+    def draft_runner(self):
+        """The model runner of a draft with a KV cache of its own (None: none)."""
+        return self.proposer.own_runner
+
     def propose(self, running: list[Sequence]) -> None:
-        """Attach proposals to every running sequence that is decoding (only its last token
-        lacks KV). Proposal counts respect max_tokens and the context length."""
+        """Attach proposals (`seq.spec_token_ids`) to every running sequence that is decoding
+        (only its last token lacks KV). Proposal counts respect max_tokens and the context
+        length. A failure costs only this step's proposals."""
+        try:
+            self._propose(running)
+        except Exception:  # proposals are an optimisation: this step decodes without them
+            logger.exception("speculative proposal failed; this step runs without proposals")
+            for seq in running:
+                self.release(seq)
+
+    def _propose(self, running: list[Sequence]) -> None:
         # Decoding: only the newest token lacks KV, and the first token came from a plain step
         # (n > 1 siblings fork at that step).
         decoding = [s for s in running if s.num_tokens_to_compute == 1 and s.num_output_tokens]
@@ -138,22 +166,16 @@ class SpecDecoder:
                 self.num_unverified += 1
                 self.controller.observe_acceptance(seq, len(prop), a, kind)
 
-    def observe_step(self, num_tokens: int, seconds: float, num_seqs: int) -> None:
-        """The target's forward pass over num_tokens tokens of num_seqs sequences took
-        `seconds`. Learnt only from steps where every sequence decodes: a prefill chunk runs
-        dense products that cost a row a quarter of what a verification row in the packed
-        kernels' regime does, and a model fitted on both called 30-row steps cheap."""
-        if num_seqs == self._step[0]:
-            self.controller.observe_step(num_tokens, seconds)
-
-    def observe_engine_step(self, num_seqs: int, seconds: float) -> None:
-        """The whole engine step (proposing included) ran num_seqs sequences in `seconds`;
-        counted when every one of them was decoding."""
+    def observe(self, num_seqs: int, seconds: float) -> None:
+        """The whole step (proposing included) ran num_seqs sequences in `seconds`. Learnt
+        only from steps where every sequence decodes: a prefill chunk's rows cost what
+        verification rows do not."""
         decoding, k, rows = self._step
-        if num_seqs and num_seqs == decoding:
-            seqs, tokens = self._verified
-            self.controller.observe_decode_step(decoding, seconds, k, decoding - seqs + tokens,
-                                                rows)
+        if not num_seqs or num_seqs != decoding:
+            return
+        seqs, tokens = self._verified
+        self.controller.observe_decode_step(decoding, seconds, k, decoding - seqs + tokens,
+                                            rows)
 
     def verify(self, seqs: list[Sequence], logits: list[torch.Tensor],
                rng: torch.Generator) -> list[Verified]:
@@ -201,13 +223,13 @@ class SpecDecoder:
                         rng: torch.Generator,
                         bias: list[torch.Tensor | None]) -> list[Verified]:
         k = max(len(s.spec_token_ids) for s in seqs)
-        vocab = logits[0].shape[-1]
+        vocab, dev = logits[0].shape[-1], logits[0].device
         batch = len(seqs)
-        p = torch.zeros(batch, k + 1, vocab)
-        q = torch.zeros(batch, k, vocab) if k else None
-        draft_ids = torch.zeros(batch, k, dtype=torch.long)
-        uniforms = torch.empty(batch, k)
-        noise = torch.empty(batch, vocab)
+        p = torch.zeros(batch, k + 1, vocab, device=dev)
+        q = torch.zeros(batch, k, vocab, device=dev) if k else None
+        draft_ids = torch.zeros(batch, k, dtype=torch.long, device=dev)
+        uniforms = torch.empty(batch, k, device=dev)
+        noise = torch.empty(batch, vocab, device=dev)
         for b, (seq, rows_logits) in enumerate(zip(seqs, logits)):
             spec = seq.spec_token_ids
             mask = bias[b]
@@ -216,17 +238,17 @@ class SpecDecoder:
                                 None if mask is None else mask[j]) for j in range(len(spec) + 1)]
             proc = processed_logits(rows_logits, rows)
             p[b, : len(spec) + 1] = proc.softmax(dim=-1)
-            draft_ids[b, : len(spec)] = torch.tensor(spec, dtype=torch.long)
+            draft_ids[b, : len(spec)] = torch.tensor(spec, dtype=torch.long, device=dev)
             q_seq = self._q.pop(seq.seq_id, None)
             if q is not None and spec:
                 if q_seq is None:  # one-hot proposals (n-gram, or greedy drafts)
-                    q[b, torch.arange(len(spec)), draft_ids[b, : len(spec)]] = 1.0
+                    q[b, torch.arange(len(spec), device=dev), draft_ids[b, : len(spec)]] = 1.0
                 else:
                     q[b, : len(spec)] = q_seq[: len(spec)]
             gen = seq.generator or rng
-            uniforms[b].uniform_(generator=gen)
-            noise[b].exponential_(generator=gen)
-        num_draft = torch.tensor([len(s.spec_token_ids) for s in seqs])
+            uniforms[b] = uniform(k, gen, dev)
+            noise[b] = exponential(vocab, gen, dev)
+        num_draft = torch.tensor([len(s.spec_token_ids) for s in seqs], device=dev)
         accepted, final = rejection_sample(p, draft_ids, num_draft, q, uniforms, noise)
         results = []
         for b, seq in enumerate(seqs):
@@ -243,6 +265,8 @@ class SpecDecoder:
         return [token_logprobs(lp[j], t, seq.params.logprobs) for j, t in enumerate(tokens)]
 
     def _record(self, seq: Sequence, num_draft: int, num_accepted: int) -> None:
+        # What the draft's own cache keeps: the context and the accepted proposals.
+        self.proposer.on_verified(seq, seq.num_tokens + num_accepted)
         self._verified[0] += 1
         self._verified[1] += num_accepted + 1
         if num_draft == 0:
@@ -256,10 +280,6 @@ class SpecDecoder:
             self.stats.accepted_per_position[j] += 1
         self.controller.observe_acceptance(seq, num_draft, num_accepted,
                                            self._kind.pop(seq.seq_id, 0))
-
-    def after_verify(self, seq: Sequence) -> None:
-        seq.spec_token_ids = []
-        self.proposer.on_verified(seq)
 
     def release(self, seq: Sequence) -> None:
         seq.spec_token_ids = []

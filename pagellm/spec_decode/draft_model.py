@@ -27,6 +27,11 @@ class DraftModelProposer(Proposer):
         self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
         self.runner = ModelRunner(model, num_blocks, block_size, dtype, device)
 
+    @property
+    def own_runner(self) -> ModelRunner:
+        """The runner of the draft's own KV cache (its share of the memory budget)."""
+        return self.runner
+
     def _init_rounds(self, model, eos_token_id, max_model_len: int) -> None:
         """What the proposal rounds use, whichever cache the draft writes to."""
         self.model = model
@@ -113,12 +118,12 @@ class DraftModelProposer(Proposer):
                 probs[seq.seq_id].append(q)
             shadow.spec_token_ids.append(token)
 
-    def on_verified(self, seq: Sequence) -> None:
+    def on_verified(self, seq: Sequence, num_valid: int) -> None:
         shadow = self.shadows.get(seq.seq_id)
         if shadow is None:
             return
         shadow.spec_token_ids = []
-        shadow.num_computed_tokens = min(shadow.num_computed_tokens, seq.num_computed_tokens)
+        shadow.num_computed_tokens = min(shadow.num_computed_tokens, num_valid)
         self.block_manager.truncate(shadow, shadow.num_computed_tokens)
 
     def release(self, seq: Sequence) -> None:
@@ -150,27 +155,31 @@ class EarlyExitProposer(DraftModelProposer):
     core for 8 of the default model's 30 layers), and it costs no memory of its own.
 
     The draft writes its rounds' KV (first N layers) into the slots verification is about to
-    fill, which are taken in the target's cache before the draft runs (the scheduler then
-    finds them there, and returns those its token budget leaves unverified); verification
-    overwrites them with the same values, and the target's rollback returns what was
+    fill, which the target's scheduler reserves before the draft runs (`Scheduler.reserve`;
+    `schedule` then returns those its token budget leaves unverified); verification
+    overwrites them with the same values, and the scheduler's rollback returns what was
     rejected."""
 
     def __init__(self, target, num_layers: int, eos_token_id, max_model_len: int):
         self._init_rounds(EarlyExitModel(target, num_layers), eos_token_id, max_model_len)
-        self.target_blocks: BlockManager | None = None
+        self.scheduler = None
         self.runner: ModelRunner | None = None
 
-    def bind_target(self, block_manager: BlockManager, runner: ModelRunner) -> None:
-        self.target_blocks = block_manager
+    @property
+    def own_runner(self) -> None:
+        return None  # the target's cache and weights: no memory of its own
+
+    def bind_target(self, scheduler, runner: ModelRunner) -> None:
+        self.scheduler = scheduler
         self.runner = ModelRunner.over_bound_caches(self.model, runner)
 
     def _start(self, seq: Sequence, k: int) -> Sequence | None:
-        # Slots for the last token and the k proposals, as the scheduler would take them.
-        if not self.target_blocks.allocate_slots(seq, 1 + k):
+        # Slots for the last token and the k proposals, as the scheduler will schedule them.
+        if not self.scheduler.reserve(seq, 1 + k):
             return None
         # A shared partly filled block (n > 1 siblings) was just copied for seq: the copy
         # must hold the context before the draft reads it.
-        self.runner.copy_blocks(self.target_blocks.take_pending_copies())
+        self.runner.copy_blocks(self.scheduler.take_pending_copies())
         shadow = self._shadow(seq)
         shadow.block_table = seq.block_table
         shadow.num_computed_tokens = seq.num_computed_tokens
@@ -180,7 +189,7 @@ class EarlyExitProposer(DraftModelProposer):
     def _room(self, shadow: Sequence, n: int) -> bool:
         return True  # taken in _start
 
-    def on_verified(self, seq: Sequence) -> None:
+    def on_verified(self, seq: Sequence, num_valid: int) -> None:
         shadow = self.shadows.get(seq.seq_id)
         if shadow is not None:
             shadow.spec_token_ids = []

@@ -1,0 +1,88 @@
+"""What the speculation controller (adaptive.py) measures: acceptance per kind of proposal,
+and whole-step wall times per batch size and k."""
+from __future__ import annotations
+
+import statistics
+from collections import deque
+
+EMA = 0.2  # weight of a new observation in the forgetting averages (~5 observations' memory)
+PRIOR_WEIGHT = 2.0  # observations the prior acceptance counts for: one bad draft moves it far
+_WINDOW = 9  # steps per (batch size, k) whose median is its wall: outliers do not move it
+STALE_AFTER = 8  # steps after which a k's average tokens per step start anew
+
+
+class KindAcceptance:
+    """Acceptance of one kind of proposal: forgetting sums of accepted and tried proposals,
+    and per position j >= 2 how often it was reached (j - 1 accepted) and accepted."""
+
+    def __init__(self, max_k: int):
+        self.acc = self.tried = 0.0
+        self.reach, self.hit = [0.0] * (max_k + 1), [0.0] * (max_k + 1)
+
+    def observe(self, accepted: int, tried: int) -> None:
+        self.acc = (1 - EMA) * self.acc + accepted
+        self.tried = (1 - EMA) * self.tried + tried
+        for j in range(2, tried + 1):
+            self.reach[j] = (1 - EMA / 4) * self.reach[j] + 1
+            self.hit[j] = (1 - EMA / 4) * self.hit[j] + (j <= accepted)
+
+    def rate(self, prior: float) -> float:
+        return (self.acc + PRIOR_WEIGHT * prior) / (self.tried + PRIOR_WEIGHT)
+
+
+class StepWalls:
+    """Whole-step wall times at one batch size, per k: the latest _WINDOW (seconds in units of
+    the machine's speed, proposals verified), and the tokens a step emits (averaged)."""
+
+    def __init__(self):
+        self.steps: dict[int, deque] = {}
+        self.tokens: dict[int, float] = {}
+        self.last: dict[int, int] = {}  # step number of each k's latest measurement
+        self.num = 0
+        self.speed = 1.0  # the machine's slowness now, relative to the walls kept
+        self.backoff, self.probing = 1, False
+
+    def observe(self, k: int, seconds: float, rows: int, tokens: float) -> None:
+        # Each step's ratio to its k's wall moves a speed common to every k: the side not in
+        # use is measured rarely, and walls from two moods of a shared machine do not compare.
+        if k in self.steps:
+            self.speed *= (seconds / (self.speed * self.wall(k))) ** EMA
+        self.steps.setdefault(k, deque(maxlen=_WINDOW)).append((seconds / self.speed, rows))
+        # Tokens follow the workload, a step's time does not: after a pause they start anew.
+        old = self.tokens.get(k) if self.since(k) <= STALE_AFTER else None
+        self.tokens[k] = tokens if old is None else old + EMA * (tokens - old)
+        self.tick(k)
+
+    def tick(self, k: int) -> None:
+        self.num += 1
+        self.last[k] = self.num
+
+    def since(self, k: int) -> int:  # steps since k was last measured
+        return self.num - self.last.get(k, 0)
+
+    def wall(self, k: int) -> float:
+        return statistics.median(s for s, _ in self.steps[k])
+
+    def rows(self, k: int) -> float:
+        return statistics.median(r for _, r in self.steps[k])
+
+    def rate(self, k: int) -> float | None:  # tokens/s measured, once measured twice
+        return self.tokens[k] / self.wall(k) if len(self.steps.get(k, ())) > 1 else None
+
+    def spread(self, k: int) -> float:
+        """Relative standard error of k's median: ~1.25 sigma / sqrt(n), sigma = 1.4826 MAD."""
+        got = [s for s, _ in self.steps.get(k, ())]
+        if len(got) < 2:
+            return 0.0
+        mid = statistics.median(got)
+        mad = statistics.median(abs(x - mid) for x in got)
+        return 1.25 * 1.4826 * mad / (len(got) ** 0.5 * mid) if mid > 0 else 0.0
+
+    def row_cost(self, batch: int, draft_round: float) -> float | None:
+        """A verified row's extra time over the measured k, in rows of a plain step."""
+        if 0 not in self.steps:
+            return None
+        w0 = self.wall(0)
+        costs = [(self.wall(k) - w0 - k * draft_round) / self.rows(k) / (w0 / batch)
+                 for k in self.steps if k and self.rows(k)]
+        return max(0.0, statistics.fmean(costs)) if costs else None
