@@ -142,3 +142,12 @@ def test_installed_command_lists_the_kinds_outside_a_checkout(tmp_path):
     assert r.returncode == 0, r.stderr
     for kind in ("spec", "profile", "serve", "soak"):
         assert kind in r.stdout
+
+
+def test_prefill(tmp_path):
+    data = run_kind("prefill", tmp_path, "--peers", "hf,llama.cpp")
+    rows = {r["length"]: r for r in data["results"]}
+    assert set(rows) == {24, 40}
+    for r in rows.values():
+        assert r["pagellm"] > 0 and r["hf"] > 0 and r["pagellm / hf"] > 0
+    assert "llama.cpp" in data["skipped"]  # no GGUF in smoke mode: skipped with its reason

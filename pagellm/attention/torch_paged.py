@@ -9,11 +9,14 @@ a batched matmul over (head, sequence) needs, so the gather is the only copy of 
 cost as much as the gather and the matmuls together.)
 
 Short queries (decode, speculative verification) are batched: one matmul-softmax-matmul over
-every sequence, padded to the longest; long queries (prefill chunks) go one sequence at a time.
+every sequence, padded to the longest; long queries (prefill chunks) go one sequence at a time
+through PyTorch's fused attention, whose CPU kernel works in tiles (flash attention: no
+[queries, keys] score matrix, which for a 4,000-token prompt was 0.6 GB a layer).
 """
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from pagellm.attention.base import AttentionBackend, AttentionMetadata
 from pagellm.kernels import cpu_attention
@@ -173,20 +176,25 @@ class TorchPagedAttention(AttentionBackend):
                 out[starts[b] : starts[b] + qlens[i]] = o[i, : qlens[i]]
 
     def _single(self, query, k_cache, v_cache, md, starts, b, scale, out):
-        num_heads, head_dim = query.shape[1], query.shape[2]
-        kvh = k_cache.shape[2]
-        group = num_heads // kvh
+        """One long query (a prefill chunk) against its sequence's keys, causal from the bottom
+        right: the chunk's queries follow the keys already in the cache."""
+        num_heads, kvh = query.shape[1], k_cache.shape[2]
         qlen, slen = md.query_lens_cpu[b], md.seq_lens_cpu[b]
         q = query[starts[b] : starts[b] + qlen]  # [qlen, H, hd]
         table = md.block_tables[b : b + 1].long()
-        k = gather_kv(k_cache, table, slen)[:, 0]  # [kvh, padded_len, hd]
-        v = gather_kv(v_cache, table, slen)[:, 0]
-        q = q.view(qlen, kvh, group, head_dim).permute(1, 2, 0, 3).reshape(kvh, group * qlen, head_dim)
-        key = ("single", b, group)
-        bias = md.cache.get(key)
-        if bias is None:  # [1, group * qlen, kv_len], broadcast over the KV heads
-            bias = md.cache[key] = _causal_bias([slen], [qlen], qlen, group, k.shape[1],
-                                                1).to(q.device)
-        o = _attend(q, k, v, bias, scale)  # [kvh, group*qlen, hd]
-        o = o.view(kvh, group, qlen, head_dim).permute(2, 0, 1, 3).reshape(qlen, num_heads, head_dim)
-        out[starts[b] : starts[b] + qlen] = o
+        k = gather_kv(k_cache, table, slen)[:, 0, :slen]  # [kvh, slen, hd]
+        v = gather_kv(v_cache, table, slen)[:, 0, :slen]
+        dtype = q.dtype
+        if upcast(q) or q.dtype != k.dtype:  # as _attend: float32 where bf16 products are slow
+            q, k, v = q.float(), k.float(), v.float()
+        mask = None  # no keys before the chunk: causal from the top left
+        if slen > qlen:  # the same for every layer of the step (built here: torch.nn.attention
+            # .bias's causal_lower_right would import triton, and with it the GPU compilers)
+            mask = md.cache.get(("single", b))
+            if mask is None:
+                pos = torch.arange(slen - qlen, slen, device=q.device).unsqueeze(1)
+                mask = md.cache[("single", b)] = torch.arange(slen, device=q.device) <= pos
+        o = F.scaled_dot_product_attention(
+            q.transpose(0, 1).unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask,
+            is_causal=mask is None, scale=scale, enable_gqa=num_heads != kvh)
+        out[starts[b] : starts[b] + qlen] = o[0].transpose(0, 1).to(dtype)

@@ -15,6 +15,7 @@ KINDS = {
     "memory": "KV bytes reserved vs used: static allocation vs the paged cache",
     "throughput": "offline tokens/s vs HF transformers (and vLLM-CPU, llama.cpp if installed)",
     "latency": "batch-1 TTFT and time per output token, and the memory-bandwidth floor",
+    "prefill": "prefill tokens/s by prompt length (128 to 8k) vs llama.cpp's llama-bench -p",
     "profile": "length distribution of a request log -> block size, KV budget, max seqs, spec",
     "serve": "online serving benchmark: TTFT, inter-token and end-to-end latency under Poisson arrivals",
     "spec": "speculative decoding: ms/token and acceptance with and without speculation",

@@ -25,10 +25,11 @@ from pagellm.spec_decode.measure import EMA, PRIOR_WEIGHT, KindAcceptance, StepW
 _MARGIN = 1.02  # a measured k must beat plain decoding by 2% beyond the noise
 _UNMEASURED_MARGIN = 1.25  # a modelled step time extrapolates: demand a clear gain
 _NOISE = 2.0  # standard errors of the two medians a measured gain must exceed
-_PRIOR_ROW_COST = 0.25  # an unmeasured verified row, in rows of a plain step (batch 1: ~0.16)
-_PAST_LIMIT_ROW_COST = 2.0  # a row past the few-row kernels, in rows of a plain step
+_PRIOR_ROW_COST = 0.25  # an unmeasured verified row, in plain-step rows: cheap, so a k gets tried
+_PAST_LIMIT_ROW_COST = 2.0  # a row past the few-row kernels, in plain-step rows: pessimistic
 _PROBE_LOSS = 0.02  # share of the time probes of the side not in use may cost
-MIN_PROBE_EVERY, MAX_PROBE_EVERY = 8, 1024  # bounds on the steps between probes
+MIN_PROBE_EVERY = 8  # steps between probes at least: a probe's wall is one of several
+MAX_PROBE_EVERY = 1024  # ... and at most: a side that lost long ago is still re-timed
 MAX_BACKOFF = 16  # a useless draft's probes spread out to 16x (they also pay a catch-up)
 
 
@@ -126,7 +127,7 @@ class AdaptiveK:
 
     def _row_cost(self, batch: int, draft: float) -> float:
         """A verified row's cost in plain-step rows: measured at this batch size, else at the
-        nearest smaller one (rows get dearer as steps grow: 0.16 at batch 1, 0.9 at 16)."""
+        nearest smaller one (rows get dearer as steps grow and near compute-bound)."""
         for b in sorted((b for b in self.walls if b <= batch), reverse=True):
             cost = self.walls[b].row_cost(b, draft)
             if cost is not None:
