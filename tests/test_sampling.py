@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from pagellm import LLM, SamplingParams
-from pagellm.engine.detokenizer import find_stop_string, stable_text_len
+from pagellm.engine.detokenizer import find_stop_string
+from pagellm.outputs import CompletionOutput
 from pagellm.sampling.sampler import SamplingRow, processed_logits, sample, token_logprobs
-from pagellm.sequence import Sequence, SequenceStatus
+from pagellm.sequence import Sequence
 from tests.helpers import make_tiny_model
 
 
@@ -209,12 +210,10 @@ def test_logprobs_are_raw_sorted_top_n():
 
 
 # ---- stop strings (detokenizer) -----------------------------------------------------------
-def seq_with_text(text: str, stop, include=False, finished=False) -> Sequence:
+def seq_with_text(text: str, stop, include=False) -> Sequence:
     seq = Sequence(0, "r", 0, [1], SamplingParams(stop=stop, include_stop_str_in_output=include),
                    None)
     seq.text = text
-    if finished:
-        seq.status = SequenceStatus.FINISHED
     return seq
 
 
@@ -234,10 +233,14 @@ def test_find_stop_string(text, delta, stop, include, found, after):
 
 
 def test_stable_text_len_holds_back_a_possible_stop_string():
-    assert stable_text_len(seq_with_text("hello wor", ["world"])) == len("hello ")
-    assert stable_text_len(seq_with_text("hello w", ["xx", "world", "ww"])) == len("hello ")
-    assert stable_text_len(seq_with_text("hello", ["world"])) == 5
-    assert stable_text_len(seq_with_text("hello wor", ["world"], finished=True)) == 9
+    def stable(text, stop, finished=False):  # what a stream reads off an engine output
+        return CompletionOutput(0, text, [], "stop" if finished else None,
+                                stop_strings=stop).stable_text_len
+
+    assert stable("hello wor", ["world"]) == len("hello ")
+    assert stable("hello w", ["xx", "world", "ww"]) == len("hello ")
+    assert stable("hello", ["world"]) == 5
+    assert stable("hello wor", ["world"], finished=True) == 9
 
 
 # ---- on a tiny engine ---------------------------------------------------------------------

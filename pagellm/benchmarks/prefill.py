@@ -34,11 +34,13 @@ def parse_args(argv):
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="pagellm's token budget per step (default: the engine's)")
+    p.add_argument("--kv-cache-memory", default="2GiB",
+                   help="pagellm's KV budget: must hold the longest prompt")
     common.add_output_args(p)
     args = p.parse_args(argv)
     args.lengths = [int(n) for n in args.lengths.split(",")]
     if args.smoke:
-        args.model, args.lengths, args.repeats = None, [24, 40], 1
+        args.model, args.lengths, args.repeats, args.kv_cache_memory = None, [24, 40], 1, "16MiB"
     return args
 
 
@@ -48,7 +50,7 @@ def measure_pagellm(path: str, args) -> dict[int, list[float]]:
     kw = {} if args.max_num_batched_tokens is None else {
         "max_num_batched_tokens": args.max_num_batched_tokens}
     longest = max(args.lengths) + 8
-    llm = LLM(path, max_model_len=longest, kv_cache_memory=f"{max(64, longest // 8)}MiB",
+    llm = LLM(path, max_model_len=longest, kv_cache_memory=args.kv_cache_memory,
               enable_prefix_caching=False, **kw)
     vocab, params = llm.engine.vocab_size, SamplingParams(temperature=0, max_tokens=1)
     llm.generate(common.random_prompts(1, min(args.lengths), vocab, seed=999), params,

@@ -55,7 +55,3 @@ def stable_len(text: str, stop_strings, finished: bool) -> int:
                 hold = max(hold, k)
                 break
     return len(text) - hold
-
-
-def stable_text_len(seq: Sequence) -> int:
-    return stable_len(seq.text, seq.params.stop_strings, seq.is_finished)

@@ -36,6 +36,7 @@ class StepWalls:
 
     def __init__(self):
         self.steps: dict[int, deque] = {}
+        self._median: dict[int, tuple[float, float]] = {}  # k -> (wall, rows) of its window
         self.tokens: dict[int, float] = {}
         self.last: dict[int, int] = {}  # step number of each k's latest measurement
         self.num = 0
@@ -47,7 +48,10 @@ class StepWalls:
         # use is measured rarely, and walls from two moods of a shared machine do not compare.
         if k in self.steps:
             self.speed *= (seconds / (self.speed * self.wall(k))) ** EMA
-        self.steps.setdefault(k, deque(maxlen=_WINDOW)).append((seconds / self.speed, rows))
+        window = self.steps.setdefault(k, deque(maxlen=_WINDOW))
+        window.append((seconds / self.speed, rows))
+        self._median[k] = (statistics.median(s for s, _ in window),
+                           statistics.median(r for _, r in window))
         # Tokens follow the workload, a step's time does not: after a pause they start anew.
         old = self.tokens.get(k) if self.since(k) <= STALE_AFTER else None
         self.tokens[k] = tokens if old is None else old + EMA * (tokens - old)
@@ -61,10 +65,10 @@ class StepWalls:
         return self.num - self.last.get(k, 0)
 
     def wall(self, k: int) -> float:
-        return statistics.median(s for s, _ in self.steps[k])
+        return self._median[k][0]
 
     def rows(self, k: int) -> float:
-        return statistics.median(r for _, r in self.steps[k])
+        return self._median[k][1]
 
     def rate(self, k: int) -> float | None:  # tokens/s measured, once measured twice
         return self.tokens[k] / self.wall(k) if len(self.steps.get(k, ())) > 1 else None
@@ -74,7 +78,7 @@ class StepWalls:
         got = [s for s, _ in self.steps.get(k, ())]
         if len(got) < 2:
             return 0.0
-        mid = statistics.median(got)
+        mid = self.wall(k)
         mad = statistics.median(abs(x - mid) for x in got)
         return 1.25 * 1.4826 * mad / (len(got) ** 0.5 * mid) if mid > 0 else 0.0
 
