@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
+import time
 
 import httpx
 import pytest
@@ -66,6 +68,32 @@ def test_a_body_over_the_limit_is_413_declared_or_chunked(srv):
     r = httpx.post(srv.url + "/v1/completions", content=iter([small[:7], small[7:]]),
                    timeout=30, headers={"Content-Type": "application/json"})
     assert r.status_code == 200, r.text
+
+
+def _raw_post(srv, head: bytes, body: bytes) -> bytes:
+    """Send a whole request on a plain socket, then read the answer to its end: what a client
+    that writes its body before it reads (as most do) sees."""
+    host, port = srv.url.split("//")[1].split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                  b"Content-Type: application/json\r\n" + head + b"\r\n" + body)
+        time.sleep(0.2)  # the server has answered and closed before this client reads
+        data = b""
+        while chunk := s.recv(65536):  # a reset connection raises here and loses the answer
+            data += chunk
+    return data
+
+
+def test_a_refused_body_is_read_so_the_client_gets_its_413_whole(srv):
+    body = b"x" * 2_000_000
+    declared = _raw_post(srv, b"Content-Length: %d\r\n" % len(body), body)
+    chunked = b"".join(b"%x\r\n%s\r\n" % (len(c), c)
+                       for c in (body[i:i + 65536] for i in range(0, len(body), 65536)))
+    counted = _raw_post(srv, b"Transfer-Encoding: chunked\r\n", chunked + b"0\r\n\r\n")
+    for data in (declared, counted):
+        assert data.startswith(b"HTTP/1.1 413"), data[:80]
+        assert b"--max-body-bytes" in data.split(b"\r\n\r\n", 1)[1]
+    assert post(srv, "/v1/completions", _c(max_tokens=2)).status_code == 200
 
 
 @pytest.mark.parametrize("path,body,param,flag", [

@@ -66,6 +66,10 @@ class Limits:
 
 
 UNLIMITED = ("/health", "/ping", "/metrics", "/version")
+# A refused body is read and dropped up to this much before the 413 goes out: closing a socket
+# with unread bytes in it resets the connection, and a client still sending (or slow to read)
+# then loses the 413 itself to a connection error. Past this, the client is cut off.
+DRAIN_BYTES = 64 * 2**20
 
 
 class LimitGate:
@@ -107,7 +111,8 @@ class LimitGate:
         too_big = APIError(413, f"Request body larger than this server's {limit} bytes "
                            "(--max-body-bytes).", code="request_too_large")
         if length is not None and length.isdigit() and int(length) > limit:
-            await self._refuse(too_big, scope, receive, send)
+            await _drain(receive, 0)
+            await self._refuse(too_big, scope, None, send)
             return None
         if scope["method"] in ("GET", "HEAD"):
             return receive
@@ -118,6 +123,8 @@ class LimitGate:
                 return _replay([message], receive)
             size += len(message.get("body", b""))
             if size > limit:
+                if message.get("more_body", False):
+                    await _drain(receive, size)
                 await self._refuse(too_big, scope, None, send)
                 return None
             chunks.append(message.get("body", b""))
@@ -137,6 +144,17 @@ def _replay(messages: list[dict], receive):
     async def replay():
         return messages.pop(0) if messages else await receive()
     return replay
+
+
+async def _drain(receive, size: int) -> None:
+    """Read and drop the rest of a request body, up to DRAIN_BYTES in all."""
+    while size <= DRAIN_BYTES:
+        message = await receive()
+        if message["type"] != "http.request":
+            return
+        size += len(message.get("body", b""))
+        if not message.get("more_body", False):
+            return
 
 
 async def _no_body():
