@@ -14,7 +14,7 @@ from pagellm.engine.block_manager import BlockManager
 from pagellm.engine.detokenizer import append_text, find_stop_string
 from pagellm.engine.model_runner import ModelRunner, WorkerDiedError
 from pagellm.engine.scheduler import Scheduler, SchedulerOutput
-from pagellm.kernels.malloc import keep_freed_memory
+from pagellm.kernels.malloc import keep_freed_memory, release_freed_memory
 from pagellm.engine.memory import (num_kv_blocks, resolve_device,
                                    resolve_dtype, resolve_kv_dtype)
 from pagellm.layers.linear import packed_row_limit
@@ -70,6 +70,8 @@ class LLMEngine:
             self._tp_stop = weakref.finalize(self, stop_workers, self._tp_procs)
         self.model = build_model(files, self.dtype, self.device, self.max_model_len,
                                  config.quantization)
+        if self.device.type == "cpu":
+            release_freed_memory()
         self.eos_token_id = _eos_id(files)
         # Llama 3 style configs list several end tokens; any of them ends a sequence.
         cfg_eos = getattr(files.config, "eos_token_id", None)

@@ -33,6 +33,8 @@ SIGNATURES = {
     "paged_attention": ([_P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _P, _I64, _P, _P, _P, _I64,
                          _F32, _I32], ctypes.c_int),
     "write_kv": ([_P, _P, _P, _P, _P, _I64, _I64, _I64, _I64], None),
+    "quantize_i8": ([_P, _I64, _I64, _P, _P, _P, _P], None),
+    "i8_linear": ([_P, _P, _P, _I64, _I64, _P, _P, _P, _I64, _P, _I64, _I32], None),
     "rms_norm": ([_P, _P, _P, _P, _P, _I64, _I64, _F32], None),
     "decode_layer": ([_P, _I64, _I64, _F32, _P, _P, _P, _I64, _I64,
                       _I64, _I64, _P, _P, _P, _P, _P, _I64, _I64, _P, _P, _I64, _P, _P, _P, _I64,

@@ -11,8 +11,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import os
+
 from pagellm import parallel
-from pagellm.layers import quant
+from pagellm.layers import int8, quant
 
 
 def _cpu_has_native_bf16() -> bool:
@@ -39,12 +41,22 @@ def upcast(*tensors: torch.Tensor) -> bool:
             and t.numel() // t.shape[-1] >= _UPCAST_MIN_ROWS)
 
 
+# Many-row products of packed GGUF projections run in int8 (layers/int8.py) on CPUs without
+# bf16 units, where a dense product computes in float32; their dense weights are then dropped.
+# PAGELLM_INT8=0 keeps the dense float32 weights instead (for comparisons).
+USE_INT8 = UPCAST_BF16 and os.environ.get("PAGELLM_INT8", "1") != "0"
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           packed=None) -> torch.Tensor:
+           packed=None, wide: int8.NativeInt8 | None = None) -> torch.Tensor:
     """F.linear; from packed block-quantized weights (quant.NativeQ4, NativeGGUF, ...) for a few
-    rows when the layer has them; in float32 for batched bf16 inputs on CPUs without bf16 units."""
+    rows when the layer has them, from their int8 form (wide) for more; in float32 for batched
+    bf16 inputs on CPUs without bf16 units."""
     if packed is not None and quant.few_rows(x.numel() // x.shape[-1], packed.max_rows):
         y = packed(x).to(x.dtype)
+        return y if bias is None else y + bias
+    if wide is not None:
+        y = wide(x).to(x.dtype)
         return y if bias is None else y + bias
     if weight.dtype == torch.bfloat16 and x.dtype == torch.float32 and x.numel() == x.shape[-1]:
         # float32 activations, bf16 weight (use_float32_activations), one row: bf16 is faster
@@ -67,12 +79,17 @@ def keep_float32(model: nn.Module) -> int:
     """On CPUs without bf16 units, store the dense weights of packed 4-bit projections in
     float32: those weights serve only products of MAX_ROWS+ rows, which run in float32 there,
     and upcasting every weight at every batched step cost ~12% of a batch-64 decode step.
-    Returns the number of projections converted."""
+    A projection with an int8 form has no dense weight (_Packed); its bias goes to float32
+    too. Returns the number of projections converted."""
     if not UPCAST_BF16:
         return 0
     n = 0
     for m in model.modules():
-        if isinstance(m, _Packed) and m.packed is not None and m.weight.dtype == torch.bfloat16:
+        if isinstance(m, _Packed) and m.int8 is not None:
+            if m.bias is not None:
+                m.bias.data = m.bias.data.float()
+            n += 1
+        elif isinstance(m, _Packed) and m.packed is not None and m.weight.dtype == torch.bfloat16:
             m.weight.data = m.weight.data.float()
             if m.bias is not None:  # (Qwen2's q/k/v) added to float32 outputs either way
                 m.bias.data = m.bias.data.float()
@@ -86,22 +103,45 @@ _BLOCKS = (quant.Int4Blocks, quant.GGUFBlocks)
 class _Packed:
     """Keeps the block-quantized form of a GGUF weight beside the dense one, for few-row
     products. load() records each part's blocks and packs them as soon as every part is there
-    (a plain attribute: .to(dtype) leaves the packed codes and scales alone)."""
+    (a plain attribute: .to(dtype) leaves the packed codes and scales alone). Where every part
+    has an int8 form (USE_INT8) the dense weight is never made: the parts' dense copies wait
+    until all parts are there, and the weight goes to the meta device (its shape stays; any use
+    would fail loudly)."""
 
     packed = None  # quant.NativeQ4 | TorchInt4 | NativeGGUF | PackedParts
+    int8 = None  # int8.NativeInt8: the same weights for many-row products (USE_INT8)
     num_parts = 1
 
-    def _keep(self, shard: int, part: quant.Int4Blocks | quant.GGUFBlocks | None) -> None:
+    def _keep(self, shard: int, part: quant.Int4Blocks | quant.GGUFBlocks | None,
+              write_dense) -> None:
         """part None: this shard came dense (e.g. a Q2_K v_proj beside Q4 q/k), so the
-        fused weight cannot be packed; parts already kept are dropped."""
+        fused weight cannot be packed; parts already kept are dropped. write_dense() copies
+        this part's dense values into the weight, now or once it is known to be needed."""
         parts = self.__dict__.setdefault("_packed_parts", {})
+        waiting = self.__dict__.setdefault("_dense_writes", [])
         if part is None or parts is None:
             self.__dict__["_packed_parts"] = None
+            for write in [*waiting, write_dense]:
+                write()
+            waiting.clear()
             return
         parts[shard] = part
+        if USE_INT8 and int8.int8_form(part):
+            waiting.append(write_dense)
+        else:
+            write_dense()
         if len(parts) == self.num_parts:
-            del self._packed_parts
-            self.packed = quant.pack_parts([parts[i] for i in range(self.num_parts)])
+            del self._packed_parts, self._dense_writes
+            ordered = [parts[i] for i in range(self.num_parts)]
+            self.packed = quant.pack_parts(ordered)
+            if USE_INT8 and self.packed is not None:
+                self.int8 = int8.NativeInt8.from_blocks(ordered)
+            if self.int8 is not None:
+                self.weight = nn.Parameter(torch.empty(self.weight.shape, device="meta"),
+                                           requires_grad=False)
+            else:
+                for write in waiting:
+                    write()
 
 
 def _dense(tensor: torch.Tensor | quant.Int4Blocks | quant.GGUFBlocks) -> torch.Tensor:
@@ -128,12 +168,17 @@ class ColumnParallelLinear(_Packed, nn.Module):
         start, size = self.ranges[shard]
         offset = sum(n for _, n in self.ranges[:shard])
         part = tensor.narrow(0, start, size)
+
+        def write() -> None:
+            getattr(self, name).data.narrow(0, offset, size).copy_(_dense(part))
+
         if name == "weight":
-            self._keep(shard, part if isinstance(part, _BLOCKS) else None)
-        getattr(self, name).data.narrow(0, offset, size).copy_(_dense(part))
+            self._keep(shard, part if isinstance(part, _BLOCKS) else None, write)
+        else:
+            write()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.packed)
+        return linear(x, self.weight, self.bias, self.packed, self.int8)
 
 
 class RowParallelLinear(_Packed, nn.Module):
@@ -152,15 +197,21 @@ class RowParallelLinear(_Packed, nn.Module):
         if name == "bias":  # added once, after the reduction
             self.bias.data.copy_(tensor)
             return
-        if isinstance(tensor, _BLOCKS):
-            try:
-                self._keep(0, tensor.narrow(1, self.start, self.in_local))
-            except ValueError:  # this rank's inputs do not start on a group: dense only
-                self._keep(0, None)
-        self.weight.data.copy_(_dense(tensor).narrow(1, self.start, self.in_local))
+        def write() -> None:
+            self.weight.data.copy_(_dense(tensor).narrow(1, self.start, self.in_local))
+
+        if not isinstance(tensor, _BLOCKS):
+            self._keep(0, None, write)
+            return
+        try:
+            local = tensor.narrow(1, self.start, self.in_local)
+        except ValueError:  # this rank's inputs do not start on a group: dense only
+            self._keep(0, None, write)
+            return
+        self._keep(0, local, write)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear(x, self.weight, packed=self.packed)
+        y = linear(x, self.weight, packed=self.packed, wide=self.int8)
         if self.reduce:
             y = parallel.all_reduce(y)
         return y + self.bias if self.bias is not None else y

@@ -61,7 +61,10 @@ def build_model(files, dtype: torch.dtype, device: torch.device, max_position: i
     # the head kernels are native only; they follow the packing decision of the projections
     packed_head = packed and files.packed_head and native.available()
     model.load_weights(files.weights(keep_packed=True, keep_head=packed_head) if packed else files.weights())
-    model = model.to(dtype=dtype, device=device).eval()
+    # (a projection with an int8 form keeps its dense weight on the meta device: nothing to
+    # move, and a CPU model's parameters are made on the CPU)
+    model = model.to(dtype=dtype) if device.type == "cpu" else model.to(dtype=dtype, device=device)
+    model = model.eval()
     if packed:
         n_packed, total = model.num_packed()
         if n_packed < total:  # shapes the kernel does not take, or a split inside a group
