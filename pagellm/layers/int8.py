@@ -8,10 +8,11 @@ A K-quant weight (Q4_K, Q5_K, Q6_K) is, per 256-value super-block,
 
 with d the super-block's float scale, isc the integer sub-block scales (Q4_K / Q5_K: 6 bits
 per 32 values; Q6_K: int8 per 16) and m the offsets (Q4_K / Q5_K: the sub-block mins
--dmin * mn per 32; Q6_K: the zero point, -32 d isc per 16). Then, with x_j ~ D * xq_j (int8
-per super-block, cpu_int8.c quantize_i8),
+-dmin * mn per 32; Q6_K: the zero point, -32 d isc per 16). Then, with x_j ~ D * 2^sh * xq_j
+(int8 per 32 values, sh a block's power-of-two scale inside its super-block, cpu_int8.c
+quantize_i8),
 
-    sum_j w_j x_j ~ d * D * sum_j isc_j c_j xq_j  +  sum_blocks m * sum_block x
+    sum_j w_j x_j ~ d * D * sum_j 2^sh isc_j c_j xq_j  +  sum_blocks m * sum_block x
 
 the first an exact integer sum (kernels/cpu_int8.c), the second one small float32 product of
 the offsets with the activations' float block sums (K / 32 or K / 16 inputs). The only
