@@ -18,22 +18,25 @@ pytestmark = pytest.mark.skipif(not native.available(), reason="no C compiler on
 TYPES = sorted(F16_FIELDS, key=lambda t: t.name)
 
 
-def _bound(x: torch.Tensor, blocks: quant.GGUFBlocks) -> torch.Tensor:
-    """The error int16 activations allow: half a step (max|x| of the 32-value block / 32767)
-    per element, times the coded part of the weight |w - m| (a sub-block's min m multiplies the
-    exact float sum of x), plus float32 summation."""
+def _bound(x: torch.Tensor, blocks: quant.GGUFBlocks, lib=None) -> torch.Tensor:
+    """The error int16 activations allow: half a step (max|x| of the A values sharing it /
+    32767, A the build's activation group for the type: 32, or 256 for K-quants in the AVX-512
+    build, from 2 rows) per element, times the coded part of the weight |w - m| (a sub-block's min m
+    multiplies the exact float sum of x), plus float32 summation."""
     w = blocks.dequantize().double()
     n, k = w.shape
-    step = x.double().abs().view(x.shape[0], k // 32, 32).amax(-1) / 32767  # [R, G]
+    group = (lib or native.library()).gguf_act_group(int(blocks.ggml_type), x.shape[0])
+    step = x.double().abs().view(x.shape[0], k // group, group).amax(-1) / 32767  # [R, K / A]
+    step = step.repeat_interleave(group // 32, dim=1)  # [R, G]
     mins = torch.from_numpy(sub_block_mins(blocks))  # [N, G]
     coded = (w.view(n, k // 32, 32) - mins.unsqueeze(-1)).abs().sum(-1)  # [N, G]
     return 0.5 * step @ coded.t() + 2e-6 * (x.double().abs() @ w.abs().t()) + 1e-9
 
 
-def _check(out: torch.Tensor, x: torch.Tensor, blocks: quant.GGUFBlocks) -> None:
+def _check(out: torch.Tensor, x: torch.Tensor, blocks: quant.GGUFBlocks, lib=None) -> None:
     ref = x.double() @ blocks.dequantize().double().t()
     err = (out.double() - ref).abs()
-    bound = _bound(x, blocks)
+    bound = _bound(x, blocks, lib)
     assert bool((err <= bound).all()), f"{blocks.ggml_type.name}: error {(err / bound).max():.2f}x the bound"
 
 
@@ -105,7 +108,7 @@ def test_portable_build_gives_the_same_products(tmp_path, monkeypatch):
             y = torch.empty(rows, 16)
             assert lib.gguf_linear(x.data_ptr(), rows, 3 * unit, raw.data_ptr(), raw.shape[1],
                                    int(qtype), 16, y.data_ptr(), 1) == 0
-            _check(y, x, blocks)
+            _check(y, x, blocks, lib)
 
 
 def test_random_blocks_decode_as_gguf_says():

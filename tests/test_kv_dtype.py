@@ -21,6 +21,9 @@ def test_auto_kv_dtype(monkeypatch, upcast_bf16):
     assert resolve_kv_dtype("auto", torch.bfloat16, CPU) == want
     assert resolve_kv_dtype("auto", torch.float32, CPU) == torch.float32
     assert resolve_kv_dtype("auto", torch.float16, CPU) == torch.float16
+    # float32 activations (packed weights + fused layer, any CPU): float32 KV
+    assert resolve_kv_dtype("auto", torch.bfloat16, CPU, torch.float32) == torch.float32
+    assert resolve_kv_dtype("bfloat16", torch.bfloat16, CPU, torch.float32) == torch.bfloat16
     assert resolve_kv_dtype("bfloat16", torch.bfloat16, CPU) == torch.bfloat16
     assert resolve_kv_dtype("auto", torch.bfloat16, torch.device("cuda")) == torch.bfloat16
     with pytest.raises(ValueError, match="kv_cache_dtype"):
@@ -94,3 +97,45 @@ def test_float32_copy_of_packed_weights_is_exact(monkeypatch):
     col2.load("weight", blocks)
     col2.to(torch.bfloat16)
     assert lin.keep_float32(col2) == 0 and col2.weight.dtype == torch.bfloat16
+
+
+def test_packed_model_on_a_cpu_with_bf16_units(monkeypatch):
+    """With bf16 units a packed model still runs few-row steps as one native call per layer
+    (float32 activations and KV, float32 biases), while its dense weights stay bf16 for
+    many-row steps, which convert their activations to bf16 (no float32 copy of anything)."""
+    from pagellm.kernels import native
+
+    if not native.available():
+        pytest.skip("no C compiler on this machine")
+    monkeypatch.setattr(lin, "UPCAST_BF16", False)
+    llm = LLM(dtype="bfloat16", kv_cache_memory="32MiB")
+    eng = llm.engine
+    model = eng.model
+    assert model.act_dtype == torch.float32 and eng.kv_dtype == torch.float32
+    assert all(layer.fused is not None for layer in model.layers)
+    assert getattr(model, "_head_f32", None) is None
+    assert all(p.dtype != torch.float32 for n, p in model.named_parameters()
+               if n.endswith("proj.weight"))
+    calls, products = [], []
+    orig_layer = type(model.layers[0].fused).__call__
+    orig_linear = torch.nn.functional.linear
+
+    def counting(self, *args):
+        calls.append(1)
+        return orig_layer(self, *args)
+
+    def watching(x, w, b=None):
+        products.append((x.dtype, w.dtype))
+        return orig_linear(x, w, b)
+
+    monkeypatch.setattr(type(model.layers[0].fused), "__call__", counting)
+    monkeypatch.setattr(torch.nn.functional, "linear", watching)
+    long_prompt = list(range(100, 160))  # a 60-row prefill: dense bf16 products
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    out = llm.generate([long_prompt], sp, use_tqdm=False)[0].outputs[0].token_ids
+    assert calls and products and all(p == (torch.bfloat16, torch.bfloat16) for p in products)
+    monkeypatch.setattr(torch.nn.functional, "linear", orig_linear)
+    monkeypatch.setattr(lin, "UPCAST_BF16", True)  # the same file as a CPU without bf16 units
+    other = LLM(dtype="bfloat16", kv_cache_memory="32MiB")
+    want = other.generate([long_prompt], sp, use_tqdm=False)[0].outputs[0].token_ids
+    assert out[:3] == want[:3]  # prefill products in bf16 vs float32: a late near-tie may flip

@@ -80,7 +80,8 @@ class LLMEngine:
         self.vocab_size = files.config.vocab_size
         self.structured = GrammarBackend(self.tokenizer, self.vocab_size, self.eos_token_ids)
         cc = config.cache
-        self.kv_dtype = resolve_kv_dtype(cc.kv_cache_dtype, self.dtype, self.device)
+        self.kv_dtype = resolve_kv_dtype(cc.kv_cache_dtype, self.dtype, self.device,
+                                         self.model.act_dtype)
         self.num_blocks, budget = num_kv_blocks(files.config, cc, self.kv_dtype, self.device,
                                                 config.tensor_parallel_size)
         self.spec = None

@@ -31,9 +31,11 @@ def resolve_dtype(name: str, device: torch.device, packed_weights: bool = False)
     return _DTYPES[name]
 
 
-def resolve_kv_dtype(name: str, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
-    """'auto': the model's dtype, except a bfloat16 model on a CPU without bf16 units, whose KV
-    is kept in float32. Attention there computes in float32 (bf16 batched products are several
+def resolve_kv_dtype(name: str, model_dtype: torch.dtype, device: torch.device,
+                     act_dtype: torch.dtype | None = None) -> torch.dtype:
+    """'auto': the model's dtype, except a bfloat16 model on a CPU without bf16 units, or a
+    CPU model whose activations run in float32 (act_dtype: packed weights and the fused decode
+    layer, which reads float32 KV), whose KV is kept in float32. Attention there computes in float32 (bf16 batched products are several
     times slower), and converting every gathered bf16 K/V block at every step of every layer
     cost more than the attention products themselves (batch-64 decode: ~60 of ~700 ms a
     step). The price is twice the bytes per token: half the tokens for the same budget."""
@@ -45,7 +47,8 @@ def resolve_kv_dtype(name: str, model_dtype: torch.dtype, device: torch.device) 
         return kv
     from pagellm.layers.linear import UPCAST_BF16
 
-    if device.type == "cpu" and UPCAST_BF16 and model_dtype == torch.bfloat16:
+    if device.type == "cpu" and model_dtype == torch.bfloat16 and (
+            UPCAST_BF16 or act_dtype == torch.float32):
         return torch.float32
     return model_dtype
 

@@ -480,10 +480,40 @@ PRODUCT(T_Q5_K) PRODUCT(T_Q6_K)
 
 /* x [R, K] float32, w [N, row_bytes] (each row K / unit blocks of `type`, as in the file)
  * -> y [R, N]. Returns 0; -1 when out of memory; -2 for a type or width it does not take. */
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__F16C__)
+#define GGUF_AVX512 1
+int gguf_avx512(const float *x, int64_t R, int64_t K, const uint8_t *w, int64_t row_bytes,
+                int type, int64_t N, float *y, int threads);
+#else
+#define GGUF_AVX512 0
+#endif
+
+/* Whether products take the AVX-512 path (built so, and not turned off by
+ * PAGELLM_GGUF_AVX512=0, for comparisons). */
+static int use_avx512(void) {
+    static int use = -1;
+    if (use < 0) {
+        const char *e = getenv("PAGELLM_GGUF_AVX512");
+        use = GGUF_AVX512 && !(e && e[0] == '0');
+    }
+    return use;
+}
+
+/* The AVX-512 path pays for 2+ rows (a 5-row Q4_K product 2x faster, in cache or not); one
+ * row streaming from memory ran no faster, or slower, than the AVX2 path here. */
+static int avx512_rows(int64_t R) { return use_avx512() && R >= 2; }
+
+/* How many activations share one int16 step in this build's product for `type` and R rows:
+ * 32, or a K-quant's 256 on the AVX-512 path (cpu_gguf_avx512.c). */
+int gguf_act_group(int type, int64_t R) { return avx512_rows(R) ? unit_of(type) : GROUP; }
+
 int gguf_linear(const float *x, int64_t R, int64_t K, const uint8_t *w, int64_t row_bytes,
                 int type, int64_t N, float *y, int threads) {
     if (!bytes_of(type) || K % unit_of(type) || row_bytes != K / unit_of(type) * bytes_of(type))
         return -2;
+#if GGUF_AVX512
+    if (avx512_rows(R)) return gguf_avx512(x, R, K, w, row_bytes, type, N, y, threads);
+#endif
     const int64_t G = K / GROUP;
     int16_t *xq = malloc(sizeof(int16_t) * R * K);
     float *dx = malloc(sizeof(float) * R * G), *xs8 = malloc(sizeof(float) * R * G * 8);

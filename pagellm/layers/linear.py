@@ -58,9 +58,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if wide is not None:
         y = wide(x).to(x.dtype)
         return y if bias is None else y + bias
-    if weight.dtype == torch.bfloat16 and x.dtype == torch.float32 and x.numel() == x.shape[-1]:
-        # float32 activations, bf16 weight (use_float32_activations), one row: bf16 is faster
-        return F.linear(x.to(weight.dtype), weight, bias).to(x.dtype)
+    if weight.dtype == torch.bfloat16 and x.dtype == torch.float32 and (
+            x.numel() == x.shape[-1] or not UPCAST_BF16):
+        # float32 activations, bf16 weight (use_float32_activations): one row, or a CPU with
+        # bf16 units, where bf16 products are several times faster than float32 ones
+        y = F.linear(x.to(weight.dtype), weight).to(x.dtype)
+        return y if bias is None else y + bias.to(x.dtype)
     if upcast(x) or weight.dtype != x.dtype:  # a float32 copy (keep_float32) or activations
         b = None if bias is None else bias.float()
         return F.linear(x.float(), weight.float(), b).to(x.dtype)
@@ -75,15 +78,24 @@ def packed_row_limit(model: nn.Module) -> int | None:
     return min(limits) if limits else None
 
 
-def keep_float32(model: nn.Module) -> int:
-    """On CPUs without bf16 units, store the dense weights of packed 4-bit projections in
+def keep_float32(model: nn.Module, biases_only: bool = False) -> int:
+    """biases_only: the biases of packed projections in float32 (the fused decode layer adds
+    them to float32 outputs), on any CPU.
+
+    Otherwise, on CPUs without bf16 units, store the dense weights of packed 4-bit projections in
     float32: those weights serve only products of MAX_ROWS+ rows, which run in float32 there,
     and upcasting every weight at every batched step cost ~12% of a batch-64 decode step.
     A projection with an int8 form has no dense weight (_Packed); its bias goes to float32
     too. Returns the number of projections converted."""
+    n = 0
+    if biases_only:
+        for m in model.modules():
+            if isinstance(m, _Packed) and m.packed is not None and m.bias is not None:
+                m.bias.data = m.bias.data.float()
+                n += 1
+        return n
     if not UPCAST_BF16:
         return 0
-    n = 0
     for m in model.modules():
         if isinstance(m, _Packed) and m.int8 is not None:
             if m.bias is not None:

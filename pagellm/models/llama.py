@@ -15,7 +15,8 @@ from pagellm.attention.base import AttentionBackend, AttentionMetadata
 from pagellm.kernels.cpu_layer import FusedDecodeLayer
 from pagellm.layers import quant
 from pagellm.layers.attention import PagedSelfAttention
-from pagellm.layers.linear import ColumnParallelLinear, RowParallelLinear, linear, upcast
+from pagellm.layers.linear import (UPCAST_BF16, ColumnParallelLinear, RowParallelLinear, linear,
+                                   upcast)
 from pagellm.layers.norm import RMSNorm
 from pagellm.layers.rotary import RotaryEmbedding
 
@@ -118,7 +119,7 @@ class LlamaForCausalLM(nn.Module):
         """[num_rows, hidden] -> [num_rows, vocab] float32."""
         if self.head_packed is not None and hidden.shape[0] < self.head_packed.max_rows:
             return self.head_packed(hidden)
-        if upcast(hidden) or (hidden.shape[0] > 1 and hidden.dtype != self._head().dtype):
+        if upcast(hidden) or (UPCAST_BF16 and hidden.shape[0] > 1 and hidden.dtype != self._head().dtype):
             return F.linear(hidden.float(), self.head_float32())
         return linear(hidden, self._head()).float()
 

@@ -6,6 +6,7 @@ import logging
 import torch
 
 from pagellm.attention.base import get_attention_backend
+from pagellm import parallel
 from pagellm.kernels import native
 from pagellm.layers.linear import keep_float32, upcast
 from pagellm.models.llama import LlamaForCausalLM
@@ -78,4 +79,12 @@ def build_model(files, dtype: torch.dtype, device: torch.device, max_position: i
         model.head_float32()
         if packed:
             model.enable_fused_decode()
+    elif packed and parallel.tp_size() == 1:
+        # bf16 units: many-row products stay in bf16 (linear() converts their activations),
+        # but few-row steps run each layer as one native call, which takes float32
+        # activations and KV: the module path's ~20 PyTorch ops a layer cost a 1.5B Q4_K_M
+        # decode step ~35 of its ~140 ms here.
+        keep_float32(model, biases_only=True)
+        model.use_float32_activations()
+        model.enable_fused_decode()
     return model

@@ -56,7 +56,7 @@ def build_spec_decoder(spec: SpeculativeConfig, *, target_files, target_model, t
                        quantization: str | None = None, kv_cache_dtype: str = "auto"):
     """(SpecDecoder, number of target KV blocks). The KV budget is split so that target and
     draft caches hold the same number of tokens."""
-    t_kv = resolve_kv_dtype(kv_cache_dtype, target_dtype, device)
+    t_kv = resolve_kv_dtype(kv_cache_dtype, target_dtype, device, target_model.act_dtype)
     t_block = kv_bytes_per_block(target_files.config, block_size, t_kv, parallel.tp_size())
     if spec.method == "ngram":
         num_blocks = kv_budget // t_block
@@ -75,7 +75,7 @@ def build_spec_decoder(spec: SpeculativeConfig, *, target_files, target_model, t
     else:
         files, draft, dtype = load_draft(spec, target_files, target_dtype, device, max_model_len,
                                          quantization)
-        d_kv = resolve_kv_dtype(kv_cache_dtype, dtype, device)
+        d_kv = resolve_kv_dtype(kv_cache_dtype, dtype, device, draft.act_dtype)
         d_block = kv_bytes_per_block(files.config, block_size, d_kv)
         num_blocks = kv_budget // (t_block + d_block)
         with parallel.single_process():
