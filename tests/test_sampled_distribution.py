@@ -24,6 +24,10 @@ SPECS = {
     # one layer of the target as the draft: q far from p, so rejections are frequent
     "draft": {"method": "draft_model", "num_speculative_tokens": 2, "draft_num_layers": 1,
               "adaptive": False},
+    # a separate draft (the target's files, one layer) that scores only ids 0..127 of 256: q is
+    # zero on half the vocabulary, which the residual distribution must make up for
+    "draft_sub_vocab": {"method": "draft_model", "model": "<target>", "num_speculative_tokens": 2,
+                        "draft_num_layers": 1, "draft_vocab_size": 128, "adaptive": False},
 }
 PARAMS = {
     "top_k": dict(temperature=1.0, top_k=3),
@@ -107,8 +111,11 @@ def prompt(tiny_llama) -> list[int]:
 @pytest.fixture(scope="module")
 def engines(tiny_llama):
     path, _ = tiny_llama
+    def own(spec):
+        return spec and {k: (path if v == "<target>" else v) for k, v in spec.items()}
+
     return {name: LLM(path, dtype="float32", block_size=4, kv_cache_memory="48MiB",
-                      max_num_seqs=256, speculative_config=spec)
+                      max_num_seqs=256, speculative_config=own(spec))
             for name, spec in SPECS.items()}
 
 
@@ -128,6 +135,8 @@ def test_sampled_paths_follow_the_exact_law(tiny_llama, prompt, engines, spec, p
     assert ok, (chi2, limit, counts.most_common(8))
     if spec != "off":
         assert llm.engine.spec.stats.num_draft_tokens > drafted  # speculation really ran
+    if spec == "draft_sub_vocab":
+        assert llm.engine.spec.proposer.model.vocab_limit == 128
 
 
 def test_the_chi_square_check_rejects_a_wrong_law(tiny_llama, prompt):

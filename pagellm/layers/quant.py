@@ -189,6 +189,12 @@ class NativeQ8:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # -> float32 logits
         return cpu_quant.q8_linear(x, self.codes, self.scale)
 
+    def first_rows(self, n: int) -> NativeQ8:
+        """The same head over its first n outputs (views: no copy)."""
+        sub = object.__new__(NativeQ8)
+        sub.codes, sub.scale = self.codes[:n], self.scale[:n]
+        return sub
+
     @property
     def nbytes(self) -> int:
         return self.codes.numel() + self.scale.numel() * 4
@@ -242,6 +248,12 @@ class NativeGGUF:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # -> float32
         return cpu_quant.gguf_linear(x, self.raw, self.ggml_type, self.cols)
+
+    def first_rows(self, n: int) -> NativeGGUF:
+        """The same weights over their first n outputs (a view: no copy)."""
+        sub = object.__new__(NativeGGUF)
+        sub.raw, sub.ggml_type, sub.cols = self.raw[:n], self.ggml_type, self.cols
+        return sub
 
     @property
     def nbytes(self) -> int:

@@ -87,8 +87,9 @@ class DraftModelProposer(Proposer):
             rounds += 1
             for (seq, shadow, _), n in zip(batch, counts):
                 shadow.num_computed_tokens += n
-            self._sample_round(batch, logits, probs)
-            active = [(s, sh, k) for s, sh, k in batch if len(sh.spec_token_ids) < k]
+            stopped = self._sample_round(batch, logits, probs)
+            active = [(s, sh, k) for s, sh, k in batch
+                      if len(sh.spec_token_ids) < k and s.seq_id not in stopped]
         for seq in seqs:
             shadow = self.shadows.get(seq.seq_id)
             if shadow is not None and shadow.spec_token_ids:
@@ -97,7 +98,8 @@ class DraftModelProposer(Proposer):
         self.last_rounds, self.last_seconds = rounds, time.perf_counter() - start
         return [proposals[s.seq_id] for s in seqs]
 
-    def _sample_round(self, batch, logits: torch.Tensor, probs) -> None:
+    def _sample_round(self, batch, logits: torch.Tensor, probs) -> set[int]:
+        """Draws this round's proposals; returns the sequences that stop proposing."""
         rows = [SamplingRow(seq.params, seq.prompt_token_ids,
                             seq.output_token_ids + shadow.spec_token_ids,
                             seq.generator or self.rng, self.eos_token_id)
@@ -109,7 +111,12 @@ class DraftModelProposer(Proposer):
                                                   for i in constrained])):
             rows[i].grammar_bias = m.bias[-1]
         proc = processed_logits(logits, rows)
+        # A row with nothing left to draw (a grammar that allows only ids beyond the draft's
+        # vocabulary limit): that sequence proposes no more this step.
+        stopped = {batch[i][0].seq_id for i in (~proc.isfinite().any(-1)).nonzero().flatten().tolist()}
         for i, (seq, shadow, _) in enumerate(batch):
+            if seq.seq_id in stopped:
+                continue
             if seq.params.greedy:
                 token = int(proc[i].argmax())
             else:
@@ -117,6 +124,7 @@ class DraftModelProposer(Proposer):
                 token = draw(q, rows[i].generator)
                 probs[seq.seq_id].append(q)
             shadow.spec_token_ids.append(token)
+        return stopped
 
     def on_verified(self, seq: Sequence, num_valid: int) -> None:
         shadow = self.shadows.get(seq.seq_id)

@@ -75,6 +75,7 @@ def build_spec_decoder(spec: SpeculativeConfig, *, target_files, target_model, t
     else:
         files, draft, dtype = load_draft(spec, target_files, target_dtype, device, max_model_len,
                                          quantization)
+        draft.limit_vocab(spec.draft_vocab(files.config.vocab_size))
         d_kv = resolve_kv_dtype(kv_cache_dtype, dtype, device, draft.act_dtype)
         d_block = kv_bytes_per_block(files.config, block_size, d_kv)
         num_blocks = kv_budget // (t_block + d_block)
@@ -83,9 +84,10 @@ def build_spec_decoder(spec: SpeculativeConfig, *, target_files, target_model, t
                                           eos_token_id, max_model_len)
         mib = 2**20
         logger.info(
-            "speculative decoding: draft %s (%d layers, %s), k=%d. Memory: target weights "
-            "%.0f MiB + KV %.0f MiB; draft weights %.0f MiB + KV %.0f MiB",
-            files.path, files.config.num_hidden_layers, dtype, spec.num_speculative_tokens,
+            "speculative decoding: draft %s (%d layers, %s, scores %s token ids), k=%d. "
+            "Memory: target weights %.0f MiB + KV %.0f MiB; draft weights %.0f MiB + KV %.0f MiB",
+            files.path, files.config.num_hidden_layers, dtype,
+            draft.vocab_limit or "all", spec.num_speculative_tokens,
             target_model.weight_bytes() / mib, num_blocks * t_block / mib,
             draft.weight_bytes() / mib, num_blocks * d_block / mib)
     if num_blocks < 1:
