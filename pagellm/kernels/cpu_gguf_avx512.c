@@ -80,6 +80,7 @@ static inline __attribute__((always_inline)) void row_32(
     for (int r = 0; r < rb; r++) { acc[r] = _mm256_setzero_ps(); mins[r] = 0.f; }
     for (int64_t g = 0; g < G; g++) {
         const uint8_t *b = row + g * size;
+        PREFETCH(b);
         const float d = f16(b), m = has_min ? f16(b + 2) : 0.f;
         __m256i c0, c1;  /* values 0-15, 16-31 */
         if (type == T_Q8_0) {
@@ -131,6 +132,7 @@ static inline __attribute__((always_inline)) void row_k(
     for (int r = 0; r < rb; r++) SUM[r] = _mm256_dpwssd_epi32(SUM[r], CODE, load_x(xb + r * K + (OFFSET)))
     for (int64_t u = 0; u < U; u++) {
         const uint8_t *b = row + u * size;
+        PREFETCH_BLOCK(b, size);
         const int16_t *xb = xq + u * 256;
         __m256i ia[ROW_BLOCK], ib[ROW_BLOCK];
         for (int r = 0; r < rb; r++) { ia[r] = _mm256_setzero_si256(); ib[r] = _mm256_setzero_si256(); }

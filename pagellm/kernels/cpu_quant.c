@@ -235,6 +235,8 @@ int q4_linear(const float *x, int64_t R, int64_t K, const uint8_t *codes, const 
     if (!row_scaled) quantize_rows(x, R, K, xq, dx, xs8);
     #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
     for (int64_t n = 0; n < N; n++) {
+        PREFETCH_BLOCK(codes + n * (K / 2), (int)(K / 2));  /* the rows PF_DIST bytes ahead */
+        PREFETCH_BLOCK(sm + n * G * 2, (int)(G * 8));
         for (int64_t b = 0, r0 = 0, rb; b < ROW_BLOCKS(R); b++, r0 += rb) {
             rb = ROW_BLOCK_SIZE(R, b);
 #ifdef HAVE_ROW_SCALED
@@ -270,6 +272,8 @@ int q8_linear(const float *x, int64_t R, int64_t K, const int8_t *codes, const f
     if (!row_scaled) quantize_rows(x, R, K, xq, dx, NULL);
     #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
     for (int64_t n = 0; n < N; n++) {
+        PREFETCH_BLOCK(codes + n * K, (int)K);  /* the rows PF_DIST bytes ahead */
+        PREFETCH_BLOCK(scale + n * G, (int)(G * 4));
         for (int64_t b = 0, r0 = 0, rb; b < ROW_BLOCKS(R); b++, r0 += rb) {
             rb = ROW_BLOCK_SIZE(R, b);
 #ifdef HAVE_ROW_SCALED
