@@ -80,6 +80,7 @@ class SpecDecoder:
         self._kind: dict[int, int] = {}  # kind of each sequence's proposal being verified
         self.num_unverified = 0
         self._verified = [0, 0]
+        self._catchup = 0.0  # seconds of this step's draft catch-up (not a cost of k)
 
     def bind(self, scheduler, runner, row_limit: int | None) -> None:
         """The target's scheduler and model runner, once built; row_limit: the most rows the
@@ -117,6 +118,9 @@ class SpecDecoder:
             proposals = self.proposer.propose(decoding, ks)
             rounds = getattr(self.proposer, "last_rounds", 0)
             self.controller.observe_draft(rounds, getattr(self.proposer, "last_seconds", 0.0))
+            # a catch-up is paid once per request (or per return from plain decoding), not
+            # per step with k proposals: the step's wall is learnt without it
+            self._catchup = getattr(self.proposer, "last_catchup_seconds", 0.0)
         else:
             # A free proposer (n-gram) proposes for everyone first: the controller then knows
             # who has a proposal, and those it holds back are scored against the tokens the
@@ -174,6 +178,8 @@ class SpecDecoder:
         if not num_seqs or num_seqs != decoding:
             return
         seqs, tokens = self._verified
+        seconds -= self._catchup
+        self._catchup = 0.0
         self.controller.observe_decode_step(decoding, seconds, k, decoding - seqs + tokens,
                                             rows)
 

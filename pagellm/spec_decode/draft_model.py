@@ -39,8 +39,9 @@ class DraftModelProposer(Proposer):
         self.max_model_len = max_model_len
         self.shadows: dict[int, Sequence] = {}
         self.rng = torch.Generator().manual_seed(1234)
-        self.last_rounds = 0  # forward rounds of the latest propose() call
+        self.last_rounds = 0  # proposal rounds of the latest propose() call
         self.last_seconds = 0.0
+        self.last_catchup_seconds = 0.0  # its rounds that caught a shadow up on context
 
     @property
     def has_cost(self) -> bool:
@@ -69,8 +70,9 @@ class DraftModelProposer(Proposer):
         probs: dict[int, list[torch.Tensor]] = {s.seq_id: [] for s in seqs}
         active = [(s, shadow, k) for s, k in zip(seqs, num_tokens)
                   if k > 0 and (shadow := self._start(s, k)) is not None]
-        rounds = 0
+        rounds, catchup = 0, 0.0
         while active:
+            round_start = time.perf_counter()
             batch, counts = [], []
             for seq, shadow, k in active:
                 n = shadow.num_tokens_to_compute
@@ -84,7 +86,10 @@ class DraftModelProposer(Proposer):
             out = SchedulerOutput([b[1] for b in batch], counts)
             rows = list(torch.tensor(counts).cumsum(0) - 1)
             logits = self.runner.execute(out, [int(r) for r in rows])
-            rounds += 1
+            if max(counts) > 1:  # a shadow caught up on context: not a proposal round's cost
+                catchup += time.perf_counter() - round_start
+            else:
+                rounds += 1
             for (seq, shadow, _), n in zip(batch, counts):
                 shadow.num_computed_tokens += n
             stopped = self._sample_round(batch, logits, probs)
@@ -95,7 +100,11 @@ class DraftModelProposer(Proposer):
             if shadow is not None and shadow.spec_token_ids:
                 q = torch.stack(probs[seq.seq_id]) if not seq.params.greedy else None
                 proposals[seq.seq_id] = Proposal(list(shadow.spec_token_ids), q)
-        self.last_rounds, self.last_seconds = rounds, time.perf_counter() - start
+        # proposal rounds and their time; catch-up rounds (a prompt, or tokens emitted while
+        # the draft was off) apart: the controller prices k by proposal rounds alone
+        self.last_rounds = rounds
+        self.last_seconds = time.perf_counter() - start - catchup
+        self.last_catchup_seconds = catchup
         return [proposals[s.seq_id] for s in seqs]
 
     def _sample_round(self, batch, logits: torch.Tensor, probs) -> set[int]:

@@ -1,6 +1,7 @@
-"""A draft that scores only its first N token ids (SpeculativeConfig.draft_vocab_size): the
-logits it gives, the proposals it makes, and greedy output unchanged. The sampled law with
-such a draft is checked in test_sampled_distribution.py (draft_sub_vocab)."""
+"""A separate draft model: one that scores only its first N token ids
+(SpeculativeConfig.draft_vocab_size: the logits it gives, the proposals it makes, greedy output
+unchanged; the sampled law with such a draft is checked in test_sampled_distribution.py,
+draft_sub_vocab), and its catch-up on context kept out of what the controller learns."""
 from __future__ import annotations
 
 import pytest
@@ -66,3 +67,41 @@ def test_greedy_output_unchanged_and_proposals_within_the_limit(tiny_llama):
     assert got == want
     assert proposed and max(proposed) < 100
     assert any(t >= 100 for ids in want for t in ids)  # the target still emits the others
+
+
+def test_the_controller_never_sees_a_draft_catch_up(tiny_llama):
+    """A separate draft catches up on a request's context at its first proposals (and on tokens
+    emitted while speculation was off): that is paid once, not per step with k proposals, so
+    neither the draft's round cost nor a step's wall that the controller learns from may hold
+    it. The draft's catch-up rounds are slowed by 0.3 s here; no observation may show them."""
+    import time
+
+    path, _ = tiny_llama
+    llm = LLM(path, dtype="float32", kv_cache_memory=2**20,
+              speculative_config={"method": "draft_model", "model": path, "num_speculative_tokens": 3,
+                                  "draft_num_layers": 1, "adaptive": False})
+    spec = llm.engine.spec
+    runner, controller = spec.proposer.runner, spec.controller
+    slowed, steps, rounds = [], [], []
+    execute, observe_step, observe_draft = runner.execute, controller.observe_decode_step, controller.observe_draft
+
+    def slow_catch_up(out, rows):
+        if max(out.num_tokens) > 1:
+            slowed.append(1)
+            time.sleep(0.3)
+        return execute(out, rows)
+
+    def step(batch, seconds, *args, **kw):
+        steps.append(seconds)
+        return observe_step(batch, seconds, *args, **kw)
+
+    def draft(n, seconds):
+        rounds.append((n, seconds))
+        return observe_draft(n, seconds)
+
+    runner.execute, controller.observe_decode_step, controller.observe_draft = slow_catch_up, step, draft
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    llm.generate(PROMPTS, sp, use_tqdm=False)
+    assert slowed and steps and rounds
+    assert max(steps) < 0.25 and max(s for _, s in rounds) < 0.25
+    assert all(n <= 3 for n, _ in rounds)  # a catch-up round is not a proposal round
