@@ -119,7 +119,8 @@ class LlamaForCausalLM(nn.Module):
         """Score only the first n token ids (a draft's head: FR-Spec, 2025); the others get
         -inf logits, so a draft never proposes them and its q is zero there, which keeps
         verification exact. BPE ids follow merge order, so a prefix holds the frequent tokens
-        (Qwen2.5, n = 32768: 94.5% of the tokens of Python sources). None: the whole vocab."""
+        (Qwen2.5: 32768 ids hold 94.5% of the tokens of Python sources, 65536 98.2%). None:
+        the whole vocab."""
         vocab = self._head().shape[0]
         self.vocab_limit = None if n is None or n >= vocab else n
         self._head_sub = None
