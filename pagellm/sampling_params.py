@@ -90,6 +90,9 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     structured_outputs: StructuredOutputsParams | dict | None = None
     guided_decoding: StructuredOutputsParams | dict | None = None  # the older vLLM name
+    # Speculative decoding for this request: at most this many proposals a step (0: none);
+    # None: as the engine's speculative_config and its controller decide.
+    num_speculative_tokens: int | None = None
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self):
@@ -124,9 +127,13 @@ class SamplingParams:
             value = getattr(self, name)
             check(not isinstance(value, num) or math.isfinite(value), name, "must be a finite number")
         # Fix: bool is a subclass of int, so n=True or max_tokens=True used to pass.
-        for name in ("n", "top_k", "max_tokens", "min_tokens", "logprobs", "seed"):
+        for name in ("n", "top_k", "max_tokens", "min_tokens", "logprobs", "seed",
+                     "num_speculative_tokens"):
             check(not isinstance(getattr(self, name), bool), name, "must be an integer, not a bool")
         check(isinstance(self.n, int) and self.n >= 1, "n", "must be an integer >= 1")
+        check(self.num_speculative_tokens is None or (isinstance(self.num_speculative_tokens, int)
+                                                      and self.num_speculative_tokens >= 0),
+              "num_speculative_tokens", "must be an integer >= 0 (0: no speculation)")
         check(isinstance(self.temperature, num) and self.temperature >= 0, "temperature",
               "must be >= 0")
         check(isinstance(self.top_p, num) and 0 < self.top_p <= 1, "top_p", "must be in (0, 1]")

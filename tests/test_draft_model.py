@@ -103,3 +103,44 @@ def test_the_controller_never_sees_a_draft_catch_up(tiny_llama):
     assert slowed and steps and rounds
     assert max(steps) < 0.25 and max(s for _, s in rounds) < 0.25
     assert all(n <= 3 for n, _ in rounds)  # a catch-up round is not a proposal round
+
+
+def test_speculation_per_request():
+    """SamplingParams.num_speculative_tokens caps one request's proposals (0: none), beside
+    requests that use the engine's k; each request's greedy output is its own."""
+    from pagellm.server.protocol import ChatCompletionRequest, CompletionRequest
+
+    assert SamplingParams(num_speculative_tokens=0).num_speculative_tokens == 0
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="num_speculative_tokens"):
+            SamplingParams(num_speculative_tokens=bad)
+    # over HTTP: the request field, bounded like the engine's k
+    req = CompletionRequest(model="m", prompt="x", num_speculative_tokens=2)
+    assert req.sampling_params(8, None).num_speculative_tokens == 2
+    chat = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}])
+    assert chat.sampling_params(8, None).num_speculative_tokens is None
+    with pytest.raises(ValueError):
+        CompletionRequest(model="m", prompt="x", num_speculative_tokens=-1)
+
+
+def test_per_request_caps_reach_the_proposer(tiny_llama):
+    path, _ = tiny_llama
+    llm = LLM(path, dtype="float32", kv_cache_memory=2**20,
+              speculative_config={"method": "draft_model", "model": path,
+                                  "num_speculative_tokens": 3, "adaptive": False})
+    proposer = llm.engine.spec.proposer
+    asked: dict[int, list[int]] = {}
+    orig = proposer.propose
+
+    def recording(seqs, ks):
+        for s, k in zip(seqs, ks):
+            asked.setdefault(s.params.num_speculative_tokens, []).append(k)
+        return orig(seqs, ks)
+
+    proposer.propose = recording
+    plain = LLM(path, dtype="float32", kv_cache_memory=2**20)
+    for cap in (None, 0, 1):
+        sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, num_speculative_tokens=cap)
+        want = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, sp, use_tqdm=False)]
+        assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, sp, use_tqdm=False)] == want
+    assert max(asked[None]) == 3 and max(asked[1]) == 1 and max(asked[0]) == 0

@@ -37,6 +37,8 @@ class _Request(BaseModel):
     repetition_penalty: float | None = Field(None, gt=0)
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
+    # speculative decoding for this request: at most this many proposals a step, 0: none
+    num_speculative_tokens: int | None = Field(None, ge=0, le=16)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     logit_bias: dict[str, float] | None = None
@@ -122,7 +124,7 @@ class _Request(BaseModel):
             include_stop_str_in_output=self.include_stop_str_in_output,
             ignore_eos=self.ignore_eos, logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens, logit_bias=self.logit_bias,
-            structured_outputs=structured)
+            structured_outputs=structured, num_speculative_tokens=self.num_speculative_tokens)
 
     @property
     def include_usage(self) -> bool:

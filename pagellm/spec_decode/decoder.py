@@ -112,6 +112,8 @@ class SpecDecoder:
             room = self.max_model_len - seq.num_tokens - 1
             if seq.params.max_tokens is not None:
                 room = min(room, seq.params.max_tokens - seq.num_output_tokens - 1)
+            if seq.params.num_speculative_tokens is not None:  # the request's own cap
+                room = min(room, seq.params.num_speculative_tokens)
             rooms.append(max(0, min(room, self.max_k)))
         if self.proposer.has_cost:
             ks = [min(k, r) for k, r in zip(self.controller.choose(decoding), rooms)]
