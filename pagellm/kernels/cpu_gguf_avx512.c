@@ -23,25 +23,12 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#include "quant_rows.h"
-
-enum { T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13,
-       T_Q6_K = 14 };
+#include "gguf_types.h"
 
 static inline float f16(const uint8_t *p) {
     uint16_t h;
     memcpy(&h, p, 2);
     return _cvtsh_ss(h);
-}
-
-static inline int unit_of(int type) { return type >= T_Q4_K ? 256 : 32; }
-
-static inline int bytes_of(int type) {
-    switch (type) {
-    case T_Q4_0: return 18; case T_Q4_1: return 20; case T_Q5_0: return 22;
-    case T_Q5_1: return 24; case T_Q8_0: return 34; case T_Q4_K: return 144;
-    case T_Q5_K: return 176; case T_Q6_K: return 210; default: return 0;
-    }
 }
 
 static inline __m256i load_x(const int16_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
@@ -139,16 +126,8 @@ static inline __attribute__((always_inline)) void row_k(
         float d;
         if (has_min) {  /* Q4_K / Q5_K */
             d = f16(b);
-            /* the 12 scale bytes as words A, B, C: scales 0-3 = A & 63, mins 0-3 = B & 63,
-             * scales 4-7 = C's low nibbles | A's top 2 bits << 4, mins 4-7 = C's high nibbles
-             * | B's top 2 bits << 4 (ggml's get_scale_min_k4, four bytes at a time) */
-            uint32_t w[3];
-            memcpy(w, b + 4, 12);
-            const uint32_t lo6 = 0x3f3f3f3f, lo4 = 0x0f0f0f0f, lo2 = 0x03030303;
-            const uint64_t scales = (uint64_t)(w[0] & lo6) |
-                                    (uint64_t)((w[2] & lo4) | (((w[0] >> 6) & lo2) << 4)) << 32;
-            const uint64_t mins = (uint64_t)(w[1] & lo6) |
-                                  (uint64_t)(((w[2] >> 4) & lo4) | (((w[1] >> 6) & lo2) << 4)) << 32;
+            uint64_t scales, mins;
+            k4_scales_mins(b, &scales, &mins);
             const __m256 mv = _mm256_mul_ps(_mm256_set1_ps(-f16(b + 2)),
                                             _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)mins))));
             for (int r = 0; r < rb; r++)
@@ -218,31 +197,9 @@ static inline __attribute__((always_inline)) void gguf_row(
     else row_32(type, rb, xq, dx, xs, K, row, y, N);
 }
 
-/* One function per type, the type a literal inside the OpenMP loop (see cpu_gguf.c). */
-#define PRODUCT(T) \
-static void product_##T(const int16_t *xq, const float *dx, const float *xs, int64_t R, int64_t K, \
-                        const uint8_t *w, int64_t row_bytes, int64_t N, float *y, int threads) { \
-    const int64_t G = K / 32, D = K / unit_of(T); \
-    _Pragma("omp parallel for schedule(static) num_threads(threads) if (threads > 1)") \
-    for (int64_t n = 0; n < N; n++) { \
-        for (int64_t b = 0, r0 = 0, rb; b < ROW_BLOCKS(R); b++, r0 += rb) { \
-            rb = ROW_BLOCK_SIZE(R, b); \
-            DISPATCH(rb, ROWS_##T) \
-        } \
-    } \
-}
-#define ROWS(T, RB) gguf_row(T, RB, xq + r0 * K, dx + r0 * D, xs + r0 * G, K, w + n * row_bytes, \
-                             y + r0 * N + n, N)
-#define ROWS_T_Q4_0(RB) ROWS(T_Q4_0, RB)
-#define ROWS_T_Q4_1(RB) ROWS(T_Q4_1, RB)
-#define ROWS_T_Q5_0(RB) ROWS(T_Q5_0, RB)
-#define ROWS_T_Q5_1(RB) ROWS(T_Q5_1, RB)
-#define ROWS_T_Q8_0(RB) ROWS(T_Q8_0, RB)
-#define ROWS_T_Q4_K(RB) ROWS(T_Q4_K, RB)
-#define ROWS_T_Q5_K(RB) ROWS(T_Q5_K, RB)
-#define ROWS_T_Q6_K(RB) ROWS(T_Q6_K, RB)
-PRODUCT(T_Q4_0) PRODUCT(T_Q4_1) PRODUCT(T_Q5_0) PRODUCT(T_Q5_1) PRODUCT(T_Q8_0) PRODUCT(T_Q4_K)
-PRODUCT(T_Q5_K) PRODUCT(T_Q6_K)
+#define GGUF_DX_ROW(T, K) ((K) / unit_of(T))  /* a step per block of the type */
+#define GGUF_XS_ROW(K) ((K) / 32)
+GGUF_PRODUCTS
 
 /* gguf_linear's arguments, checked by it. Returns 0, or -1 when out of memory. */
 int gguf_avx512(const float *x, int64_t R, int64_t K, const uint8_t *w, int64_t row_bytes,
@@ -252,12 +209,7 @@ int gguf_avx512(const float *x, int64_t R, int64_t K, const uint8_t *w, int64_t 
     float *dx = malloc(sizeof(float) * R * (K / A)), *xs = malloc(sizeof(float) * R * (K / 32));
     if (!xq || !dx || !xs) { free(xq); free(dx); free(xs); return -1; }
     quantize(x, R, K, A, xq, dx, xs);
-#define TYPE(T) case T: product_##T(xq, dx, xs, R, K, w, row_bytes, N, y, threads); break;
-    switch (type) {
-    TYPE(T_Q4_0) TYPE(T_Q4_1) TYPE(T_Q5_0) TYPE(T_Q5_1) TYPE(T_Q8_0) TYPE(T_Q4_K) TYPE(T_Q5_K)
-    TYPE(T_Q6_K)
-    }
-#undef TYPE
+    GGUF_CALL(type, xq, dx, xs, R, K, w, row_bytes, N, y, threads);
     free(xq); free(dx); free(xs);
     return 0;
 }
