@@ -13,11 +13,17 @@ from pagellm.config import SpeculativeConfig
 PROMPTS = [[5, 9, 17, 33, 2, 40], [7] * 19, list(range(3, 40))]
 
 
-def test_default_and_given_sizes():
-    assert SpeculativeConfig(method="draft_model").draft_vocab(151936) is None  # all
-    assert SpeculativeConfig(method="draft_model", draft_vocab_size=0).draft_vocab(151936) is None
-    assert SpeculativeConfig(method="draft_model", draft_vocab_size=1000).draft_vocab(256) is None
-    assert SpeculativeConfig(method="draft_model", draft_vocab_size=100).draft_vocab(256) == 100
+@pytest.mark.parametrize("size,limit", [(None, None), (0, None), (1000, None), (100, 100)])
+def test_default_and_given_sizes(tiny_llama, size, limit):
+    """None and 0 score every id, as does a size past the vocabulary (256 here)."""
+    path, _ = tiny_llama
+    llm = LLM(path, dtype="float32", kv_cache_memory=2**20,
+              speculative_config={"method": "draft_model", "model": path, "draft_num_layers": 1,
+                                  "draft_vocab_size": size})
+    assert llm.engine.spec.proposer.model.vocab_limit == limit
+
+
+def test_a_negative_size_is_refused():
     with pytest.raises(ValueError, match="draft_vocab_size"):
         SpeculativeConfig(method="draft_model", draft_vocab_size=-1)
 

@@ -35,8 +35,8 @@ def resolve_kv_dtype(name: str, model_dtype: torch.dtype, device: torch.device,
                      act_dtype: torch.dtype | None = None) -> torch.dtype:
     """'auto': the model's dtype, except a bfloat16 model on a CPU without bf16 units, or a
     CPU model whose activations run in float32 (act_dtype: packed weights and the fused decode
-    layer, which reads float32 KV), whose KV is kept in float32. Attention there computes in float32 (bf16 batched products are several
-    times slower), and converting every gathered bf16 K/V block at every step of every layer
+    layer, which reads float32 KV), whose KV is kept in float32. Attention there computes in
+    float32 (bf16 batched products are several times slower), and converting every gathered bf16 K/V block at every step of every layer
     cost more than the attention products themselves (batch-64 decode: ~60 of ~700 ms a
     step). The price is twice the bytes per token: half the tokens for the same budget."""
     if name != "auto":

@@ -78,24 +78,26 @@ def packed_row_limit(model: nn.Module) -> int | None:
     return min(limits) if limits else None
 
 
-def keep_float32(model: nn.Module, biases_only: bool = False) -> int:
-    """biases_only: the biases of packed projections in float32 (the fused decode layer adds
-    them to float32 outputs), on any CPU.
+def float32_biases(model: nn.Module) -> int:
+    """The biases of packed projections in float32, on any CPU: the fused decode layer adds
+    them to its float32 outputs. Returns how many."""
+    n = 0
+    for m in model.modules():
+        if isinstance(m, _Packed) and m.packed is not None and m.bias is not None:
+            m.bias.data = m.bias.data.float()
+            n += 1
+    return n
 
-    Otherwise, on CPUs without bf16 units, store the dense weights of packed 4-bit projections in
+
+def keep_float32(model: nn.Module) -> int:
+    """On CPUs without bf16 units, store the dense weights of packed 4-bit projections in
     float32: those weights serve only products of MAX_ROWS+ rows, which run in float32 there,
     and upcasting every weight at every batched step cost ~12% of a batch-64 decode step.
     A projection with an int8 form has no dense weight (_Packed); its bias goes to float32
     too. Returns the number of projections converted."""
-    n = 0
-    if biases_only:
-        for m in model.modules():
-            if isinstance(m, _Packed) and m.packed is not None and m.bias is not None:
-                m.bias.data = m.bias.data.float()
-                n += 1
-        return n
     if not UPCAST_BF16:
         return 0
+    n = 0
     for m in model.modules():
         if isinstance(m, _Packed) and m.int8 is not None:
             if m.bias is not None:

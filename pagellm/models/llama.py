@@ -15,8 +15,8 @@ from pagellm.attention.base import AttentionBackend, AttentionMetadata
 from pagellm.kernels.cpu_layer import FusedDecodeLayer
 from pagellm.layers import quant
 from pagellm.layers.attention import PagedSelfAttention
-from pagellm.layers.linear import (UPCAST_BF16, ColumnParallelLinear, RowParallelLinear, linear,
-                                   upcast)
+from pagellm.layers import linear as linear_mod
+from pagellm.layers.linear import ColumnParallelLinear, RowParallelLinear, linear, upcast
 from pagellm.layers.norm import RMSNorm
 from pagellm.layers.rotary import RotaryEmbedding
 
@@ -143,7 +143,8 @@ class LlamaForCausalLM(nn.Module):
             return out
         if self.head_packed is not None and hidden.shape[0] < self.head_packed.max_rows:
             return self.head_packed(hidden)
-        if upcast(hidden) or (UPCAST_BF16 and hidden.shape[0] > 1 and hidden.dtype != self._head().dtype):
+        if upcast(hidden) or (linear_mod.UPCAST_BF16 and hidden.shape[0] > 1
+                              and hidden.dtype != self._head().dtype):
             return F.linear(hidden.float(), self.head_float32())
         return linear(hidden, self._head()).float()
 

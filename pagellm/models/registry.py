@@ -8,7 +8,7 @@ import torch
 from pagellm.attention.base import get_attention_backend
 from pagellm import parallel
 from pagellm.kernels import native
-from pagellm.layers.linear import keep_float32, upcast
+from pagellm.layers.linear import float32_biases, keep_float32, upcast
 from pagellm.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -84,7 +84,7 @@ def build_model(files, dtype: torch.dtype, device: torch.device, max_position: i
         # but few-row steps run each layer as one native call, which takes float32
         # activations and KV: the module path's ~20 PyTorch ops a layer made a 1.5B Q4_K_M
         # decode step 142 ms against 103 (an AVX-512 bf16 Xeon, 2 cores).
-        keep_float32(model, biases_only=True)
+        float32_biases(model)
         model.use_float32_activations()
         model.enable_fused_decode()
     return model

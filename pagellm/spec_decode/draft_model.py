@@ -121,8 +121,9 @@ class DraftModelProposer(Proposer):
             rows[i].grammar_bias = m.bias[-1]
         proc = processed_logits(logits, rows)
         # A row with nothing left to draw (a grammar that allows only ids beyond the draft's
-        # vocabulary limit): that sequence proposes no more this step.
-        stopped = {batch[i][0].seq_id for i in (~proc.isfinite().any(-1)).nonzero().flatten().tolist()}
+        # vocabulary limit): that sequence proposes no more this step. Only a mask can do it.
+        dead = (~proc[constrained].isfinite().any(-1)).nonzero().flatten().tolist() if constrained else []
+        stopped = {batch[constrained[i]][0].seq_id for i in dead}
         for i, (seq, shadow, _) in enumerate(batch):
             if seq.seq_id in stopped:
                 continue

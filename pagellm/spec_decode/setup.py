@@ -75,7 +75,7 @@ def build_spec_decoder(spec: SpeculativeConfig, *, target_files, target_model, t
     else:
         files, draft, dtype = load_draft(spec, target_files, target_dtype, device, max_model_len,
                                          quantization)
-        draft.limit_vocab(spec.draft_vocab(files.config.vocab_size))
+        draft.limit_vocab(spec.draft_vocab_size or None)  # 0 / None: all ids
         d_kv = resolve_kv_dtype(kv_cache_dtype, dtype, device, draft.act_dtype)
         d_block = kv_bytes_per_block(files.config, block_size, d_kv)
         num_blocks = kv_budget // (t_block + d_block)
