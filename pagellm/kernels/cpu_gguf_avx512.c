@@ -3,10 +3,11 @@
  * times the file's blocks, exact integer block sums, each output summed by one thread.
  *
  * What differs from the AVX2 path, and why it is faster per byte of weight:
- * - 32 int16 codes per 512-bit register in the file's natural order (vpmovzxbw of the bytes,
- *   a nibble mask or shift; Q5's fifth bits are a 32-bit mask register for one masked add), so
- *   activations need no de-interleaving;
- * - vpdpwssd multiplies and accumulates 32 int16 pairs into 16 int32 lanes in one instruction;
+ * - int16 codes in the file's natural order (vpmovzxbw of the bytes, a nibble mask or shift;
+ *   Q5's fifth bits are a mask register for one masked add), so activations need no
+ *   de-interleaving; a 32-value block fills a 256-bit register, a K-quant sub-block a 512-bit
+ *   one;
+ * - vpdpwssd multiplies and accumulates int16 pairs into int32 lanes in one instruction;
  * - K-quants: activations get one int16 scale per 256-value super-block (not per 32), so each
  *   code is multiplied by its integer sub-block scale once (vpmullw, shared by every row) and a
  *   row's whole super-block sums in int32 lanes, then one convert and one FMA per block and row
@@ -15,7 +16,7 @@
  *
  * Integer ranges (no lane can overflow): Q4_K / Q5_K codes c <= 31 times scales <= 63 give
  * <= 1953; Q6_K (q - 32) in [-32, 31] times int8 scales gives |.| <= 4096; |xq| <= 32767; a lane
- * sums 16 products of a super-block: <= 16 * 4096 * 32767 < 2^31. 32-value types: a fresh int32
+ * sums at most 16 products of a super-block: <= 16 * 4096 * 32767 < 2^31. 32-value types: a fresh int32
  * sum per block.
  */
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__F16C__)
@@ -107,22 +108,27 @@ static inline __attribute__((always_inline)) void row_32(
 
 /* Rows [0, rb) of one output feature over a weight row of 256-value K-quant blocks (dx: one
  * step per 256 values). Each block's codes, times their integer sub-block scales, are made
- * once and multiplied into every row's two int32 accumulators. */
+ * once and multiplied into every row's int32 sums. 512-bit registers hold a sub-block's 32
+ * codes, so a block is 8 vpdpwssd per row (16 with 256-bit ones: 5-row products 9% slower);
+ * chains per row: 4 for one row (a dot's latency would otherwise serialise a block's 8), 2
+ * for more rows (the rows interleave). */
 static inline __attribute__((always_inline)) void row_k(
         int type, int rb, const int16_t *xq, const float *dx, const float *xs, int64_t K,
         const uint8_t *row, float *y, int64_t N) {
     const int64_t U = K / 256, G = K / 32;
-    const int size = bytes_of(type), has_min = type != T_Q6_K;
-    __m256 acc[ROW_BLOCK], macc[ROW_BLOCK];
-    for (int r = 0; r < rb; r++) { acc[r] = _mm256_setzero_ps(); macc[r] = _mm256_setzero_ps(); }
-#define DOT(SUM, CODE, OFFSET) \
-    for (int r = 0; r < rb; r++) SUM[r] = _mm256_dpwssd_epi32(SUM[r], CODE, load_x(xb + r * K + (OFFSET)))
+    const int size = bytes_of(type), has_min = type != T_Q6_K, NC = rb == 1 ? 4 : 2;
+    __m512 acc[ROW_BLOCK];
+    __m256 macc[ROW_BLOCK];
+    for (int r = 0; r < rb; r++) { acc[r] = _mm512_setzero_ps(); macc[r] = _mm256_setzero_ps(); }
+#define DOT512(CODE, J, OFFSET) \
+    for (int r = 0; r < rb; r++) \
+        ia[r * NC + (J) % NC] = _mm512_dpwssd_epi32(ia[r * NC + (J) % NC], CODE, _mm512_loadu_si512(xb + r * K + (OFFSET)))
     for (int64_t u = 0; u < U; u++) {
         const uint8_t *b = row + u * size;
         PREFETCH_BLOCK(b, size);
         const int16_t *xb = xq + u * 256;
-        __m256i ia[ROW_BLOCK], ib[ROW_BLOCK];
-        for (int r = 0; r < rb; r++) { ia[r] = _mm256_setzero_si256(); ib[r] = _mm256_setzero_si256(); }
+        __m512i ia[ROW_BLOCK * 2 + 2];
+        for (int r = 0; r < rb * NC; r++) ia[r] = _mm512_setzero_si512();
         float d;
         if (has_min) {  /* Q4_K / Q5_K */
             d = f16(b);
@@ -132,62 +138,56 @@ static inline __attribute__((always_inline)) void row_k(
                                             _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)mins))));
             for (int r = 0; r < rb; r++)
                 macc[r] = _mm256_fmadd_ps(mv, _mm256_loadu_ps(xs + r * G + u * 8), macc[r]);
-            /* sub-block scales as int16 lanes, each spread over a register by one permute */
-            const __m256i s16 = _mm256_cvtepu8_epi16(_mm_cvtsi64_si128((long long)scales));
+            const __m512i s16 = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)scales)));
             const int five = type == T_Q5_K;
             const uint8_t *qs = b + (five ? 48 : 16);
-            const __m256i f = _mm256_set1_epi16(15), sixteen = _mm256_set1_epi16(16);
-            const __m256i h0 = five ? _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(b + 16))) : f;
-            const __m256i h1 = five ? _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(b + 32))) : f;
+            const __m512i f = _mm512_set1_epi16(15), sixteen = _mm512_set1_epi16(16);
+            const __m512i hb = five ? _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(b + 16))) : f;
             for (int c = 0; c < 4; c++) {
-                /* values 0-15 and 16-31 of sub-blocks 2c (low nibbles) and 2c + 1 (high) */
-                const __m256i v0 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(qs + 32 * c)));
-                const __m256i v1 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(qs + 32 * c + 16)));
-                __m256i l0 = _mm256_and_si256(v0, f), l1 = _mm256_and_si256(v1, f);
-                __m256i g0 = _mm256_srli_epi16(v0, 4), g1 = _mm256_srli_epi16(v1, 4);
-                if (five) {  /* bits 2c and 2c + 1 of each value's qh byte */
-                    const __m256i bl = _mm256_set1_epi16((short)(1 << (2 * c))), bh = _mm256_set1_epi16((short)(2 << (2 * c)));
-                    l0 = _mm256_mask_add_epi16(l0, _mm256_test_epi16_mask(h0, bl), l0, sixteen);
-                    l1 = _mm256_mask_add_epi16(l1, _mm256_test_epi16_mask(h1, bl), l1, sixteen);
-                    g0 = _mm256_mask_add_epi16(g0, _mm256_test_epi16_mask(h0, bh), g0, sixteen);
-                    g1 = _mm256_mask_add_epi16(g1, _mm256_test_epi16_mask(h1, bh), g1, sixteen);
+                /* sub-blocks 2c (low nibbles) and 2c + 1 (high) of 32 bytes */
+                const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(qs + 32 * c)));
+                __m512i lo = _mm512_and_si512(v, f), hi = _mm512_srli_epi16(v, 4);
+                if (five) {
+                    lo = _mm512_mask_add_epi16(lo, _mm512_test_epi16_mask(hb, _mm512_set1_epi16((short)(1 << (2 * c)))), lo, sixteen);
+                    hi = _mm512_mask_add_epi16(hi, _mm512_test_epi16_mask(hb, _mm512_set1_epi16((short)(2 << (2 * c)))), hi, sixteen);
                 }
-                const __m256i sl = _mm256_permutexvar_epi16(_mm256_set1_epi16((short)(2 * c)), s16);
-                const __m256i sh = _mm256_permutexvar_epi16(_mm256_set1_epi16((short)(2 * c + 1)), s16);
-                l0 = _mm256_mullo_epi16(l0, sl); l1 = _mm256_mullo_epi16(l1, sl);
-                g0 = _mm256_mullo_epi16(g0, sh); g1 = _mm256_mullo_epi16(g1, sh);
-                DOT(ia, l0, 64 * c); DOT(ib, l1, 64 * c + 16);
-                DOT(ia, g0, 64 * c + 32); DOT(ib, g1, 64 * c + 48);
+                lo = _mm512_mullo_epi16(lo, _mm512_permutexvar_epi16(_mm512_set1_epi16((short)(2 * c)), s16));
+                hi = _mm512_mullo_epi16(hi, _mm512_permutexvar_epi16(_mm512_set1_epi16((short)(2 * c + 1)), s16));
+                DOT512(lo, 2 * c, 64 * c);
+                DOT512(hi, 2 * c + 1, 64 * c + 32);
             }
-        } else {  /* Q6_K: per half of 128 values, 8 x 16 codes, an int8 scale per 16 */
+        } else {  /* Q6_K: per half of 128 values, 4 quarters of 32 codes, an int8 scale per 16 */
             d = f16(b + 208);
-            const __m256i f = _mm256_set1_epi16(15), t = _mm256_set1_epi16(0x30), k32 = _mm256_set1_epi16(32);
+            const __m512i sc16 = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(b + 192))));
+            const __m512i f = _mm512_set1_epi16(15), t = _mm512_set1_epi16(0x30), k32 = _mm512_set1_epi16(32);
+            const long long o = 0x0001000100010001LL;  /* int16 lanes 16-31: +1 (their second scale) */
+            const __m512i one16 = _mm512_set_epi64(o, o, o, o, 0, 0, 0, 0);
             for (int hf = 0; hf < 2; hf++) {
-                for (int e = 0; e < 2; e++) {  /* values l = 16 e .. 16 e + 15 of each quarter */
-                    const uint8_t *l = b + 64 * hf + 16 * e;
-                    const __m256i la = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)l));
-                    const __m256i lb = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(l + 32)));
-                    const __m256i hv = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(b + 128 + 32 * hf + 16 * e)));
-                    const __m256i q[4] = {
-                        _mm256_or_si256(_mm256_and_si256(la, f), _mm256_and_si256(_mm256_slli_epi16(hv, 4), t)),
-                        _mm256_or_si256(_mm256_and_si256(lb, f), _mm256_and_si256(_mm256_slli_epi16(hv, 2), t)),
-                        _mm256_or_si256(_mm256_srli_epi16(la, 4), _mm256_and_si256(hv, t)),
-                        _mm256_or_si256(_mm256_srli_epi16(lb, 4), _mm256_and_si256(_mm256_srli_epi16(hv, 2), t))};
-                    for (int i = 0; i < 4; i++) {  /* quarter i: values 32 i + 16 e + (0..15), scale 8 hf + 2 i + e */
-                        const short s = ((const int8_t *)(b + 192))[8 * hf + 2 * i + e];
-                        const __m256i code = _mm256_mullo_epi16(_mm256_sub_epi16(q[i], k32), _mm256_set1_epi16(s));
-                        if (i & 1) DOT(ib, code, 128 * hf + 32 * i + 16 * e);
-                        else DOT(ia, code, 128 * hf + 32 * i + 16 * e);
-                    }
+                const uint8_t *l = b + 64 * hf;
+                const __m512i la = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)l));
+                const __m512i lb = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(l + 32)));
+                const __m512i hv = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(b + 128 + 32 * hf)));
+                const __m512i q[4] = {
+                    _mm512_or_si512(_mm512_and_si512(la, f), _mm512_and_si512(_mm512_slli_epi16(hv, 4), t)),
+                    _mm512_or_si512(_mm512_and_si512(lb, f), _mm512_and_si512(_mm512_slli_epi16(hv, 2), t)),
+                    _mm512_or_si512(_mm512_srli_epi16(la, 4), _mm512_and_si512(hv, t)),
+                    _mm512_or_si512(_mm512_srli_epi16(lb, 4), _mm512_and_si512(_mm512_srli_epi16(hv, 2), t))};
+                for (int i = 0; i < 4; i++) {  /* quarter i: values 32 i + (0..31), scales 8 hf + 2 i (+1) */
+                    const __m512i idx = _mm512_add_epi16(_mm512_set1_epi16((short)(8 * hf + 2 * i)), one16);
+                    const __m512i code = _mm512_mullo_epi16(_mm512_sub_epi16(q[i], k32), _mm512_permutexvar_epi16(idx, sc16));
+                    DOT512(code, 4 * hf + i, 128 * hf + 32 * i);
                 }
             }
         }
-        for (int r = 0; r < rb; r++)
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(ia[r], ib[r])),
-                                     _mm256_set1_ps(d * dx[r * U + u]), acc[r]);
+        for (int r = 0; r < rb; r++) {
+            __m512i s = ia[r * NC];
+            for (int j = 1; j < NC; j++) s = _mm512_add_epi32(s, ia[r * NC + j]);
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_set1_ps(d * dx[r * U + u]), acc[r]);
+        }
     }
-#undef DOT
-    for (int r = 0; r < rb; r++) y[r * N] = hsum8(acc[r]) + (has_min ? hsum8(macc[r]) : 0.f);
+#undef DOT512
+    for (int r = 0; r < rb; r++)
+        y[r * N] = _mm512_reduce_add_ps(acc[r]) + (has_min ? hsum8(macc[r]) : 0.f);
 }
 
 static inline __attribute__((always_inline)) void gguf_row(
