@@ -149,9 +149,13 @@ def processed_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Ten
 
 
 def exponential(shape, generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
-    """Exp(1) draws from the generator (on its own device), on `device`."""
+    """Exp(1) draws from the generator (on its own device), on `device`: -log(U), U ~ U[0, 1)
+    (U = 0 gives +inf, a token the Gumbel-max draw then never picks: probability 2^-24).
+    Not torch's exponential_: over a 151,936-token vocabulary on a CPU that took 2.7 ms a draw
+    against 0.5 ms, and a speculative round draws once per draft token and per verified
+    sequence."""
     where = generator.device if generator is not None else device
-    return torch.empty(shape, device=where).exponential_(generator=generator).to(device)
+    return torch.empty(shape, device=where).uniform_(generator=generator).log_().neg_().to(device)
 
 
 def uniform(shape, generator: torch.Generator | None, device: torch.device) -> torch.Tensor:

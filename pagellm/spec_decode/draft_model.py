@@ -86,7 +86,10 @@ class DraftModelProposer(Proposer):
             out = SchedulerOutput([b[1] for b in batch], counts)
             rows = list(torch.tensor(counts).cumsum(0) - 1)
             logits = self.runner.execute(out, [int(r) for r in rows])
-            if max(counts) > 1:  # a shadow caught up on context: not a proposal round's cost
+            # A first round feeds 1 token, or 2 after a step that accepted every proposal (the
+            # last proposal and the target's own token): a proposal round's cost. More is a
+            # shadow catching up on context (a prompt, or tokens emitted while it was off).
+            if max(counts) > 2:
                 catchup += time.perf_counter() - round_start
             else:
                 rounds += 1
