@@ -40,6 +40,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "target's own first N layers, sharing its weights and KV cache)")
     g.add_argument("--speculative-fixed-k", action="store_true",
                    help="always propose --num-speculative-tokens (no adaptive controller)")
+    g.add_argument("--speculative-prompt-lookup-first", action="store_true",
+                   help="with a draft model: n-gram lookup proposes first (matches of 3+ "
+                        "tokens), the draft only where it finds nothing")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -49,7 +52,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 "num_speculative_tokens": args.num_speculative_tokens,
                 "draft_dtype": args.speculative_draft_dtype,
                 "draft_num_layers": args.speculative_draft_num_layers,
-                "adaptive": not args.speculative_fixed_k}
+                "adaptive": not args.speculative_fixed_k,
+                "prompt_lookup_first": args.speculative_prompt_lookup_first}
     return dict(
         model=getattr(args, "model", None) or args.model_opt, dtype=args.dtype,
         device=args.device, block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,

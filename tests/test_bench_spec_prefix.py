@@ -96,14 +96,21 @@ def test_spec_pretest_of_a_draft_on_your_prompts(tmp_path):
     rows = {(r["workload"], r["batch"], r["engine"]): r for r in data["results"]}
     assert {w for w, _, _ in rows} == {"yours"}
     assert {e for _, _, e in rows} == {"off", "ngram", "ngram fixed-k", "ngram spec-off",
-                                       "draft", "draft fixed-k", "draft spec-off"}
+                                       "draft", "draft fixed-k", "draft spec-off",
+                                       "draft+lookup", "draft+lookup fixed-k",
+                                       "draft+lookup spec-off"}
     fixed = rows[("yours", 1, "draft fixed-k")]
     # every proposal accepted (near max_tokens fewer than k are proposed, so the mean length
     # is below k + 1 and the later positions are not always drafted)
     assert fixed["acceptance_rate"] == 1.0 and 2 < fixed["mean_acceptance_length"] <= 5
     assert fixed["accepted_per_position"][0] == 1.0 and fixed["ms_per_token"] > 0
     verdicts = data["targets"]["verdicts"]
-    assert set(verdicts) == {"ngram", "ngram fixed-k", "draft", "draft fixed-k"}
+    assert set(verdicts) == {"ngram", "ngram fixed-k", "draft", "draft fixed-k", "draft+lookup",
+                             "draft+lookup fixed-k"}
+    # the prompts repeat 5-token runs: the lookup proposes first, and every proposal of the
+    # target's own draft or of its text is accepted
+    both = rows[("yours", 1, "draft+lookup fixed-k")]
+    assert both["acceptance_rate"] == 1.0
     assert all(v.startswith(("pays at batch <= ", "does not pay at batch 1"))
                for v in verdicts.values())
     assert "Verdicts" in (out / "spec.md").read_text()

@@ -28,6 +28,10 @@ SPECS = {
     # zero on half the vocabulary, which the residual distribution must make up for
     "draft_sub_vocab": {"method": "draft_model", "model": "<target>", "num_speculative_tokens": 2,
                         "draft_num_layers": 1, "draft_vocab_size": 128, "adaptive": False},
+    # n-gram lookup first (one-hot q), the separate draft (its own q) where it finds nothing:
+    # one batch verifies both kinds
+    "lookup_first": {"method": "draft_model", "model": "<target>", "num_speculative_tokens": 2,
+                     "draft_num_layers": 1, "adaptive": False, "prompt_lookup_first": True},
 }
 PARAMS = {
     "top_k": dict(temperature=1.0, top_k=3),
@@ -137,6 +141,8 @@ def test_sampled_paths_follow_the_exact_law(tiny_llama, prompt, engines, spec, p
         assert llm.engine.spec.stats.num_draft_tokens > drafted  # speculation really ran
     if spec == "draft_sub_vocab":
         assert llm.engine.spec.proposer.model.vocab_limit == 128
+    if spec == "lookup_first":  # both proposers served this request's samples
+        assert llm.engine.spec.controller.kinds.keys() - {0} and 0 in llm.engine.spec.controller.kinds
 
 
 def test_the_chi_square_check_rejects_a_wrong_law(tiny_llama, prompt):

@@ -636,6 +636,9 @@ SPECS = {
     # a draft from files ("model"): its own weights and paged cache, not the target's layers
     "draft_files": {"method": "draft_model", "model": "<target>", "num_speculative_tokens": 3,
                     "draft_num_layers": 1, "adaptive": False},
+    # n-gram lookup first, that draft where it finds nothing
+    "lookup_first": {"method": "draft_model", "model": "<target>", "num_speculative_tokens": 3,
+                     "draft_num_layers": 1, "adaptive": False, "prompt_lookup_first": True},
 }
 
 
@@ -808,8 +811,65 @@ def fixed_costs(ctl) -> None:
     step, 1 ms a draft round) whatever the wall clock said."""
     draft, decode = ctl.observe_draft, ctl.observe_decode_step
     ctl.observe_draft = lambda rounds, seconds: draft(rounds, 0.001 * rounds)
-    ctl.observe_decode_step = lambda batch, seconds, k, tokens, rows=None: decode(
-        batch, 0.010 + 0.0005 * (rows or batch) + 0.001 * k, k, tokens, rows)
+    ctl.observe_decode_step = lambda batch, seconds, k, tokens, rows=None, timed=True: decode(
+        batch, 0.010 + 0.0005 * (rows or batch) + 0.001 * k, k, tokens, rows, timed)
+
+
+def test_lookup_first_drafts_only_where_the_lookup_finds_nothing(tiny_pair):
+    """prompt_lookup_first: a sequence whose tail matches earlier text (3+ tokens) gets the
+    lookup's proposal, up to k even where the controller chose fewer, and the draft runs only
+    for the others (both happen on these prompts); a draft-less step is not timed as one with
+    a draft; proposals never pass max_tokens; no draft block is left after the requests."""
+    from pagellm.config import SpeculativeConfig
+
+    path, _ = tiny_pair
+    llm = LLM(path, dtype="float32", kv_cache_memory=2**20, block_size=4,
+              speculative_config=_spec("lookup_first", path))
+    spec = llm.engine.spec
+    proposer = spec.proposer
+    assert proposer.ngram.min_n == 3  # shorter matches are the draft's to propose
+    asked, drafted, timed = [], [], []
+    propose, draft = proposer.propose, proposer.draft.propose
+
+    def record_propose(seqs, ks):
+        out = propose(seqs, ks)
+        asked.extend((p.kind, len(p.token_ids)) for p in out)
+        return out
+
+    def record_draft(seqs, ks):
+        drafted.extend(ks)
+        return draft(seqs, ks)
+
+    observe = spec.controller.observe_decode_step
+
+    def record_step(*a, **kw):
+        timed.append((proposer.last_free, kw.get("timed", True)))
+        return observe(*a, **kw)
+
+    proposer.propose, proposer.draft.propose = record_propose, record_draft
+    spec.controller.observe_decode_step = record_step
+    base = _greedy(LLM(path, dtype="float32", kv_cache_memory=2**20, block_size=4))
+    assert _greedy(llm) == base
+    kinds = {kind for kind, n in asked if n}
+    assert 0 in kinds and kinds - {0} and min(kinds - {0}) >= 3
+    assert drafted and len(drafted) < len(asked)
+    assert timed and all(free != t for free, t in timed)
+    out = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True),
+                       use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 5 for o in out)
+    draft_blocks = proposer.draft.block_manager
+    assert draft_blocks.num_free_blocks == draft_blocks.num_blocks
+    with pytest.raises(ValueError, match="prompt_lookup_first"):
+        SpeculativeConfig(method="ngram", prompt_lookup_first=True)
+    import argparse
+
+    from pagellm.cli import add_engine_args, engine_kwargs
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    for flags, want in (([], False), (["--speculative-prompt-lookup-first"], True)):
+        args = p.parse_args(["--speculative-method", "draft_model", "--speculative-model", path,
+                             *flags])
+        assert engine_kwargs(args)["speculative_config"]["prompt_lookup_first"] is want
 
 
 def test_mismatched_vocab_refused(tiny_pair):

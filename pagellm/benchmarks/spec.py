@@ -13,7 +13,8 @@ each with the adaptive controller on and "fixed-k" (off). Peers at batch 1, same
 ms/token: time per output token after the first, median over requests and repeats; speedup =
 off's median / this one's. Acceptance from `engine.spec.stats` (per position: share of verified
 drafts whose j-th token was accepted); "spec steps": share of decode steps with proposals.
-With --draft, the draft model runs as its own configuration (adaptive and fixed k) and each
+With --draft, the draft model runs as its own configuration (adaptive and fixed k), and again
+behind n-gram lookup ("draft+lookup": the draft only where no 3-token match exists), and each
 configuration gets a verdict: the batch sizes at which it is faster than off on every workload
 ("pays at batch <= N"). With --prompts, your own prompts are the workload.
 The floor ("never below 0.95x") is judged on paired runs: each adaptive engine runs next to
@@ -168,6 +169,9 @@ def configs(args) -> dict[str, dict | None]:
         for n in args.draft_layers.split(",") if n]
     if args.draft:
         methods.append(("draft", {"method": "draft_model", "model": args.draft}))
+        # n-gram lookup first, the draft where it finds nothing
+        methods.append(("draft+lookup", {"method": "draft_model", "model": args.draft,
+                                         "prompt_lookup_first": True}))
     for name, cfg in methods:
         for adaptive in (True, False) if args.fixed_k else (True,):
             out[f"{name}{'' if adaptive else ' fixed-k'}"] = {

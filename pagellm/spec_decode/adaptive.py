@@ -57,12 +57,13 @@ class AdaptiveK:
             self.draft_round_s += (per - self.draft_round_s) * (EMA if self.draft_round_s else 1)
 
     def observe_decode_step(self, batch: int, seconds: float, k: int, tokens: float,
-                            rows: int | None = None) -> None:
+                            rows: int | None = None, timed: bool = True) -> None:
         """A whole engine step over `batch` decoding sequences took `seconds` and emitted
-        `tokens`; k: the most proposals any sequence had, rows: proposals verified."""
+        `tokens`; k: the most proposals any sequence had, rows: proposals verified. timed=False:
+        a step that says nothing of k's cost (a draft's proposals came free) is only counted."""
         if self.enabled and batch:
             walls = self.walls.setdefault(batch, StepWalls())
-            if self._one_probe and self.draft_cost:  # a draft's catch-up, not a step's cost
+            if not timed or (self._one_probe and self.draft_cost):  # e.g. a draft's catch-up
                 walls.tick(k)
             else:
                 walls.observe(k, seconds, batch * k if rows is None else rows, tokens)

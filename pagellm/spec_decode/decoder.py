@@ -81,6 +81,7 @@ class SpecDecoder:
         self.num_unverified = 0
         self._verified = [0, 0]
         self._catchup = 0.0  # seconds of this step's draft catch-up (not a cost of k)
+        self._free = False  # this step's proposals came without a draft round (lookup first)
 
     def bind(self, scheduler, runner, row_limit: int | None) -> None:
         """The target's scheduler and model runner, once built; row_limit: the most rows the
@@ -118,11 +119,16 @@ class SpecDecoder:
         if self.proposer.has_cost:
             ks = [min(k, r) for k, r in zip(self.controller.choose(decoding), rooms)]
             proposals = self.proposer.propose(decoding, ks)
+            # a proposer may go past k where proposing is free (lookup first), never past room
+            proposals = [p if len(p.token_ids) <= r else
+                         Proposal(p.token_ids[:r], None if p.probs is None else p.probs[:r], p.kind)
+                         for p, r in zip(proposals, rooms)]
             rounds = getattr(self.proposer, "last_rounds", 0)
             self.controller.observe_draft(rounds, getattr(self.proposer, "last_seconds", 0.0))
             # a catch-up is paid once per request (or per return from plain decoding), not
             # per step with k proposals: the step's wall is learnt without it
             self._catchup = getattr(self.proposer, "last_catchup_seconds", 0.0)
+            self._free = getattr(self.proposer, "last_free", False)
         else:
             # A free proposer (n-gram) proposes for everyone first: the controller then knows
             # who has a proposal, and those it holds back are scored against the tokens the
@@ -183,7 +189,7 @@ class SpecDecoder:
         seconds -= self._catchup
         self._catchup = 0.0
         self.controller.observe_decode_step(decoding, seconds, k, decoding - seqs + tokens,
-                                            rows)
+                                            rows, timed=not self._free)
 
     def verify(self, seqs: list[Sequence], logits: list[torch.Tensor],
                rng: torch.Generator) -> list[Verified]:

@@ -13,6 +13,7 @@ from pagellm.engine.memory import resolve_dtype, resolve_kv_dtype
 from pagellm.engine.model_runner import kv_bytes_per_block
 from pagellm.models.loader import load_model_files
 from pagellm.models.registry import build_model, may_pack
+from pagellm.spec_decode.combined import LookupThenDraft
 from pagellm.spec_decode.decoder import SpecDecoder
 from pagellm.spec_decode.draft_model import DraftModelProposer, EarlyExitProposer
 from pagellm.spec_decode.ngram import NgramProposer
@@ -92,6 +93,15 @@ def build_spec_decoder(spec: SpeculativeConfig, *, target_files, target_model, t
             draft.weight_bytes() / mib, num_blocks * d_block / mib)
     if num_blocks < 1:
         raise ValueError("kv_cache_memory is too small for target and draft caches")
+    if spec.prompt_lookup_first:
+        # Matches shorter than 3 tokens are right far less often (a one-token match: 0.39 of
+        # the time on copy prompts, 0.13 on chat) and proposing them would take the place of
+        # the draft's proposals: those are left to the draft.
+        lo = max(3, spec.prompt_lookup_min)
+        hi = max(lo, spec.prompt_lookup_max)
+        proposer = LookupThenDraft(NgramProposer(lo, hi), proposer, spec.num_speculative_tokens)
+        logger.info("speculative decoding: n-gram lookup (%d-%d tokens) first, the draft where "
+                    "it finds nothing", lo, hi)
     decoder = SpecDecoder(proposer, spec.num_speculative_tokens, spec.adaptive, max_model_len,
                           eos_token_id)
     return decoder, int(num_blocks)
