@@ -872,6 +872,43 @@ def test_lookup_first_drafts_only_where_the_lookup_finds_nothing(tiny_pair):
         assert engine_kwargs(args)["speculative_config"]["prompt_lookup_first"] is want
 
 
+def test_lookup_first_proposes_past_a_held_back_draft_only_at_batch_one():
+    """The controller's k = 0 holds the draft back; the lookup's free proposals still go to a
+    batch of one, never to sequences of a batch (rows the controller did not choose)."""
+    from pagellm.spec_decode.base import Proposal
+    from pagellm.spec_decode.combined import LookupThenDraft
+    from pagellm.spec_decode.ngram import NgramProposer
+
+    class Draft:
+        last_rounds, last_seconds, last_catchup_seconds = 0, 0.0, 0.0
+
+        def __init__(self):
+            self.asked = []
+
+        def propose(self, seqs, ks):
+            self.asked.append(list(ks))
+            return [Proposal([1] * k, None) for k in ks]
+
+    def seq(i):
+        s = Sequence(i, str(i), 0, [4, 5, 6, 7, 8, 9] * 3, SamplingParams(), None)
+        s.output_token_ids = [4, 5, 6]
+        return s
+
+    draft = Draft()
+    both = LookupThenDraft(NgramProposer(3, 4), draft, max_k=4)
+    (one,) = both.propose([seq(0)], [0])
+    assert one.token_ids == [7, 8, 9, 4] and one.kind == 4 and both.last_free and not draft.asked
+    two = both.propose([seq(1), seq(2)], [0, 2])
+    assert two[0].token_ids == [] and two[1].token_ids == [7, 8, 9, 4]  # up to max_k, with k
+    assert not draft.asked and both.last_free  # a step the lookup served alone: untimed
+    assert both.propose([seq(4), seq(5)], [0, 0]) == [Proposal([], None)] * 2
+    assert not both.last_free  # a plain step is timed (it is what k = 0 costs)
+    lone = Sequence(3, "3", 0, [1, 2, 3], SamplingParams(), None)
+    lone.output_token_ids = [10]
+    (drafted,) = both.propose([lone], [2])
+    assert drafted.token_ids == [1, 1] and draft.asked == [[2]] and not both.last_free
+
+
 def test_mismatched_vocab_refused(tiny_pair):
     path, other = tiny_pair
     with pytest.raises(ValueError, match="vocab"):
