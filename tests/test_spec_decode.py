@@ -305,6 +305,29 @@ def test_draft_probe_at_batch_uses_one_sequence():
     assert list(ctl.walls[8].steps) == [0] and ctl.walls[8].wall(0) == 0.05
 
 
+def test_a_draft_that_does_not_pay_probes_less_often_when_resuming_costs_a_catch_up():
+    """Each probe of an idle draft first catches it up on the tokens emitted while it was off
+    (a prefill of the draft, timed apart from the step): the dearer that is, the rarer the
+    probes, so that they still cost about the share of time they are allowed."""
+    def probes(catchup: float) -> int:
+        ctl = AdaptiveK(max_k=4, draft_cost=True)
+        seq = Sequence(0, "0", 0, [1, 2], SamplingParams(), None)
+        count = 0
+        for _ in range(3000):
+            (k,) = ctl.choose([seq])
+            if k:  # a losing draft: twice a plain step's time, nothing accepted
+                count += 1
+                ctl.observe_draft(k, 0.02 * k)
+                ctl.observe_acceptance(seq, k, 0)
+                if catchup:
+                    ctl.observe_catchup(catchup)
+            ctl.observe_decode_step(1, 0.1 if k else 0.05, k, 1)
+        return count
+
+    free, dear = probes(0.0), probes(0.5)  # a catch-up of 10 plain steps
+    assert 0 < dear < free / 2
+
+
 def test_draft_needs_a_clear_predicted_gain_before_a_whole_batch_step():
     """Batch 16, draft model, only plain steps measured: a modest predicted gain (the step
     time of a k is only modelled there) is no reason for a whole-batch draft step; at most

@@ -46,6 +46,7 @@ class AdaptiveK:
         self.kinds: dict[int, KindAcceptance] = {}
         self.seq_alpha: dict[int, dict[int, tuple[float, int]]] = {}  # seq -> kind -> (rate, n)
         self.draft_round_s = 0.0
+        self.catchup_s = 0.0  # a draft's catch-up on context when it resumes (EMA)
         self.walls: dict[int, StepWalls] = {}  # per batch size: a draining batch changes cost
         self.row_limit: int | None = None  # rows the target's few-row kernels take (engine)
         self._one_probe = False  # this step's proposals went to one sequence of a batch
@@ -55,6 +56,11 @@ class AdaptiveK:
         if rounds:
             per = seconds / rounds
             self.draft_round_s += (per - self.draft_round_s) * (EMA if self.draft_round_s else 1)
+
+    def observe_catchup(self, seconds: float) -> None:
+        """A draft caught up on context (tokens emitted while it was off): what resuming
+        costs, paid by every probe of an idle draft on top of its step."""
+        self.catchup_s += (seconds - self.catchup_s) * (EMA if self.catchup_s else 1)
 
     def observe_decode_step(self, batch: int, seconds: float, k: int, tokens: float,
                             rows: int | None = None, timed: bool = True) -> None:
@@ -184,7 +190,9 @@ class AdaptiveK:
             return list(plans[best])
         probe = max(ks[1:], key=lambda j: rate[j])
         loss = _PROBE_LOSS / 4 if self.scores_unverified else _PROBE_LOSS  # they only re-time
-        wait = walls.backoff * _wait(w[probe] / w[0], rate[0] / rate[probe], loss)
+        # a draft's probe also pays its catch-up on the context (in plain steps)
+        catchup = self.catchup_s / walls.speed / w[0] if self.draft_cost and w[0] else 0.0
+        wait = walls.backoff * _wait(w[probe] / w[0], rate[0] / rate[probe], loss, catchup)
         if min(walls.since(j) for j in ks[1:]) < wait:
             return [0] * batch
         walls.probing = True
@@ -204,9 +212,10 @@ class AdaptiveK:
                                 for b, w in sorted(self.walls.items())}}
 
 
-def _wait(step_ratio: float, ratio: float, loss: float = _PROBE_LOSS) -> float:
+def _wait(step_ratio: float, ratio: float, loss: float = _PROBE_LOSS, extra: float = 0.0) -> float:
     """Steps between probes of a side whose steps take step_ratio times as long as the ones in
     use and deliver `ratio` times fewer tokens per second: a probe loses
-    step_ratio (1 - 1 / ratio) steps, so that probes cost about `loss` of the time."""
-    per_probe = step_ratio * (1 - 1 / ratio) if ratio > 0 else step_ratio
+    step_ratio (1 - 1 / ratio) steps, plus `extra` steps it pays besides (a draft's catch-up),
+    so that probes cost about `loss` of the time."""
+    per_probe = (step_ratio * (1 - 1 / ratio) if ratio > 0 else step_ratio) + extra
     return min(max(MIN_PROBE_EVERY, per_probe / loss), MAX_PROBE_EVERY)

@@ -128,6 +128,8 @@ class SpecDecoder:
             # a catch-up is paid once per request (or per return from plain decoding), not
             # per step with k proposals: the step's wall is learnt without it
             self._catchup = getattr(self.proposer, "last_catchup_seconds", 0.0)
+            if self._catchup:
+                self.controller.observe_catchup(self._catchup)
             self._free = getattr(self.proposer, "last_free", False)
         else:
             # A free proposer (n-gram) proposes for everyone first: the controller then knows
