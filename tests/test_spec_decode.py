@@ -839,10 +839,10 @@ def fixed_costs(ctl) -> None:
 
 
 def test_lookup_first_drafts_only_where_the_lookup_finds_nothing(tiny_pair):
-    """prompt_lookup_first: a sequence whose tail matches earlier text (3+ tokens) gets the
-    lookup's proposal, up to k even where the controller chose fewer, and the draft runs only
-    for the others (both happen on these prompts); a draft-less step is not timed as one with
-    a draft; proposals never pass max_tokens; no draft block is left after the requests."""
+    """prompt_lookup_first: a request whose tail matches earlier text (3+ tokens) gets the
+    lookup's proposal, and the draft runs only where it finds nothing (both happen on these
+    prompts); output unchanged, alone and in a batch; a draft-less step is not timed as one
+    with a draft; proposals never pass max_tokens; no draft block is left after the requests."""
     from pagellm.config import SpeculativeConfig
 
     path, _ = tiny_pair
@@ -871,8 +871,12 @@ def test_lookup_first_drafts_only_where_the_lookup_finds_nothing(tiny_pair):
 
     proposer.propose, proposer.draft.propose = record_propose, record_draft
     spec.controller.observe_decode_step = record_step
-    base = _greedy(LLM(path, dtype="float32", kv_cache_memory=2**20, block_size=4))
-    assert _greedy(llm) == base
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    plain = LLM(path, dtype="float32", kv_cache_memory=2**20, block_size=4)
+    for prompt in PROMPTS:  # one at a time: the lookup proposes at batch 1 only
+        want = plain.generate([prompt], sp, use_tqdm=False)[0].outputs[0].token_ids
+        assert llm.generate([prompt], sp, use_tqdm=False)[0].outputs[0].token_ids == want
+    assert _greedy(llm) == _greedy(plain)  # a batch: the draft alone
     kinds = {kind for kind, n in asked if n}
     assert 0 in kinds and kinds - {0} and min(kinds - {0}) >= 3
     assert drafted and len(drafted) < len(asked)
@@ -896,8 +900,8 @@ def test_lookup_first_drafts_only_where_the_lookup_finds_nothing(tiny_pair):
 
 
 def test_lookup_first_proposes_past_a_held_back_draft_only_at_batch_one():
-    """The controller's k = 0 holds the draft back; the lookup's free proposals still go to a
-    batch of one, never to sequences of a batch (rows the controller did not choose)."""
+    """At batch 1 the lookup proposes first, up to max_k even where the controller's k = 0
+    holds the draft back; in a batch the draft alone proposes, with the controller's ks."""
     from pagellm.spec_decode.base import Proposal
     from pagellm.spec_decode.combined import LookupThenDraft
     from pagellm.spec_decode.ngram import NgramProposer
@@ -922,14 +926,14 @@ def test_lookup_first_proposes_past_a_held_back_draft_only_at_batch_one():
     (one,) = both.propose([seq(0)], [0])
     assert one.token_ids == [7, 8, 9, 4] and one.kind == 4 and both.last_free and not draft.asked
     two = both.propose([seq(1), seq(2)], [0, 2])
-    assert two[0].token_ids == [] and two[1].token_ids == [7, 8, 9, 4]  # up to max_k, with k
-    assert not draft.asked and both.last_free  # a step the lookup served alone: untimed
-    assert both.propose([seq(4), seq(5)], [0, 0]) == [Proposal([], None)] * 2
-    assert not both.last_free  # a plain step is timed (it is what k = 0 costs)
+    assert [p.token_ids for p in two] == [[], [1, 1]] and draft.asked == [[0, 2]]
+    assert not both.last_free
     lone = Sequence(3, "3", 0, [1, 2, 3], SamplingParams(), None)
     lone.output_token_ids = [10]
     (drafted,) = both.propose([lone], [2])
-    assert drafted.token_ids == [1, 1] and draft.asked == [[2]] and not both.last_free
+    assert drafted.token_ids == [1, 1] and draft.asked[-1] == [2] and not both.last_free
+    assert both.propose([lone], [0]) == [Proposal([], None)]
+    assert not both.last_free  # a plain step is timed (it is what k = 0 costs)
 
 
 def test_mismatched_vocab_refused(tiny_pair):
