@@ -842,7 +842,8 @@ def test_lookup_first_drafts_only_where_the_lookup_finds_nothing(tiny_pair):
     """prompt_lookup_first: a request whose tail matches earlier text (3+ tokens) gets the
     lookup's proposal, and the draft runs only where it finds nothing (both happen on these
     prompts); output unchanged, alone and in a batch; a draft-less step is not timed as one
-    with a draft; proposals never pass max_tokens; no draft block is left after the requests."""
+    with a draft; proposals never pass max_tokens or a request's own cap; no draft block is
+    left after the requests."""
     from pagellm.config import SpeculativeConfig
 
     path, _ = tiny_pair
@@ -884,6 +885,11 @@ def test_lookup_first_drafts_only_where_the_lookup_finds_nothing(tiny_pair):
     out = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True),
                        use_tqdm=False)
     assert all(len(o.outputs[0].token_ids) == 5 for o in out)
+    # a request's own cap holds for the lookup's free proposals too (0: none)
+    capped = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, num_speculative_tokens=0)
+    for prompt in PROMPTS:  # one at a time, where the lookup proposes
+        (off,) = llm.generate([prompt], capped, use_tqdm=False)
+        assert off.metrics.num_draft_tokens == 0
     draft_blocks = proposer.draft.block_manager
     assert draft_blocks.num_free_blocks == draft_blocks.num_blocks
     with pytest.raises(ValueError, match="prompt_lookup_first"):

@@ -15,9 +15,9 @@
  *   max|x| / 32767 over 256 values are still 256x finer than int8 steps over 32.
  *
  * Integer ranges (no lane can overflow): Q4_K / Q5_K codes c <= 31 times scales <= 63 give
- * <= 1953; Q6_K (q - 32) in [-32, 31] times int8 scales gives |.| <= 4096; |xq| <= 32767; a lane
- * sums at most 16 products of a super-block: <= 16 * 4096 * 32767 < 2^31. 32-value types: a fresh int32
- * sum per block.
+ * <= 1953; Q6_K (q - 32) in [-32, 31] times int8 scales gives |.| <= 4096; |xq| <= 32767; a
+ * lane sums at most 16 products of a super-block: <= 16 * 4096 * 32767 < 2^31. 32-value types:
+ * a fresh int32 sum per block.
  */
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__F16C__)
 #include <immintrin.h>
@@ -127,7 +127,7 @@ static inline __attribute__((always_inline)) void row_k(
         const uint8_t *b = row + u * size;
         PREFETCH_BLOCK(b, size);
         const int16_t *xb = xq + u * 256;
-        __m512i ia[ROW_BLOCK * 2 + 2];
+        __m512i ia[ROW_BLOCK * 2];  /* rb * NC chains: 4 at one row, 2 a row past it */
         for (int r = 0; r < rb * NC; r++) ia[r] = _mm512_setzero_si512();
         float d;
         if (has_min) {  /* Q4_K / Q5_K */

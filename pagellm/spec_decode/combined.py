@@ -30,40 +30,35 @@ class LookupThenDraft(Proposer):
     def own_runner(self):
         return self.draft.own_runner
 
-    # the draft's timings of its latest call (zero rounds when the lookup served the step)
+    # the draft's timings of its latest call (none when the lookup served the step)
     @property
     def last_rounds(self) -> int:
-        return self.draft.last_rounds
+        return 0 if self.last_free else self.draft.last_rounds
 
     @property
     def last_seconds(self) -> float:
-        return self.draft.last_seconds
+        return 0.0 if self.last_free else self.draft.last_seconds
 
     @property
     def last_catchup_seconds(self) -> float:
-        return self.draft.last_catchup_seconds
+        return 0.0 if self.last_free else self.draft.last_catchup_seconds
 
     def bind_target(self, scheduler, runner) -> None:
         self.draft.bind_target(scheduler, runner)
 
     def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> list[Proposal]:
+        # In a batch the draft alone: with the lookup's proposals mixed in (kept to the
+        # controller's k), a batch of 8 code requests on the Qwen2.5-Coder pair ran at 0.92x
+        # of off, the draft alone at 0.97-1.01x. At batch 1 a match proposes up to max_k, also
+        # where the controller holds the draft back (k = 0): its rows cost no draft round
+        # (chat prompts stayed at 0.95-1.01x of off).
         self.last_free = False
-        if len(seqs) > 1:
-            # In a batch the draft alone: with the lookup's proposals mixed in (kept to the
-            # controller's k), a batch of 8 code requests on the Qwen2.5-Coder pair ran at
-            # 0.92x of off, the draft alone at 0.97-1.01x.
-            return self.draft.propose(seqs, num_tokens)
-        # A match proposes up to max_k, also where the controller holds the draft back
-        # (k = 0): its rows cost no draft round (chat prompts stayed at 0.95-1.01x of off).
-        found = self.ngram.propose(seqs, [self.max_k])
-        need = [i for i, (p, k) in enumerate(zip(found, num_tokens)) if k and not p.token_ids]
-        self.draft.last_rounds, self.draft.last_seconds, self.draft.last_catchup_seconds = 0, 0.0, 0.0
-        if need:
-            drafted = self.draft.propose([seqs[i] for i in need], [num_tokens[i] for i in need])
-            for i, p in zip(need, drafted):
-                found[i] = p
-        self.last_free = not need and any(p.token_ids for p in found)
-        return found
+        if len(seqs) == 1:
+            found = self.ngram.propose(seqs, [self.max_k])
+            if found[0].token_ids:
+                self.last_free = True
+                return found
+        return self.draft.propose(seqs, num_tokens)
 
     def on_verified(self, seq: Sequence, num_valid: int) -> None:
         self.draft.on_verified(seq, num_valid)
