@@ -114,3 +114,23 @@ def test_spec_pretest_of_a_draft_on_your_prompts(tmp_path):
     assert all(v.startswith(("pays at batch <= ", "does not pay at batch 1"))
                for v in verdicts.values())
     assert "Verdicts" in (out / "spec.md").read_text()
+
+
+def test_spec_pretest_runs_hf_assisted_generation_with_the_draft(tmp_path):
+    """With --draft and --peers hf, HF assisted generation with the same draft model is the
+    peer ("hf assisted"). The tiny draft here has the target's weights (seed 0 both), so HF's
+    greedy output with its assistant is the target's own."""
+    from pagellm.benchmarks import common
+
+    draft = common.smoke_model_dir()
+    prompts = tmp_path / "mine.jsonl"
+    prompts.write_text(json.dumps({"prompt_token_ids": [5, 17, 33, 4, 90] * 3}) + "\n")
+    out = tmp_path / "out"
+    assert spec.main(["--smoke", "--draft", draft, "--prompts", str(prompts), "--peers", "hf",
+                      "--no-fixed-k", "--out", str(out)]) == 0
+    rows = {r["engine"]: r for r in outputs(out, "spec")["results"] if r["batch"] == 1}
+    assert {"hf", "hf prompt-lookup", "hf assisted"} <= set(rows)
+    assert not any(e.startswith("hf early-exit") for e in rows)  # no --draft-layers given
+    assisted = rows["hf assisted"]
+    assert assisted["ms_per_token"] > 0 and assisted["mean_output_tokens"] == 8
+    assert assisted["same_as_off"] == 1.0

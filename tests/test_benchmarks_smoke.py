@@ -36,12 +36,22 @@ def test_throughput(tmp_path):
     data = run_kind("throughput", tmp_path, "--peers", "hf,vllm,llama.cpp")
     rows = {r["engine"]: r for r in data["results"]}
     assert {"pagellm", "hf"} <= set(rows)
+    runs = next(iter(data["runs"].values()))
     for r in rows.values():
-        assert r["output_tok_s"] > 0 and r["vs_hf"] > 0
-        assert data["runs"][r["engine"]][0]["output_tokens"] == 4 * 8  # ignore_eos: all tokens
+        assert r["output_tok_s"] > 0 and r["pagellm_x"] > 0 and r["requests"] == 4
+        assert 0 < r["ttft_s"] < r["seconds"]  # first tokens come before the run ends
+        assert runs[r["engine"]][0]["output_tokens"] == 4 * 8  # ignore_eos: all tokens
+    assert rows["pagellm"]["pagellm_x"] == 1.0
     for peer in ("vllm", "llama.cpp"):  # skipped with a reason, never silently missing
         assert peer in rows or peer in data["skipped"]
-    assert "not installed" in (tmp_path / "throughput.md").read_text() or not data["skipped"]
+    md = (tmp_path / "throughput.md").read_text()
+    assert "not installed" in md or "skipped" in md or not data["skipped"]
+
+
+def test_throughput_workloads_are_checked(tmp_path):
+    with pytest.raises(ValueError, match="--workloads"):
+        bench_main(["throughput", "--workloads", "default:0", "--peers", "", "--out",
+                    str(tmp_path)])
 
 
 def test_latency(tmp_path):

@@ -36,7 +36,9 @@ def add_output_args(p: argparse.ArgumentParser) -> None:
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct (GGUF)")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--dtype", default="bfloat16", choices=["auto", "bfloat16", "float32"],
+                   help="auto: pagellm chooses per CPU; the peers get their faster dtype here "
+                        "(bfloat16 on CPUs with bf16 units, float32 elsewhere)")
     p.add_argument("--peers", default=",".join(PEERS),
                    help=f"comma-separated peers to compare with, from {PEERS} ('' for none)")
     p.add_argument("--quantization", default="auto",
@@ -106,6 +108,21 @@ def median(xs: list[float]) -> float | None:
     return statistics.median(xs) if xs else None
 
 
+def cpu_has_bf16_units() -> bool:
+    if not os.path.exists("/proc/cpuinfo"):
+        return False
+    flags = open("/proc/cpuinfo").read()
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def peer_dtype(dtype: str) -> str:
+    """What a peer runs for --dtype: 'auto' is its faster dtype on this CPU (bfloat16 where
+    the CPU has bf16 units; elsewhere bf16 products are emulated, several times slower)."""
+    if dtype != "auto":
+        return dtype
+    return "bfloat16" if cpu_has_bf16_units() else "float32"
+
+
 def importable(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
@@ -166,9 +183,9 @@ class PagellmRunner:
         if quantization != "auto":
             self.name = f"pagellm [{quantization}]"
         self.vocab_size = self.llm.engine.vocab_size
-        # the dense model's bytes in the benchmark's dtype (the latency floor's weights): not
-        # the packed copies, nor float32 copies kept for batched products
-        size = 2 if dtype == "bfloat16" else 4
+        # the dense model's bytes in the run dtype (the latency floor's weights): not the
+        # packed copies, nor float32 copies kept for batched products
+        size = self.llm.engine.dtype.itemsize
         self.param_bytes = sum(p.numel() for p in self.llm.engine.model.parameters()) * size
 
     def _params(self, max_new: int):
@@ -178,6 +195,7 @@ class PagellmRunner:
 
     def generate(self, prompts, max_new):
         outs = self.llm.generate(prompts, self._params(max_new), use_tqdm=False)
+        self.last_ttfts = [o.metrics.time_to_first_token for o in outs]
         return sum(len(o.outputs[0].token_ids) for o in outs)
 
     def stream(self, prompt, max_new):
@@ -187,6 +205,7 @@ class PagellmRunner:
 
 class HFRunner:
     name = "hf"
+    last_ttfts = None  # static batches: every request's first token comes with its batch's
 
     def __init__(self, spec: ModelSpec, dtype: str):
         from transformers import AutoModelForCausalLM
@@ -195,6 +214,7 @@ class HFRunner:
         self.model = AutoModelForCausalLM.from_pretrained(
             spec.folder, dtype=getattr(torch, dtype), **kw).eval()
         self.model.generation_config.pad_token_id = 0
+        self.vocab_size = self.model.config.vocab_size
 
     def _generate(self, ids, max_new, **kw):
         with torch.inference_mode():
@@ -238,14 +258,18 @@ class VLLMRunner:
     def __init__(self, folder: str, dtype: str, max_num_seqs: int, max_model_len: int):
         from vllm import LLM
 
+        # log stats on: each RequestOutput then carries its first-token latency
         self.llm = LLM(model=folder, dtype=dtype, max_num_seqs=max_num_seqs,
-                       max_model_len=max_model_len, seed=0)
+                       max_model_len=max_model_len, seed=0, disable_log_stats=False)
+        self.vocab_size = self.llm.get_tokenizer().vocab_size
 
     def generate(self, prompts, max_new):
         from vllm import SamplingParams
 
         sp = SamplingParams(max_tokens=max_new, ignore_eos=True, temperature=0.0)
         outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+        ttfts = [getattr(o.metrics, "first_token_latency", 0.0) for o in outs]
+        self.last_ttfts = ttfts if all(t > 0 for t in ttfts) else None
         return sum(len(o.outputs[0].token_ids) for o in outs)
 
     def stream(self, prompt, max_new):
@@ -263,12 +287,14 @@ class LlamaCppRunner:
     """llama.cpp on the GGUF itself (Q4_1, its native format). One request at a time: the
     Python binding has no multi-sequence batch API."""
     name = "llama.cpp"
+    last_ttfts = None
 
     def __init__(self, gguf_path: str, n_ctx: int):
         from llama_cpp import Llama
 
         self.llm = Llama(model_path=gguf_path, n_ctx=n_ctx, n_threads=torch.get_num_threads(),
                          n_batch=512, seed=0, verbose=False)
+        self.vocab_size = self.llm.n_vocab()
 
     def _times(self, prompt, max_new):
         start, times = time.perf_counter(), []
@@ -329,13 +355,13 @@ def make_runners(args, spec: ModelSpec, max_model_len: int) -> tuple[list, dict[
         if not importable(module):
             skipped[peer] = INSTALL_HINT.get(peer, f"not installed: pip install {module}")
         elif peer == "hf":
-            runners.append(HFRunner(spec, args.dtype))
+            runners.append(HFRunner(spec, peer_dtype(args.dtype)))
         elif args.smoke:
             skipped[peer] = "skipped in --smoke (tiny random model)"
         elif peer == "vllm":
             dest = os.path.join(args.out, "models", "hf-" + os.path.basename(spec.path))
             folder = prepare_hf_folder(spec, dest)
-            runners.append(VLLMRunner(folder, args.dtype, args.max_num_seqs, max_model_len))
+            runners.append(VLLMRunner(folder, peer_dtype(args.dtype), args.max_num_seqs, max_model_len))
         elif spec.gguf_file is None:
             skipped[peer] = "needs a .gguf model"
         else:

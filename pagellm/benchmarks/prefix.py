@@ -191,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
 
     vocab = load_model_files(spec.path, load_tokenizer=False).config.vocab_size
     prompts = make_prompts(args, vocab)
-    hf = common.HFRunner(spec, args.dtype).model if "hf" in args.peers.split(",") else None
+    hf = common.HFRunner(spec, common.peer_dtype(args.dtype)).model if "hf" in args.peers.split(",") else None
     runs = []
     steps = args.repeats * (2 + (hf is not None))
     with tqdm(total=steps, desc="prefix", unit="run") as bar:

@@ -243,14 +243,24 @@ class HFPeer:
 
         kw = {"gguf_file": spec.gguf_file} if spec.gguf_file else {}
         self.model = AutoModelForCausalLM.from_pretrained(
-            spec.folder, dtype=getattr(torch, args.dtype), **kw).eval()
+            spec.folder, dtype=getattr(torch, common.peer_dtype(args.dtype)), **kw).eval()
         self.model.generation_config.pad_token_id = 0
         self.args = args
-        n = int(args.draft_layers.split(",")[0])
-        self.variants = {"hf": {}, "hf prompt-lookup": {"prompt_lookup_num_tokens": args.k},
-                         f"hf early-exit-L{n}": {"assistant_early_exit": n,
-                                                  "num_assistant_tokens": args.k,
-                                                  "num_assistant_tokens_schedule": "constant"}}
+        self.variants = {"hf": {}, "hf prompt-lookup": {"prompt_lookup_num_tokens": args.k}}
+        if args.draft_layers:
+            n = int(args.draft_layers.split(",")[0])
+            self.variants[f"hf early-exit-L{n}"] = {"assistant_early_exit": n,
+                                                    "num_assistant_tokens": args.k,
+                                                    "num_assistant_tokens_schedule": "constant"}
+        if args.draft and args.draft != "target":
+            # assisted generation with the same draft model, HF's own schedule of k (it grows
+            # after fully accepted rounds and shrinks after rejections)
+            draft = common.ModelSpec.resolve(args.draft)
+            kw = {"gguf_file": draft.gguf_file} if draft.gguf_file else {}
+            assistant = AutoModelForCausalLM.from_pretrained(
+                draft.folder, dtype=self.model.dtype, **kw).eval()
+            self.variants["hf assisted"] = {"assistant_model": assistant,
+                                            "num_assistant_tokens": args.k}
 
     def run(self, variant: str, prompt: list[int]) -> dict:
         ids, clock, args = torch.tensor([prompt]), Clock(), self.args
