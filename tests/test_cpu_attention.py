@@ -1,7 +1,8 @@
 """The native paged attention and KV writes (pagellm/kernels/cpu_attention.c) against a plain
 float64 reference that gathers each sequence's K/V through its block table: decode, several
 query rows per sequence (speculative verification), GQA groups, block sizes 1 and 16, and a
-subset of the batch left to another path."""
+subset of the batch left to another path; float32 and bf16 pools (the reference reads the
+bf16 pool's own values, which the kernel widens exactly)."""
 from __future__ import annotations
 
 import pytest
@@ -33,12 +34,16 @@ def _reference(q, k_cache, v_cache, tables, seq_lens, qlens, scale):
     return out
 
 
-def _case(block_size, kvh, group, seq_lens, qlens, seed=0, d=16):
+KV_DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _case(block_size, kvh, group, seq_lens, qlens, seed=0, d=16, kv_dtype=torch.float32):
     g = torch.Generator().manual_seed(seed)
     nb = 160
     backend = TorchPagedAttention()
-    k_cache = backend.allocate_kv_cache(nb, block_size, kvh, d, torch.float32, torch.device("cpu"))
-    v_cache = backend.allocate_kv_cache(nb, block_size, kvh, d, torch.float32, torch.device("cpu"))
+    cpu = torch.device("cpu")
+    k_cache = backend.allocate_kv_cache(nb, block_size, kvh, d, kv_dtype, cpu)
+    v_cache = backend.allocate_kv_cache(nb, block_size, kvh, d, kv_dtype, cpu)
     k_cache.copy_(torch.randn(k_cache.shape, generator=g))
     v_cache.copy_(torch.randn(v_cache.shape, generator=g))
     perm = torch.randperm(nb, generator=g).tolist()  # scattered, non-monotonic blocks
@@ -58,23 +63,27 @@ def _case(block_size, kvh, group, seq_lens, qlens, seed=0, d=16):
     return backend, q, k_cache, v_cache, md, tables
 
 
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 @pytest.mark.parametrize("block_size", [1, 16])
 @pytest.mark.parametrize("kvh,group", [(1, 1), (3, 3), (2, 4)])
-def test_native_attention_matches_reference(block_size, kvh, group):
+def test_native_attention_matches_reference(block_size, kvh, group, kv_dtype):
     seq_lens, qlens = [1, 37, 16, 70], [1, 1, 5, 3]  # decode rows and verification rows
-    backend, q, kc, vc, md, tables = _case(block_size, kvh, group, seq_lens, qlens)
+    backend, q, kc, vc, md, tables = _case(block_size, kvh, group, seq_lens, qlens,
+                                           kv_dtype=kv_dtype)
     assert cpu_attention.usable(q, kc.permute(2, 0, 1, 3))
     out = backend.forward(q, kc, vc, md, 0.25)
     ref = _reference(q, kc, vc, tables, seq_lens, qlens, 0.25)
     assert torch.allclose(out.double(), ref, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 @pytest.mark.parametrize("d", [8, 20, 40, 64, 128])
-def test_head_sizes_take_every_vector_path(d):
+def test_head_sizes_take_every_vector_path(d, kv_dtype):
     """head_dim 64 and 128 (the 32-wide register blocks of V), 40 and 8 (the 8-wide tail),
     20 (not a multiple of 8: the plain loops); key counts not a multiple of 4 included."""
     seq_lens, qlens = [1, 38, 23, 70], [1, 2, 5, 4]
-    backend, q, kc, vc, md, tables = _case(16, 3, 3, seq_lens, qlens, seed=d, d=d)
+    backend, q, kc, vc, md, tables = _case(16, 3, 3, seq_lens, qlens, seed=d, d=d,
+                                           kv_dtype=kv_dtype)
     out = backend.forward(q, kc, vc, md, d ** -0.5)
     ref = _reference(q, kc, vc, tables, seq_lens, qlens, d ** -0.5)
     assert torch.allclose(out.double(), ref, atol=1e-5, rtol=1e-5)
@@ -100,14 +109,24 @@ def test_long_queries_still_take_the_torch_path():
                           atol=1e-5, rtol=1e-5)
 
 
-def test_native_write_kv_fills_the_slots():
-    backend, _, kc, vc, _, _ = _case(4, 3, 1, [8], [1])
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_native_write_kv_fills_the_slots(kv_dtype):
+    """float32 values in place; into a bf16 pool rounded to nearest even, as torch rounds
+    (ties, a value past bf16's largest finite one, infinities and NaN included)."""
+    backend, _, kc, vc, _, _ = _case(4, 3, 1, [8], [1], kv_dtype=kv_dtype)
     before_k, before_v = kc.clone(), vc.clone()
     key, value = torch.randn(3, 3, 16), torch.randn(3, 3, 16)
+    key[0, 0, :6] = torch.tensor([1 + 2 ** -8, 1 + 3 * 2 ** -8, -(1 + 2 ** -8), 3.3961e38,
+                                  float("inf"), float("-inf")])
+    value[0, 0, 0] = float("nan")
     slots = torch.tensor([5, 0, 22])
     backend.write_kv(key, value, kc, vc, slots)
     flat_k, flat_v = kc.reshape(-1, 3, 16), vc.reshape(-1, 3, 16)
-    assert torch.equal(flat_k[slots], key) and torch.equal(flat_v[slots], value)
+    assert torch.equal(flat_k[slots], key.to(kv_dtype))
+    got_v = flat_v[slots]  # (a copy)
+    assert torch.isnan(got_v[0, 0, 0])
+    value[0, 0, 0] = got_v[0, 0, 0] = 0
+    assert torch.equal(got_v, value.to(kv_dtype))
     untouched = torch.ones(flat_k.shape[0], dtype=torch.bool)
     untouched[slots] = False
     assert torch.equal(flat_k[untouched], before_k.reshape(-1, 3, 16)[untouched])

@@ -21,8 +21,9 @@ def test_auto_kv_dtype(monkeypatch, upcast_bf16):
     assert resolve_kv_dtype("auto", torch.bfloat16, CPU) == want
     assert resolve_kv_dtype("auto", torch.float32, CPU) == torch.float32
     assert resolve_kv_dtype("auto", torch.float16, CPU) == torch.float16
-    # float32 activations (packed weights + fused layer, any CPU): float32 KV
-    assert resolve_kv_dtype("auto", torch.bfloat16, CPU, torch.float32) == torch.float32
+    # float32 activations (packed weights + fused layer): float32 KV where bf16 products are
+    # emulated; a bf16 pool that the native attention kernel widens as it reads elsewhere
+    assert resolve_kv_dtype("auto", torch.bfloat16, CPU, torch.float32) == want
     assert resolve_kv_dtype("bfloat16", torch.bfloat16, CPU, torch.float32) == torch.bfloat16
     assert resolve_kv_dtype("bfloat16", torch.bfloat16, CPU) == torch.bfloat16
     assert resolve_kv_dtype("auto", torch.bfloat16, torch.device("cuda")) == torch.bfloat16
@@ -101,8 +102,9 @@ def test_float32_copy_of_packed_weights_is_exact(monkeypatch):
 
 def test_packed_model_on_a_cpu_with_bf16_units(monkeypatch):
     """With bf16 units a packed model still runs few-row steps as one native call per layer
-    (float32 activations and KV, float32 biases), while its dense weights stay bf16 for
-    many-row steps, which convert their activations to bf16 (no float32 copy of anything)."""
+    (float32 activations, float32 biases, a bf16 KV pool the kernels widen as they read it),
+    while its dense weights stay bf16 for many-row steps, which convert their activations to
+    bf16 (no float32 copy of anything)."""
     from pagellm.kernels import native
 
     if not native.available():
@@ -111,7 +113,7 @@ def test_packed_model_on_a_cpu_with_bf16_units(monkeypatch):
     llm = LLM(dtype="bfloat16", kv_cache_memory="32MiB")
     eng = llm.engine
     model = eng.model
-    assert model.act_dtype == torch.float32 and eng.kv_dtype == torch.float32
+    assert model.act_dtype == torch.float32 and eng.kv_dtype == torch.bfloat16
     assert all(layer.fused is not None for layer in model.layers)
     assert getattr(model, "_head_f32", None) is None
     assert all(p.dtype != torch.float32 for n, p in model.named_parameters()

@@ -30,18 +30,24 @@ def portable(portable_lib, monkeypatch):
     assert native.library() is portable_lib and native.available()
 
 
+KV_DTYPES = test_cpu_attention.KV_DTYPES
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 @pytest.mark.parametrize("block_size,kvh,group", [(1, 1, 1), (16, 2, 4), (16, 3, 3)])
-def test_attention(portable, block_size, kvh, group):
-    test_cpu_attention.test_native_attention_matches_reference(block_size, kvh, group)
+def test_attention(portable, block_size, kvh, group, kv_dtype):
+    test_cpu_attention.test_native_attention_matches_reference(block_size, kvh, group, kv_dtype)
 
 
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 @pytest.mark.parametrize("d", [8, 20, 64, 128])
-def test_attention_head_sizes(portable, d):
-    test_cpu_attention.test_head_sizes_take_every_vector_path(d)
+def test_attention_head_sizes(portable, d, kv_dtype):
+    test_cpu_attention.test_head_sizes_take_every_vector_path(d, kv_dtype)
 
 
-def test_write_kv(portable):
-    test_cpu_attention.test_native_write_kv_fills_the_slots()
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_write_kv(portable, kv_dtype):
+    test_cpu_attention.test_native_write_kv_fills_the_slots(kv_dtype)
 
 
 @pytest.mark.parametrize("rows", [1, 7])

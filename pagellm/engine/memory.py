@@ -35,20 +35,24 @@ def resolve_kv_dtype(name: str, model_dtype: torch.dtype, device: torch.device,
                      act_dtype: torch.dtype | None = None) -> torch.dtype:
     """'auto': the model's dtype, except a bfloat16 model on a CPU without bf16 units, or a
     CPU model whose activations run in float32 (act_dtype: packed weights and the fused decode
-    layer, which reads float32 KV), whose KV is kept in float32. Attention there computes in
-    float32 (bf16 batched products are several times slower), and converting every gathered bf16 K/V block at every step of every layer
-    cost more than the attention products themselves (batch-64 decode: ~60 of ~700 ms a
-    step). The price is twice the bytes per token: half the tokens for the same budget."""
+    layer) on such a CPU, whose KV is kept in float32. Attention there computes in float32
+    (bf16 batched products are several times slower), and converting every gathered bf16 K/V
+    block at every step of every layer cost more than the attention products themselves
+    (batch-64 decode: ~60 of ~700 ms a step). The price is twice the bytes per token: half the
+    tokens for the same budget. On CPUs with bf16 units the native attention kernel reads a
+    bf16 pool directly (widening each value as it loads it), so float32 activations keep a
+    bf16 KV cache there: half the bytes, twice the tokens."""
     if name != "auto":
         kv = _DTYPES[name]
         if device.type != "cpu" and kv != model_dtype:
             raise ValueError(f"kv_cache_dtype {name} differs from the model's dtype "
                              f"({model_dtype}); on {device.type} they must match")
         return kv
+    from pagellm.kernels import native
     from pagellm.layers.linear import UPCAST_BF16
 
     if device.type == "cpu" and model_dtype == torch.bfloat16 and (
-            UPCAST_BF16 or act_dtype == torch.float32):
+            UPCAST_BF16 or (act_dtype == torch.float32 and not native.available())):
         return torch.float32
     return model_dtype
 

@@ -1,5 +1,7 @@
-/* Paged attention for short queries (decode, speculative verification) over a float32 KV pool
- * stored head-major, [kv_heads, num_blocks, block_size, head_dim] (pagellm/attention/torch_paged.py).
+/* Paged attention for short queries (decode, speculative verification) over a KV pool stored
+ * head-major, [kv_heads, num_blocks, block_size, head_dim] (pagellm/attention/torch_paged.py),
+ * of float32 or bf16 values (bf16: half the bytes a step streams; each value widened to float32
+ * as it is loaded, a 16-bit shift). Queries, scores and outputs are float32.
  *
  * Reads each sequence's K/V in place through its block table: no gathered copy of the context
  * and no padding to the longest sequence of the batch. One task per (sequence, KV head) takes
@@ -29,6 +31,27 @@ static inline void axpy(float *y, float a, const float *x, int64_t n) {
     for (int64_t i = 0; i < n; i++) y[i] += a * x[i];
 }
 
+static inline float bf16_to_f32(uint16_t h) {
+    union { uint32_t u; float f; } v = { (uint32_t)h << 16 };
+    return v.f;
+}
+
+static inline uint16_t f32_to_bf16(float x) {  /* round to nearest even; NaN stays NaN */
+    union { float f; uint32_t u; } v = { x };
+    if ((v.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((v.u >> 16) | 0x40);
+    return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
+}
+
+/* Row `slot` of a head's pool (D values) as float32: in place for a float32 pool, widened into
+ * tmp for a bf16 one. */
+static inline const float *kv_row(const void *base, int64_t slot, int64_t D, int bf16,
+                                  float *tmp) {
+    if (!bf16) return (const float *)base + slot * D;
+    const uint16_t *r = (const uint16_t *)base + slot * D;
+    for (int64_t i = 0; i < D; i++) tmp[i] = bf16_to_f32(r[i]);
+    return tmp;
+}
+
 #ifdef __AVX2__
 /* Query vectors per tile: each key and value row loaded for a tile serves all of its vectors
  * (the group of heads sharing a KV head, times the sequence's query rows), so K and V stream
@@ -36,21 +59,40 @@ static inline void axpy(float *y, float a, const float *x, int64_t n) {
  * 200-token context, 5 ms at 1000). Three, so that a tile's accumulators stay in registers. */
 #define TILE 3
 
-/* p[i * L + t] = scale * q_i . k_t for the m vectors q_i and keys t < n, keys k_t = kbase +
- * slot[t] * D (D % 8 == 0): four keys at a time, reduced together by horizontal adds. */
+/* 8 values of a K or V row from `off` values into `base`, as float32 */
+static inline __attribute__((always_inline)) __m256 load_kv8(const void *base, int64_t off,
+                                                             int bf16) {
+    if (bf16)
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(
+            _mm_loadu_si128((const __m128i *)((const uint16_t *)base + off))), 16));
+    return _mm256_loadu_ps((const float *)base + off);
+}
+
+/* The next keys' rows on their way into L1 while these are used: a block of the pool is
+ * contiguous, but consecutive blocks of a sequence are anywhere (the hardware prefetcher
+ * stops at each new block). */
+static inline __attribute__((always_inline)) void prefetch_kv(const void *base, int64_t off,
+                                                              int64_t n, int bf16) {
+    const char *p = (const char *)base + off * (bf16 ? 2 : 4);
+    for (int64_t c = 0; c < n * (bf16 ? 2 : 4); c += 64) _mm_prefetch(p + c, _MM_HINT_T0);
+}
+
+/* p[i * L + t] = scale * q_i . k_t for the m vectors q_i and keys t < n, key t's row at
+ * kbase + slot[t] * D (D % 8 == 0): four keys at a time, reduced together by horizontal adds. */
 static inline __attribute__((always_inline)) void tile_scores(
-        int m, const float *const *q, const float *kbase, const int64_t *slot, int64_t D,
-        int64_t n, float scale, float *p, int64_t L) {
+        int m, const float *const *q, const void *kbase, const int64_t *slot, int64_t D,
+        int64_t n, float scale, float *p, int64_t L, int bf16) {
     int64_t t = 0;
     for (; t + 4 <= n; t += 4) {
-        const float *k0 = kbase + slot[t] * D, *k1 = kbase + slot[t + 1] * D;
-        const float *k2 = kbase + slot[t + 2] * D, *k3 = kbase + slot[t + 3] * D;
+        if (t + 8 < n) prefetch_kv(kbase, slot[t + 8] * D, 4 * D, bf16);  /* same block mostly */
+        const int64_t k0 = slot[t] * D, k1 = slot[t + 1] * D;
+        const int64_t k2 = slot[t + 2] * D, k3 = slot[t + 3] * D;
         __m256 a[TILE][4];
         _Pragma("GCC unroll 4") for (int i = 0; i < m; i++)
             a[i][0] = a[i][1] = a[i][2] = a[i][3] = _mm256_setzero_ps();
         for (int64_t d = 0; d < D; d += 8) {
-            const __m256 x0 = _mm256_loadu_ps(k0 + d), x1 = _mm256_loadu_ps(k1 + d);
-            const __m256 x2 = _mm256_loadu_ps(k2 + d), x3 = _mm256_loadu_ps(k3 + d);
+            const __m256 x0 = load_kv8(kbase, k0 + d, bf16), x1 = load_kv8(kbase, k1 + d, bf16);
+            const __m256 x2 = load_kv8(kbase, k2 + d, bf16), x3 = load_kv8(kbase, k3 + d, bf16);
             _Pragma("GCC unroll 4") for (int i = 0; i < m; i++) {
                 const __m256 qv = _mm256_loadu_ps(q[i] + d);
                 a[i][0] = _mm256_fmadd_ps(qv, x0, a[i][0]);
@@ -68,11 +110,11 @@ static inline __attribute__((always_inline)) void tile_scores(
         }
     }
     for (; t < n; t++) {
-        const float *k = kbase + slot[t] * D;
+        const int64_t k = slot[t] * D;
         _Pragma("GCC unroll 4") for (int i = 0; i < m; i++) {
             __m256 a = _mm256_setzero_ps();
             for (int64_t d = 0; d < D; d += 8)
-                a = _mm256_fmadd_ps(_mm256_loadu_ps(q[i] + d), _mm256_loadu_ps(k + d), a);
+                a = _mm256_fmadd_ps(_mm256_loadu_ps(q[i] + d), load_kv8(kbase, k + d, bf16), a);
             p[i * L + t] = scale * hsum8(a);
         }
     }
@@ -100,17 +142,18 @@ static float softmax_avx2(float *p, int64_t n) {
 /* out_i[0..D) = inv[i] * sum_t p[i * L + t] v_t over t < n for the m vectors, each output
  * held in registers 32 values at a time while the values stream by once. */
 static inline __attribute__((always_inline)) void tile_values(
-        int m, const float *p, int64_t L, const float *inv, const float *vbase,
-        const int64_t *slot, int64_t D, int64_t n, float *const *out) {
+        int m, const float *p, int64_t L, const float *inv, const void *vbase,
+        const int64_t *slot, int64_t D, int64_t n, float *const *out, int bf16) {
     int64_t d0 = 0;
     for (; d0 + 32 <= D; d0 += 32) {
         __m256 o[TILE][4];
         _Pragma("GCC unroll 4") for (int i = 0; i < m; i++)
             o[i][0] = o[i][1] = o[i][2] = o[i][3] = _mm256_setzero_ps();
         for (int64_t t = 0; t < n; t++) {
-            const float *v = vbase + slot[t] * D + d0;
-            const __m256 v0 = _mm256_loadu_ps(v), v1 = _mm256_loadu_ps(v + 8);
-            const __m256 v2 = _mm256_loadu_ps(v + 16), v3 = _mm256_loadu_ps(v + 24);
+            const int64_t v = slot[t] * D + d0;
+            if (d0 == 0 && t + 8 < n) prefetch_kv(vbase, slot[t + 8] * D, D, bf16);
+            const __m256 v0 = load_kv8(vbase, v, bf16), v1 = load_kv8(vbase, v + 8, bf16);
+            const __m256 v2 = load_kv8(vbase, v + 16, bf16), v3 = load_kv8(vbase, v + 24, bf16);
             _Pragma("GCC unroll 4") for (int i = 0; i < m; i++) {
                 const __m256 w = _mm256_broadcast_ss(p + i * L + t);
                 o[i][0] = _mm256_fmadd_ps(w, v0, o[i][0]);
@@ -129,7 +172,7 @@ static inline __attribute__((always_inline)) void tile_values(
         __m256 o[TILE];
         _Pragma("GCC unroll 4") for (int i = 0; i < m; i++) o[i] = _mm256_setzero_ps();
         for (int64_t t = 0; t < n; t++) {
-            const __m256 v = _mm256_loadu_ps(vbase + slot[t] * D + d0);
+            const __m256 v = load_kv8(vbase, slot[t] * D + d0, bf16);
             _Pragma("GCC unroll 4") for (int i = 0; i < m; i++)
                 o[i] = _mm256_fmadd_ps(_mm256_broadcast_ss(p + i * L + t), v, o[i]);
         }
@@ -140,34 +183,48 @@ static inline __attribute__((always_inline)) void tile_values(
 
 /* One tile of m query vectors whose last sees n keys (the others fewer, nv[i]): scores over n
  * keys, each vector's softmax over its own keys (the rest of its row zeroed), values. */
-static void attend_tile(int m, const float *const *q, float *const *out, const int64_t *nv,
-                        const float *kbase, const float *vbase, const int64_t *slot, int64_t D,
-                        int64_t n, float scale, float *p, int64_t L) {
+static inline __attribute__((always_inline)) void attend_tile(
+        int m, const float *const *q, float *const *out, const int64_t *nv, const void *kbase,
+        const void *vbase, const int64_t *slot, int64_t D, int64_t n, float scale, float *p,
+        int64_t L, int bf16) {
     float inv[TILE];
     switch (m) {
-        case 1: tile_scores(1, q, kbase, slot, D, n, scale, p, L); break;
-        case 2: tile_scores(2, q, kbase, slot, D, n, scale, p, L); break;
-        default: tile_scores(TILE, q, kbase, slot, D, n, scale, p, L); break;
+        case 1: tile_scores(1, q, kbase, slot, D, n, scale, p, L, bf16); break;
+        case 2: tile_scores(2, q, kbase, slot, D, n, scale, p, L, bf16); break;
+        default: tile_scores(TILE, q, kbase, slot, D, n, scale, p, L, bf16); break;
     }
     for (int i = 0; i < m; i++) {
         inv[i] = 1.f / softmax_avx2(p + i * L, nv[i]);
         memset(p + i * L + nv[i], 0, sizeof(float) * (n - nv[i]));
     }
     switch (m) {
-        case 1: tile_values(1, p, L, inv, vbase, slot, D, n, out); break;
-        case 2: tile_values(2, p, L, inv, vbase, slot, D, n, out); break;
-        default: tile_values(TILE, p, L, inv, vbase, slot, D, n, out); break;
+        case 1: tile_values(1, p, L, inv, vbase, slot, D, n, out, bf16); break;
+        case 2: tile_values(2, p, L, inv, vbase, slot, D, n, out, bf16); break;
+        default: tile_values(TILE, p, L, inv, vbase, slot, D, n, out, bf16); break;
     }
+}
+
+static void attend_tile_f32(int m, const float *const *q, float *const *out, const int64_t *nv,
+                            const void *kbase, const void *vbase, const int64_t *slot, int64_t D,
+                            int64_t n, float scale, float *p, int64_t L) {
+    attend_tile(m, q, out, nv, kbase, vbase, slot, D, n, scale, p, L, 0);
+}
+
+static void attend_tile_bf16(int m, const float *const *q, float *const *out, const int64_t *nv,
+                             const void *kbase, const void *vbase, const int64_t *slot,
+                             int64_t D, int64_t n, float scale, float *p, int64_t L) {
+    attend_tile(m, q, out, nv, kbase, vbase, slot, D, n, scale, p, L, 1);
 }
 #endif
 
 /* One (sequence, KV head) task: the query rows of the `group` heads sharing the KV head, for
- * each of the sequence's ql query rows. */
-static int attend(const float *q, float *out, const float *kc, const float *vc, int64_t H,
+ * each of the sequence's ql query rows. kc, vc: float32 or (bf16) uint16 pools. */
+static int attend(const float *q, float *out, const void *kc, const void *vc, int64_t H,
                   int64_t KVH, int64_t D, int64_t NB, int64_t BS, const int32_t *table,
-                  int64_t L, int64_t q0, int64_t ql, int64_t kvh, float scale) {
-    const int64_t group = H / KVH, rows = ql * group;
-    const float *kbase = kc + kvh * NB * BS * D, *vbase = vc + kvh * NB * BS * D;
+                  int64_t L, int64_t q0, int64_t ql, int64_t kvh, float scale, int bf16) {
+    const int64_t group = H / KVH, rows = ql * group, es = bf16 ? 2 : 4;
+    const void *kbase = (const char *)kc + kvh * NB * BS * D * es;
+    const void *vbase = (const char *)vc + kvh * NB * BS * D * es;
 #ifdef __AVX2__
     if (D % 8 == 0) {
         /* slot of every key once per task, not per key and row; TILE rows of scores */
@@ -187,17 +244,19 @@ static int attend(const float *q, float *out, const float *kc, const float *vc, 
                 if (n <= 0) { memset(out + row * D, 0, sizeof(float) * D); continue; }
                 qs[m] = q + row * D, outs[m] = out + row * D, nv[m++] = n;
             }
-            if (m) attend_tile(m, qs, outs, nv, kbase, vbase, slot, D, nv[m - 1], scale, p, L);
+            if (m)
+                (bf16 ? attend_tile_bf16 : attend_tile_f32)(m, qs, outs, nv, kbase, vbase, slot,
+                                                            D, nv[m - 1], scale, p, L);
         }
         free(slot); free(p);
         return 0;
     }
 #endif
     /* scores [rows, L], then probabilities in place */
-    float *p = malloc(sizeof(float) * rows * (L > 0 ? L : 1));
-    if (!p) return -1;
+    float *p = malloc(sizeof(float) * rows * (L > 0 ? L : 1)), *tmp = malloc(sizeof(float) * D);
+    if (!p || !tmp) { free(p); free(tmp); return -1; }
     for (int64_t t = 0; t < L; t++) {
-        const float *k = kbase + (table[t / BS] * BS + t % BS) * D;
+        const float *k = kv_row(kbase, table[t / BS] * BS + t % BS, D, bf16, tmp);
         for (int64_t j = 0; j < ql; j++) {
             const int64_t visible = L - ql + j;  /* last key position row j sees */
             for (int64_t g = 0; g < group; g++) {
@@ -217,32 +276,32 @@ static int attend(const float *q, float *out, const float *kc, const float *vc, 
         for (int64_t g = 0; g < group; g++)
             memset(out + ((q0 + j) * H + kvh * group + g) * D, 0, sizeof(float) * D);
     for (int64_t t = 0; t < L; t++) {
-        const float *v = vbase + (table[t / BS] * BS + t % BS) * D;
+        const float *v = kv_row(vbase, table[t / BS] * BS + t % BS, D, bf16, tmp);
         for (int64_t j = 0; j < ql; j++) {
             if (t > L - ql + j) continue;
             for (int64_t g = 0; g < group; g++)
                 axpy(out + ((q0 + j) * H + kvh * group + g) * D, p[(j * group + g) * L + t], v, D);
         }
     }
-    free(p);
+    free(p); free(tmp);
     return 0;
 }
 
-/* q, out [T, H, D]; kc, vc [KVH, NB, BS, D]; tables [S, MB]; seq_lens [S]; qstart [S + 1];
- * seqs [n_seqs]: the sequences to attend for (the others are left alone in out).
- * Returns 0, or -1 when out of memory. */
-int paged_attention(const float *q, float *out, const float *kc, const float *vc,
+/* q, out [T, H, D]; kc, vc [KVH, NB, BS, D] float32, or uint16 bf16 values with kv_bf16;
+ * tables [S, MB]; seq_lens [S]; qstart [S + 1]; seqs [n_seqs]: the sequences to attend for
+ * (the others are left alone in out). Returns 0, or -1 when out of memory. */
+int paged_attention(const float *q, float *out, const void *kc, const void *vc,
                     int64_t H, int64_t KVH, int64_t D, int64_t NB, int64_t BS,
                     const int32_t *tables, int64_t MB, const int32_t *seq_lens,
                     const int32_t *qstart, const int32_t *seqs, int64_t n_seqs,
-                    float scale, int threads) {
+                    float scale, int threads, int kv_bf16) {
     int failed = 0;
     #pragma omp parallel for schedule(dynamic) num_threads(threads) if (threads > 1) collapse(2)
     for (int64_t i = 0; i < n_seqs; i++) {
         for (int64_t kvh = 0; kvh < KVH; kvh++) {
             const int64_t s = seqs[i], q0 = qstart[s];
             if (attend(q, out, kc, vc, H, KVH, D, NB, BS, tables + s * MB, seq_lens[s], q0,
-                       qstart[s + 1] - q0, kvh, scale)) {
+                       qstart[s + 1] - q0, kvh, scale, kv_bf16)) {
                 #pragma omp atomic write
                 failed = 1;
             }
@@ -251,13 +310,21 @@ int paged_attention(const float *q, float *out, const float *kc, const float *vc
     return failed ? -1 : 0;
 }
 
-/* k, v [T, KVH, D] -> slots of the head-major pools kc, vc [KVH, NB * BS, D]. */
-void write_kv(const float *k, const float *v, float *kc, float *vc, const int64_t *slots,
-              int64_t T, int64_t KVH, int64_t D, int64_t slots_per_head) {
+/* One row of D values into a float32 pool, or rounded to bf16 into a uint16 one. */
+void store_kv_row(void *pool, int64_t index, const float *src, int64_t D, int bf16) {
+    if (!bf16) { memcpy((float *)pool + index * D, src, sizeof(float) * D); return; }
+    uint16_t *dst = (uint16_t *)pool + index * D;
+    for (int64_t i = 0; i < D; i++) dst[i] = f32_to_bf16(src[i]);
+}
+
+/* k, v [T, KVH, D] float32 -> slots of the head-major pools kc, vc [KVH, NB * BS, D] (float32,
+ * or bf16 with kv_bf16). */
+void write_kv(const float *k, const float *v, void *kc, void *vc, const int64_t *slots,
+              int64_t T, int64_t KVH, int64_t D, int64_t slots_per_head, int kv_bf16) {
     for (int64_t t = 0; t < T; t++)
         for (int64_t h = 0; h < KVH; h++) {
-            const int64_t dst = (h * slots_per_head + slots[t]) * D, src = (t * KVH + h) * D;
-            memcpy(kc + dst, k + src, sizeof(float) * D);
-            memcpy(vc + dst, v + src, sizeof(float) * D);
+            const int64_t dst = h * slots_per_head + slots[t], src = (t * KVH + h) * D;
+            store_kv_row(kc, dst, k + src, D, kv_bf16);
+            store_kv_row(vc, dst, v + src, D, kv_bf16);
         }
 }

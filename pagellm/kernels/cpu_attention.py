@@ -1,4 +1,4 @@
-"""Paged attention and KV writes over a head-major float32 pool (cpu_attention.c)."""
+"""Paged attention and KV writes over a head-major float32 or bf16 pool (cpu_attention.c)."""
 from __future__ import annotations
 
 import torch
@@ -7,8 +7,9 @@ from pagellm.kernels import native
 
 
 def usable(query: torch.Tensor, k_store: torch.Tensor) -> bool:
-    """Whether the kernels take these operands: float32 on the CPU, head-major storage."""
-    return (query.dtype == torch.float32 and k_store.dtype == torch.float32
+    """Whether the kernels take these operands: float32 queries on the CPU, a float32 or bf16
+    pool in head-major storage."""
+    return (query.dtype == torch.float32 and k_store.dtype in (torch.float32, torch.bfloat16)
             and query.device.type == "cpu" and k_store.is_contiguous() and native.available())
 
 
@@ -23,14 +24,15 @@ def paged_attention(query: torch.Tensor, k_store: torch.Tensor, v_store: torch.T
             query.data_ptr(), out.data_ptr(), k_store.data_ptr(), v_store.data_ptr(),
             query.shape[1], kvh, d, nb, bs, block_tables.data_ptr(), block_tables.shape[1],
             seq_lens.data_ptr(), query_start_loc.data_ptr(), seqs.data_ptr(), seqs.numel(),
-            scale, torch.get_num_threads()) != 0:
+            scale, torch.get_num_threads(), k_store.dtype == torch.bfloat16) != 0:
         raise MemoryError("paged_attention: out of memory for score buffers")
 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, k_store: torch.Tensor,
              v_store: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """key, value [T, KVH, D] float32 contiguous -> their slots (int64) of the stores."""
+    """key, value [T, KVH, D] float32 contiguous -> their slots (int64) of the stores (float32,
+    or rounded to nearest even into bf16 ones)."""
     kvh, nb, bs, d = k_store.shape
     native.library().write_kv(key.data_ptr(), value.data_ptr(), k_store.data_ptr(),
                               v_store.data_ptr(), slot_mapping.data_ptr(), key.shape[0], kvh, d,
-                              nb * bs)
+                              nb * bs, k_store.dtype == torch.bfloat16)

@@ -84,7 +84,8 @@ class FusedDecodeLayer:
         # the packed kernels' few-row regime; larger steps (prefill, big batches) take modules
         return (x.dtype == torch.float32 and few_rows(x.shape[0], self.max_rows)
                 and x.is_contiguous()
-                and attn.k_cache is not None and attn.k_cache.dtype == torch.float32
+                and attn.k_cache is not None
+                and attn.k_cache.dtype in (torch.float32, torch.bfloat16)
                 and attn.k_cache.permute(2, 0, 1, 3).is_contiguous()
                 and attn.v_cache.permute(2, 0, 1, 3).is_contiguous() and _step_ok(md))
 
@@ -99,7 +100,7 @@ class FusedDecodeLayer:
             attn.k_cache.data_ptr(), attn.v_cache.data_ptr(), nb, bs,
             md.slot_mapping.data_ptr(), md.block_tables.data_ptr(), md.block_tables.shape[1],
             md.seq_lens.data_ptr(), md.query_start_loc.data_ptr(), seqs.data_ptr(), seqs.numel(),
-            self.scale, torch.get_num_threads())
+            self.scale, torch.get_num_threads(), attn.k_cache.dtype == torch.bfloat16)
         if rc != 0:
             raise MemoryError("decode_layer: out of memory for its buffers")
         return x

@@ -14,23 +14,15 @@ from torch import nn
 import os
 
 from pagellm import parallel
+from pagellm.kernels import native
 from pagellm.layers import int8, quant
-
-
-def _cpu_has_native_bf16() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 # CPUs without bf16 instructions multiply bf16 matrices several times slower than float32
 # (measured on AVX2, 3072 x 576 weight: 64 rows 37 ms vs 7 ms; 4 rows 1.58 vs 1.20 ms, weight
 # upcast included). There, products of 2+ rows upcast the bf16 weights on the fly; single-row
 # products stay in bf16, where it is faster (0.47 vs 0.59 ms).
-UPCAST_BF16 = not _cpu_has_native_bf16()
+UPCAST_BF16 = not native.cpu_has_bf16_units()
 _UPCAST_MIN_ROWS = 2
 
 
