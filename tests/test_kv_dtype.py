@@ -9,6 +9,7 @@ from pagellm import LLM, SamplingParams
 from pagellm.config import CacheConfig
 from pagellm.engine.memory import resolve_kv_dtype
 from pagellm.layers import linear as lin
+from pagellm.layers import onednn
 
 CPU = torch.device("cpu")
 PROMPTS = [[5, 9, 17, 33, 2, 40], [7] * 19, list(range(3, 40))]
@@ -118,9 +119,13 @@ def test_packed_model_on_a_cpu_with_bf16_units(monkeypatch):
     assert getattr(model, "_head_f32", None) is None
     assert all(p.dtype != torch.float32 for n, p in model.named_parameters()
                if n.endswith("proj.weight"))
+    # where oneDNN is there, the dense weights live only in its blocked layout (prepacked once)
+    projections = [m for m in model.modules() if isinstance(m, lin._Packed)]
+    assert all((m.onednn is not None and m.weight.device.type == "meta")
+               == onednn.available() for m in projections)
     calls, products = [], []
     orig_layer = type(model.layers[0].fused).__call__
-    orig_linear = torch.nn.functional.linear
+    orig_linear, orig_onednn = torch.nn.functional.linear, onednn.OneDNNLinear.__call__
 
     def counting(self, *args):
         calls.append(1)
@@ -130,8 +135,14 @@ def test_packed_model_on_a_cpu_with_bf16_units(monkeypatch):
         products.append((x.dtype, w.dtype))
         return orig_linear(x, w, b)
 
+    def watching_onednn(self, x):
+        y = orig_onednn(self, x)
+        products.append((torch.bfloat16, y.dtype))  # bf16 activations in, bf16 out
+        return y
+
     monkeypatch.setattr(type(model.layers[0].fused), "__call__", counting)
     monkeypatch.setattr(torch.nn.functional, "linear", watching)
+    monkeypatch.setattr(onednn.OneDNNLinear, "__call__", watching_onednn)
     long_prompt = list(range(100, 160))  # a 60-row prefill: dense bf16 products
     sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     out = llm.generate([long_prompt], sp, use_tqdm=False)[0].outputs[0].token_ids

@@ -68,9 +68,10 @@ static inline __attribute__((always_inline)) __m256 load_kv8(const void *base, i
     return _mm256_loadu_ps((const float *)base + off);
 }
 
-/* The next keys' rows on their way into L1 while these are used: a block of the pool is
- * contiguous, but consecutive blocks of a sequence are anywhere (the hardware prefetcher
- * stops at each new block). */
+/* The rows of the keys a block (16 keys) ahead on their way into L1 while these are used: a
+ * block of the pool is contiguous, but consecutive blocks of a sequence are anywhere (the
+ * hardware prefetcher stops at each new block). 64 sequences of 600 tokens, 3 KV heads, one
+ * layer: float32 pool 3.5 -> 2.5 ms (24 GB/s, the DRAM's rate), bf16 2.1 ms. */
 static inline __attribute__((always_inline)) void prefetch_kv(const void *base, int64_t off,
                                                               int64_t n, int bf16) {
     const char *p = (const char *)base + off * (bf16 ? 2 : 4);
@@ -84,7 +85,7 @@ static inline __attribute__((always_inline)) void tile_scores(
         int64_t n, float scale, float *p, int64_t L, int bf16) {
     int64_t t = 0;
     for (; t + 4 <= n; t += 4) {
-        if (t + 8 < n) prefetch_kv(kbase, slot[t + 8] * D, 4 * D, bf16);  /* same block mostly */
+        if (t + 16 < n) prefetch_kv(kbase, slot[t + 16] * D, 4 * D, bf16);  /* a block ahead */
         const int64_t k0 = slot[t] * D, k1 = slot[t + 1] * D;
         const int64_t k2 = slot[t + 2] * D, k3 = slot[t + 3] * D;
         __m256 a[TILE][4];
@@ -120,6 +121,104 @@ static inline __attribute__((always_inline)) void tile_scores(
     }
 }
 
+#ifdef __AVX512F__
+/* The same two passes with 512-bit registers where D % 16 == 0: half the instructions per key
+ * (a 64-value row is four registers), which is what a many-sequence decode step spends its
+ * attention time on once the KV is bf16. */
+static inline __attribute__((always_inline)) __m512 load_kv16(const void *base, int64_t off,
+                                                              int bf16) {
+    if (bf16)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+            _mm256_loadu_si256((const __m256i *)((const uint16_t *)base + off))), 16));
+    return _mm512_loadu_ps((const float *)base + off);
+}
+
+static inline __m256 fold16(__m512 v) {  /* lanes i and i + 8 added */
+    return _mm256_add_ps(_mm512_castps512_ps256(v),
+                         _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+}
+
+static inline __attribute__((always_inline)) void tile_scores16(
+        int m, const float *const *q, const void *kbase, const int64_t *slot, int64_t D,
+        int64_t n, float scale, float *p, int64_t L, int bf16) {
+    int64_t t = 0;
+    for (; t + 4 <= n; t += 4) {
+        if (t + 16 < n) prefetch_kv(kbase, slot[t + 16] * D, 4 * D, bf16);
+        const int64_t k0 = slot[t] * D, k1 = slot[t + 1] * D;
+        const int64_t k2 = slot[t + 2] * D, k3 = slot[t + 3] * D;
+        __m512 a[TILE][4];
+        _Pragma("GCC unroll 4") for (int i = 0; i < m; i++)
+            a[i][0] = a[i][1] = a[i][2] = a[i][3] = _mm512_setzero_ps();
+        for (int64_t d = 0; d < D; d += 16) {
+            const __m512 x0 = load_kv16(kbase, k0 + d, bf16), x1 = load_kv16(kbase, k1 + d, bf16);
+            const __m512 x2 = load_kv16(kbase, k2 + d, bf16), x3 = load_kv16(kbase, k3 + d, bf16);
+            _Pragma("GCC unroll 4") for (int i = 0; i < m; i++) {
+                const __m512 qv = _mm512_loadu_ps(q[i] + d);
+                a[i][0] = _mm512_fmadd_ps(qv, x0, a[i][0]);
+                a[i][1] = _mm512_fmadd_ps(qv, x1, a[i][1]);
+                a[i][2] = _mm512_fmadd_ps(qv, x2, a[i][2]);
+                a[i][3] = _mm512_fmadd_ps(qv, x3, a[i][3]);
+            }
+        }
+        _Pragma("GCC unroll 4") for (int i = 0; i < m; i++) {
+            const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(fold16(a[i][0]), fold16(a[i][1])),
+                                            _mm256_hadd_ps(fold16(a[i][2]), fold16(a[i][3])));
+            const __m128 sum = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+            _mm_storeu_ps(p + i * L + t, _mm_mul_ps(sum, _mm_set1_ps(scale)));
+        }
+    }
+    for (; t < n; t++) {
+        const int64_t k = slot[t] * D;
+        _Pragma("GCC unroll 4") for (int i = 0; i < m; i++) {
+            __m512 a = _mm512_setzero_ps();
+            for (int64_t d = 0; d < D; d += 16)
+                a = _mm512_fmadd_ps(_mm512_loadu_ps(q[i] + d), load_kv16(kbase, k + d, bf16), a);
+            p[i * L + t] = scale * _mm512_reduce_add_ps(a);
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void tile_values16(
+        int m, const float *p, int64_t L, const float *inv, const void *vbase,
+        const int64_t *slot, int64_t D, int64_t n, float *const *out, int bf16) {
+    int64_t d0 = 0;
+    for (; d0 + 64 <= D; d0 += 64) {
+        __m512 o[TILE][4];
+        _Pragma("GCC unroll 4") for (int i = 0; i < m; i++)
+            o[i][0] = o[i][1] = o[i][2] = o[i][3] = _mm512_setzero_ps();
+        for (int64_t t = 0; t < n; t++) {
+            const int64_t v = slot[t] * D + d0;
+            if (d0 == 0 && t + 16 < n) prefetch_kv(vbase, slot[t + 16] * D, D, bf16);
+            const __m512 v0 = load_kv16(vbase, v, bf16), v1 = load_kv16(vbase, v + 16, bf16);
+            const __m512 v2 = load_kv16(vbase, v + 32, bf16), v3 = load_kv16(vbase, v + 48, bf16);
+            _Pragma("GCC unroll 4") for (int i = 0; i < m; i++) {
+                const __m512 w = _mm512_set1_ps(p[i * L + t]);
+                o[i][0] = _mm512_fmadd_ps(w, v0, o[i][0]);
+                o[i][1] = _mm512_fmadd_ps(w, v1, o[i][1]);
+                o[i][2] = _mm512_fmadd_ps(w, v2, o[i][2]);
+                o[i][3] = _mm512_fmadd_ps(w, v3, o[i][3]);
+            }
+        }
+        _Pragma("GCC unroll 4") for (int i = 0; i < m; i++) {
+            const __m512 s = _mm512_set1_ps(inv[i]);
+            _Pragma("GCC unroll 4") for (int c = 0; c < 4; c++)
+                _mm512_storeu_ps(out[i] + d0 + 16 * c, _mm512_mul_ps(o[i][c], s));
+        }
+    }
+    for (; d0 < D; d0 += 16) {
+        __m512 o[TILE];
+        _Pragma("GCC unroll 4") for (int i = 0; i < m; i++) o[i] = _mm512_setzero_ps();
+        for (int64_t t = 0; t < n; t++) {
+            const __m512 v = load_kv16(vbase, slot[t] * D + d0, bf16);
+            _Pragma("GCC unroll 4") for (int i = 0; i < m; i++)
+                o[i] = _mm512_fmadd_ps(_mm512_set1_ps(p[i * L + t]), v, o[i]);
+        }
+        _Pragma("GCC unroll 4") for (int i = 0; i < m; i++)
+            _mm512_storeu_ps(out[i] + d0, _mm512_mul_ps(o[i], _mm512_set1_ps(inv[i])));
+    }
+}
+#endif
+
 /* p[0..n) = exp(p - max), returns their sum. */
 static float softmax_avx2(float *p, int64_t n) {
     __m256 mv = _mm256_set1_ps(-INFINITY);
@@ -151,7 +250,7 @@ static inline __attribute__((always_inline)) void tile_values(
             o[i][0] = o[i][1] = o[i][2] = o[i][3] = _mm256_setzero_ps();
         for (int64_t t = 0; t < n; t++) {
             const int64_t v = slot[t] * D + d0;
-            if (d0 == 0 && t + 8 < n) prefetch_kv(vbase, slot[t + 8] * D, D, bf16);
+            if (d0 == 0 && t + 16 < n) prefetch_kv(vbase, slot[t + 16] * D, D, bf16);
             const __m256 v0 = load_kv8(vbase, v, bf16), v1 = load_kv8(vbase, v + 8, bf16);
             const __m256 v2 = load_kv8(vbase, v + 16, bf16), v3 = load_kv8(vbase, v + 24, bf16);
             _Pragma("GCC unroll 4") for (int i = 0; i < m; i++) {
@@ -188,20 +287,36 @@ static inline __attribute__((always_inline)) void attend_tile(
         const void *vbase, const int64_t *slot, int64_t D, int64_t n, float scale, float *p,
         int64_t L, int bf16) {
     float inv[TILE];
+#ifdef __AVX512F__
+    const int wide = D % 16 == 0;
+#else
+    const int wide = 0;
+#endif
+#ifdef __AVX512F__
+#define SCORES(M) do { if (wide) tile_scores16(M, q, kbase, slot, D, n, scale, p, L, bf16); \
+                       else tile_scores(M, q, kbase, slot, D, n, scale, p, L, bf16); } while (0)
+#define VALUES(M) do { if (wide) tile_values16(M, p, L, inv, vbase, slot, D, n, out, bf16); \
+                       else tile_values(M, p, L, inv, vbase, slot, D, n, out, bf16); } while (0)
+#else
+#define SCORES(M) tile_scores(M, q, kbase, slot, D, n, scale, p, L, bf16)
+#define VALUES(M) tile_values(M, p, L, inv, vbase, slot, D, n, out, bf16)
+#endif
     switch (m) {
-        case 1: tile_scores(1, q, kbase, slot, D, n, scale, p, L, bf16); break;
-        case 2: tile_scores(2, q, kbase, slot, D, n, scale, p, L, bf16); break;
-        default: tile_scores(TILE, q, kbase, slot, D, n, scale, p, L, bf16); break;
+        case 1: SCORES(1); break;
+        case 2: SCORES(2); break;
+        default: SCORES(TILE); break;
     }
     for (int i = 0; i < m; i++) {
         inv[i] = 1.f / softmax_avx2(p + i * L, nv[i]);
         memset(p + i * L + nv[i], 0, sizeof(float) * (n - nv[i]));
     }
     switch (m) {
-        case 1: tile_values(1, p, L, inv, vbase, slot, D, n, out, bf16); break;
-        case 2: tile_values(2, p, L, inv, vbase, slot, D, n, out, bf16); break;
-        default: tile_values(TILE, p, L, inv, vbase, slot, D, n, out, bf16); break;
+        case 1: VALUES(1); break;
+        case 2: VALUES(2); break;
+        default: VALUES(TILE); break;
     }
+#undef SCORES
+#undef VALUES
 }
 
 static void attend_tile_f32(int m, const float *const *q, float *const *out, const int64_t *nv,

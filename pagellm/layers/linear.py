@@ -15,7 +15,7 @@ import os
 
 from pagellm import parallel
 from pagellm.kernels import native
-from pagellm.layers import int8, quant
+from pagellm.layers import int8, onednn, quant
 
 
 # CPUs without bf16 instructions multiply bf16 matrices several times slower than float32
@@ -40,10 +40,10 @@ USE_INT8 = UPCAST_BF16 and os.environ.get("PAGELLM_INT8", "1") != "0"
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           packed=None, wide: int8.NativeInt8 | None = None) -> torch.Tensor:
+           packed=None, wide: int8.NativeInt8 | onednn.OneDNNLinear | None = None) -> torch.Tensor:
     """F.linear; from packed block-quantized weights (quant.NativeQ4, NativeGGUF, ...) for a few
-    rows when the layer has them, from their int8 form (wide) for more; in float32 for batched
-    bf16 inputs on CPUs without bf16 units."""
+    rows when the layer has them, from their wide form for more (int8 codes, or a bf16 weight
+    in oneDNN's layout); in float32 for batched bf16 inputs on CPUs without bf16 units."""
     if packed is not None and quant.few_rows(x.numel() // x.shape[-1], packed.max_rows):
         y = packed(x).to(x.dtype)
         return y if bias is None else y + bias
@@ -103,6 +103,24 @@ def keep_float32(model: nn.Module) -> int:
     return n
 
 
+def prepack_bf16(model: nn.Module) -> int:
+    """On CPUs with bf16 units, reorder every dense bf16 projection weight into oneDNN's
+    blocked layout once (layers/onednn.py) instead of at every product; the dense weight goes
+    to the meta device (the blocked copy holds the same bytes). Returns how many."""
+    if UPCAST_BF16 or not onednn.available() or parallel.tp_size() > 1:
+        return 0
+    n = 0
+    for m in model.modules():
+        w = getattr(m, "weight", None)
+        if (isinstance(m, _Packed) and m.int8 is None and w is not None
+                and w.dtype == torch.bfloat16 and w.device.type == "cpu"):
+            m.onednn = onednn.OneDNNLinear(w.data)
+            m.weight = nn.Parameter(torch.empty(w.shape, dtype=w.dtype, device="meta"),
+                                    requires_grad=False)
+            n += 1
+    return n
+
+
 _BLOCKS = (quant.Int4Blocks, quant.GGUFBlocks)
 
 
@@ -116,6 +134,12 @@ class _Packed:
 
     packed = None  # quant.NativeQ4 | TorchInt4 | NativeGGUF | PackedParts
     int8 = None  # int8.NativeInt8: the same weights for many-row products (USE_INT8)
+    onednn = None  # onednn.OneDNNLinear: the dense bf16 weight, prepacked (prepack_bf16)
+
+    @property
+    def wide(self):
+        """The form many-row products use instead of the dense weight, if any."""
+        return self.int8 if self.int8 is not None else self.onednn
     num_parts = 1
 
     def _keep(self, shard: int, part: quant.Int4Blocks | quant.GGUFBlocks | None,
@@ -184,7 +208,7 @@ class ColumnParallelLinear(_Packed, nn.Module):
             write()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.packed, self.int8)
+        return linear(x, self.weight, self.bias, self.packed, self.wide)
 
 
 class RowParallelLinear(_Packed, nn.Module):
@@ -217,7 +241,7 @@ class RowParallelLinear(_Packed, nn.Module):
         self._keep(0, local, write)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear(x, self.weight, packed=self.packed, wide=self.int8)
+        y = linear(x, self.weight, packed=self.packed, wide=self.wide)
         if self.reduce:
             y = parallel.all_reduce(y)
         return y + self.bias if self.bias is not None else y

@@ -171,10 +171,11 @@ class LlamaForCausalLM(nn.Module):
         return sum(m.packed is not None for m in linears), len(linears)
 
     def weight_bytes(self) -> int:
-        """Parameters plus packed 4-bit and int8 copies: what the weights occupy in memory (a
-        dense weight an int8 form replaced is on the meta device and counts nothing)."""
+        """Parameters plus packed 4-bit copies and wide forms (int8 codes, prepacked bf16):
+        what the weights occupy in memory (a dense weight a wide form replaced is on the meta
+        device and counts nothing)."""
         packed = sum(m.packed.nbytes for m in self.modules() if getattr(m, "packed", None) is not None)
-        packed += sum(m.int8.nbytes for m in self.modules() if getattr(m, "int8", None) is not None)
+        packed += sum(m.wide.nbytes for m in self.modules() if getattr(m, "wide", None) is not None)
         packed += self.head_packed.nbytes if self.head_packed is not None else 0
         head = getattr(self, "_head_f32", None)
         head = 0 if head is None else head[1].numel() * 4

@@ -8,7 +8,7 @@ import torch
 from pagellm.attention.base import get_attention_backend
 from pagellm import parallel
 from pagellm.kernels import native
-from pagellm.layers.linear import float32_biases, keep_float32, upcast
+from pagellm.layers.linear import float32_biases, keep_float32, prepack_bf16, upcast
 from pagellm.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -87,4 +87,6 @@ def build_model(files, dtype: torch.dtype, device: torch.device, max_position: i
         float32_biases(model)
         model.use_float32_activations()
         model.enable_fused_decode()
+    if device.type == "cpu" and dtype == torch.bfloat16:
+        prepack_bf16(model)  # bf16 units: dense products from oneDNN's layout, made once
     return model

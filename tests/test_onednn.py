@@ -1,0 +1,54 @@
+"""Dense bf16 products from a weight prepacked once into oneDNN's layout (layers/onednn.py)
+are the plain bf16 product's values, at every row count and through the projection modules."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagellm.layers import linear as lin
+from pagellm.layers import onednn
+
+pytestmark = pytest.mark.skipif(not onednn.available(), reason="PyTorch without oneDNN")
+
+
+@pytest.mark.parametrize("rows", [1, 7, 64, 300])
+def test_prepacked_product_is_the_bf16_product(rows):
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(96, 80, generator=g).to(torch.bfloat16)
+    x = torch.randn(2, rows, 80, generator=g)
+    y = onednn.OneDNNLinear(w)(x)
+    assert y.dtype == torch.bfloat16 and y.shape == (2, rows, 96)
+    assert torch.equal(y, F.linear(x.to(torch.bfloat16), w))
+
+
+def test_projection_with_a_prepacked_weight(monkeypatch):
+    """prepack_bf16 moves a bf16 projection's weight into oneDNN's layout (the dense one to
+    the meta device) where bf16 products run natively; its outputs keep the activations'
+    dtype and add the bias; a float32 projection is left alone."""
+    monkeypatch.setattr(lin, "UPCAST_BF16", False)
+    torch.manual_seed(0)
+    col = lin.ColumnParallelLinear(48, ((32, 1), (16, 1)), bias=True)
+    col.weight.data.normal_()
+    col.bias.data.normal_()
+    row = lin.RowParallelLinear(48, 24)
+    row.weight.data.normal_()
+    keep = lin.RowParallelLinear(48, 24)  # stays float32
+    for m in (col, row):
+        m.to(torch.bfloat16)
+    col.bias.data = col.bias.data.float()  # (float32 biases, as float32_biases leaves them)
+    want_col = F.linear(torch.ones(5, 48).to(torch.bfloat16), col.weight).float() + col.bias
+    x = torch.randn(5, 48)
+    want_row = F.linear(x.to(torch.bfloat16), row.weight).float()
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.col, self.row, self.keep = col, row, keep
+
+    assert lin.prepack_bf16(Model()) == 2
+    assert col.weight.device.type == "meta" and row.weight.device.type == "meta"
+    assert keep.onednn is None and keep.weight.device.type == "cpu"
+    assert torch.equal(col(torch.ones(5, 48)), want_col)
+    out = row(x)
+    assert out.dtype == torch.float32 and torch.equal(out, want_row)
