@@ -134,3 +134,16 @@ def test_spec_pretest_runs_hf_assisted_generation_with_the_draft(tmp_path):
     assisted = rows["hf assisted"]
     assert assisted["ms_per_token"] > 0 and assisted["mean_output_tokens"] == 8
     assert assisted["same_as_off"] == 1.0
+
+
+def test_spec_configs_choose_the_engines(tmp_path):
+    """--configs keeps "off" and the configurations named (each one is an engine holding both
+    models); an unknown name is refused, naming the flag."""
+    import pytest
+
+    out = tmp_path / "out"
+    assert spec.main(["--smoke", "--configs", "ngram", "--peers", "", "--out", str(out)]) == 0
+    engines = {r["engine"] for r in outputs(out, "spec")["results"]}
+    assert engines == {"off", "ngram", "ngram spec-off"}
+    with pytest.raises(ValueError, match="--configs"):
+        spec.main(["--smoke", "--configs", "ngramm", "--peers", "", "--out", str(out)])

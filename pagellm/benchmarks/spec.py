@@ -111,6 +111,9 @@ def parse_args(argv):
     p.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens")
     p.add_argument("--no-fixed-k", dest="fixed_k", action="store_false",
                    help="leave out the fixed-k (adaptive off) configurations")
+    p.add_argument("--configs", default=None,
+                   help="comma-separated configurations to run (e.g. 'draft,draft+lookup'; "
+                        "'off' always runs): each is an engine with both models in memory")
     common.add_output_args(p)
     args = p.parse_args(argv)
     if args.draft_layers is None:
@@ -176,6 +179,12 @@ def configs(args) -> dict[str, dict | None]:
         for adaptive in (True, False) if args.fixed_k else (True,):
             out[f"{name}{'' if adaptive else ' fixed-k'}"] = {
                 **cfg, "num_speculative_tokens": args.k, "adaptive": adaptive}
+    if args.configs:  # "off" always: every ratio is against it
+        wanted = [c.strip() for c in args.configs.split(",") if c.strip()]
+        unknown = sorted(set(wanted) - set(out))
+        if unknown:
+            raise ValueError(f"--configs: unknown {unknown}; choose from {sorted(out)}")
+        out = {k: v for k, v in out.items() if k == "off" or k in wanted}
     return out
 
 
