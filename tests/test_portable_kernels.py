@@ -60,3 +60,8 @@ def test_fused_layer(portable, monkeypatch):
 
     monkeypatch.setattr(linear, "UPCAST_BF16", True)  # as test_cpu_layer's autouse fixture
     test_cpu_layer.test_fused_layer_matches_module_path()
+
+
+@pytest.mark.parametrize("rows,inter", [(1, 8), (5, 37)])
+def test_silu_mul_bf16(portable, rows, inter):
+    test_cpu_layer.test_silu_mul_bf16_is_the_float32_gate_rounded_once(rows, inter)

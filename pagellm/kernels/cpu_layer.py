@@ -117,3 +117,13 @@ def _step_ok(md: AttentionMetadata) -> bool:
         md.cache["fused_ok"] = ok
         md.cache["fused_seqs"] = torch.arange(md.num_seqs, dtype=torch.int32)
     return ok
+
+
+def silu_mul_bf16(gu: torch.Tensor) -> torch.Tensor:
+    """gu [T, 2I] bf16 (gate | up) -> silu(gate) * up [T, I] bf16, computed in float32 and
+    rounded once (cpu_layer.c)."""
+    t, two_i = gu.shape
+    out = torch.empty(t, two_i // 2, dtype=torch.bfloat16)
+    native.library().silu_mul_bf16(gu.contiguous().data_ptr(), out.data_ptr(), t, two_i // 2,
+                                   torch.get_num_threads())
+    return out

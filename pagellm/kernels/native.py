@@ -37,6 +37,7 @@ SIGNATURES = {
     "quantize_i8": ([_P, _I64, _I64, _P, _P, _P, _P], None),
     "i8_linear": ([_P, _P, _P, _I64, _I64, _P, _P, _P, _I64, _P, _I64, _I32], None),
     "rms_norm": ([_P, _P, _P, _P, _P, _I64, _I64, _F32], None),
+    "silu_mul_bf16": ([_P, _P, _I64, _I64, _I32], None),
     "decode_layer": ([_P, _I64, _I64, _F32, _P, _P, _P, _I64, _I64,
                       _I64, _I64, _P, _P, _P, _P, _P, _I64, _I64, _P, _P, _I64, _P, _P, _P, _I64,
                       _F32, _I32, _I32], ctypes.c_int),
@@ -47,6 +48,7 @@ def enabled() -> bool:
     return os.environ.get("PAGELLM_NATIVE_KERNELS", "1") != "0"
 
 
+@functools.cache
 def cpu_has_bf16_units() -> bool:
     """AVX-512 bf16 or AMX: bf16 matrix products run natively (oneDNN), many times faster per
     row than float32 ones or block-quantized kernels once a product has more than a few rows."""

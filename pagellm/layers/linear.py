@@ -140,6 +140,11 @@ class _Packed:
     def wide(self):
         """The form many-row products use instead of the dense weight, if any."""
         return self.int8 if self.int8 is not None else self.onednn
+
+    def takes_wide(self, x: torch.Tensor) -> bool:
+        """Whether linear() multiplies x by the wide form (not the packed few-row kernels)."""
+        return self.wide is not None and not (self.packed is not None and quant.few_rows(
+            x.numel() // x.shape[-1], self.packed.max_rows))
     num_parts = 1
 
     def _keep(self, shard: int, part: quant.Int4Blocks | quant.GGUFBlocks | None,

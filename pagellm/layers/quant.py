@@ -180,11 +180,9 @@ class NativeQ8:
     """An LM head kept as Q8_0 (the default model stores its tied embedding so): 2.5x faster
     than a bf16 product for 1 row, 5-6x than float32 for 2-16 rows (AVX2, 49152 x 576)."""
 
-    # AVX2: 64 rows 55 ms vs 74 dense float32 (hot); more rows come only from batched
-    # verification. Where bf16 products run natively (AVX-512 bf16 / AMX, oneDNN) the dense
-    # bf16 head wins from ~8 rows on (2-core Xeon: 8 rows 2.5 ms both, 16 rows 5.6 vs 2.8 ms,
-    # 64 rows 23.5 vs 5.0 ms).
-    max_rows = 9 if native.cpu_has_bf16_units() else 65
+    # 64 rows: 55 ms vs 74 dense float32 (hot); more rows come only from batched verification.
+    # (Where bf16 products run natively the model takes it for fewer rows: head_max_rows.)
+    max_rows = 65
 
     def __init__(self, w: Int8Blocks):
         self.codes, self.scale = w.q.contiguous(), w.scale.float().contiguous()
