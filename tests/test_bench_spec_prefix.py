@@ -111,6 +111,10 @@ def test_spec_pretest_of_a_draft_on_your_prompts(tmp_path):
     # target's own draft or of its text is accepted
     both = rows[("yours", 1, "draft+lookup fixed-k")]
     assert both["acceptance_rate"] == 1.0
+    # the paired baseline is the same engine with speculation off per request: nothing is
+    # proposed for it, not even the lookup's free proposals
+    for e in ("draft spec-off", "draft+lookup spec-off"):
+        assert rows[("yours", 1, e)]["acceptance_rate"] is None
     assert all(v.startswith(("pays at batch <= ", "does not pay at batch 1"))
                for v in verdicts.values())
     assert "Verdicts" in (out / "spec.md").read_text()

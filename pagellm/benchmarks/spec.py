@@ -199,13 +199,13 @@ class Engine:
                        speculative_config=spec_config)
         self.params = SamplingParams(temperature=0, max_tokens=args.max_tokens,
                                      ignore_eos=args.ignore_eos)
-        self.spec, self.ks = self.llm.engine.spec, []
+        self.spec, self.ks, self.recording = self.llm.engine.spec, [], True
         if self.spec is not None:
             ctl, choose = self.spec.controller, self.spec.controller.choose
 
             def recording_choose(seqs, avail=None, kinds=None):
                 ks = choose(seqs, avail, kinds)
-                if seqs:
+                if seqs and self.recording:
                     self.ks.append(max(ks))
                 return ks
 
@@ -218,13 +218,15 @@ class Engine:
         before = self.spec.stats.as_dict() if self.spec else None
         self.ks.clear()
         start = time.perf_counter()
-        if spec_off:
-            ctl = self.spec.controller
-            choose, ctl.choose = ctl.choose, lambda seqs, avail=None, kinds=None: [0] * len(seqs)
+        if spec_off:  # per request, as a user would: no proposer runs for these requests
+            import dataclasses
+
+            off = dataclasses.replace(self.params, num_speculative_tokens=0)
+            self.recording = False  # (the controller's k is capped at 0 for each of them)
             try:
-                outs = self.llm.generate(prompts, self.params, use_tqdm=False)
+                outs = self.llm.generate(prompts, off, use_tqdm=False)
             finally:
-                ctl.choose = choose
+                self.recording = True
         else:
             outs = self.llm.generate(prompts, self.params, use_tqdm=False)
         res = {"wall_s": time.perf_counter() - start,
