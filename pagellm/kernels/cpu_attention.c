@@ -31,17 +31,6 @@ static inline void axpy(float *y, float a, const float *x, int64_t n) {
     for (int64_t i = 0; i < n; i++) y[i] += a * x[i];
 }
 
-static inline float bf16_to_f32(uint16_t h) {
-    union { uint32_t u; float f; } v = { (uint32_t)h << 16 };
-    return v.f;
-}
-
-static inline uint16_t f32_to_bf16(float x) {  /* round to nearest even; NaN stays NaN */
-    union { float f; uint32_t u; } v = { x };
-    if ((v.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((v.u >> 16) | 0x40);
-    return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
-}
-
 /* Row `slot` of a head's pool (D values) as float32: in place for a float32 pool, widened into
  * tmp for a bf16 one. */
 static inline const float *kv_row(const void *base, int64_t slot, int64_t D, int bf16,

@@ -95,17 +95,6 @@ static void silu_mul(const float *g, const float *u, float *a, int64_t n) {
     for (; i < n; i++) a[i] = g[i] / (1.f + expf(-g[i])) * u[i];
 }
 
-static inline float bf16_to_float(uint16_t h) {
-    union { uint32_t u; float f; } v = { (uint32_t)h << 16 };
-    return v.f;
-}
-
-static inline uint16_t float_to_bf16(float x) {  /* round to nearest even; NaN stays NaN */
-    union { float f; uint32_t u; } v = { x };
-    if ((v.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((v.u >> 16) | 0x40);
-    return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
-}
-
 /* gu [T, 2I] bf16 (gate | up per row) -> a [T, I] bf16 = silu(g) * u, computed in float32 and
  * rounded once: the many-row MLP's gating on CPUs with bf16 units (models/llama.py), where
  * PyTorch's bf16 silu and product over a [2048, 8960] step cost ~25 ms a layer. */
@@ -136,8 +125,8 @@ void silu_mul_bf16(const uint16_t *gu, uint16_t *a, int64_t T, int64_t I, int th
         }
 #endif
         for (; i < I; i++) {
-            const float gf = bf16_to_float(g[i]);
-            out[i] = float_to_bf16(gf / (1.f + expf(-gf)) * bf16_to_float(u[i]));
+            const float gf = bf16_to_f32(g[i]);
+            out[i] = f32_to_bf16(gf / (1.f + expf(-gf)) * bf16_to_f32(u[i]));
         }
     }
 }

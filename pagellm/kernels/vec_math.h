@@ -1,10 +1,24 @@
-/* AVX2 helpers shared by the kernels: exp of 8 floats (softmax, SiLU) and horizontal sums.
+/* Helpers shared by the kernels: bf16 <-> float32 by bits; with AVX2, exp of 8 floats
+ * (softmax, SiLU) and horizontal sums.
  * exp8 is the Cephes expf scheme: n = round(x / ln 2), r = x - n ln 2 in two parts, a
  * degree-6 polynomial for e^r, then 2^n through the exponent bits; ~2 ulp over the clamped
  * range [-87.3, 88.7] (below it returns ~1e-38 instead of a denormal or 0, which a softmax or
  * a SiLU cannot tell apart). glibc's scalar expf cost a 5-row step ~1 ms. */
 #ifndef PAGELLM_VEC_MATH_H
 #define PAGELLM_VEC_MATH_H
+#include <stdint.h>
+
+/* bf16 <-> float32 by bits: a bf16 is a float32's top half (bf16 KV pools, bf16 activations) */
+static inline float bf16_to_f32(uint16_t h) {
+    union { uint32_t u; float f; } v = { (uint32_t)h << 16 };
+    return v.f;
+}
+
+static inline uint16_t f32_to_bf16(float x) {  /* round to nearest even; NaN stays NaN */
+    union { float f; uint32_t u; } v = { x };
+    if ((v.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((v.u >> 16) | 0x40);
+    return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
+}
 #ifdef __AVX2__
 #include <immintrin.h>
 
