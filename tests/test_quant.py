@@ -142,12 +142,16 @@ def test_default_model_packed_matches_dense():
             assert llm.engine.model.weight_bytes() > dense  # the packed copies are counted
         outs[q] = llm.generate(prompts, params, use_tqdm=False)
         llm.shutdown()
-    # TOL: both runs are bf16; a bf16 logit near 16 is rounded to 1/16 (2^-8 relative), and
-    # the packed run's int16 activations add ~1e-4 relative: log-probabilities agree within
-    # 0.1. Greedy tokens then agree at every position, except where the dense run's chosen
-    # token leads the runner-up by less than 2 * TOL (a near-tie either side may break);
-    # from there the two continuations may differ.
-    TOL = 0.1
+    # TOL: the dense run computes in bf16 end to end, logits included: a bf16 logit between
+    # 16 and 32 is a multiple of 1/8 (7 mantissa bits), so each of the two logits behind a
+    # log-probability (the token's and the largest, which dominates the normalizer) is off by
+    # up to 1/16, and the bf16 activations of 30 layers drift a little more; the packed run
+    # (float32 activations, int16 block sums ~1e-4 relative) has float32 logits. Observed:
+    # 0.139 (0.125 of it two rounding steps of 1/16) where a SiLU rounded once instead of twice
+    # moved the dense run's roundings. Greedy tokens then agree at every position, except
+    # where the dense run's chosen token leads the runner-up by less than 2 * TOL (a near-tie
+    # either side may break); from there the two continuations may differ.
+    TOL = 0.2
     for dense, packed in zip(outs["none"], outs["gguf"]):
         assert_greedy_close(dense.outputs[0], packed.outputs[0], TOL)
 
