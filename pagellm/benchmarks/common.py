@@ -108,19 +108,14 @@ def median(xs: list[float]) -> float | None:
     return statistics.median(xs) if xs else None
 
 
-def cpu_has_bf16_units() -> bool:
-    if not os.path.exists("/proc/cpuinfo"):
-        return False
-    flags = open("/proc/cpuinfo").read()
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
 def peer_dtype(dtype: str) -> str:
     """What a peer runs for --dtype: 'auto' is its faster dtype on this CPU (bfloat16 where
     the CPU has bf16 units; elsewhere bf16 products are emulated, several times slower)."""
     if dtype != "auto":
         return dtype
-    return "bfloat16" if cpu_has_bf16_units() else "float32"
+    from pagellm.kernels import native
+
+    return "bfloat16" if native.cpu_has_bf16_units() else "float32"
 
 
 def importable(module: str) -> bool:
@@ -335,15 +330,21 @@ def prepare_hf_folder(spec: ModelSpec, dest: str) -> str:
     return dest
 
 
+def quantization_variants(args) -> list[str]:
+    """The pagellm rows --quantization asks for (auto, none, gguf)."""
+    variants = [q for q in getattr(args, "quantization", "auto").split(",") if q] or ["auto"]
+    bad = set(variants) - {"auto", "none", "gguf"}
+    if bad:
+        raise ValueError(f"--quantization: unknown {sorted(bad)}; use auto, none or gguf")
+    return variants
+
+
 def make_runners(args, spec: ModelSpec, max_model_len: int) -> tuple[list, dict[str, str]]:
     """pagellm plus the peers asked for in args.peers; peers that cannot run are returned in
     `skipped` as {name: reason} for the table."""
     if args.threads:
         torch.set_num_threads(args.threads)
-    variants = [q for q in getattr(args, "quantization", "auto").split(",") if q] or ["auto"]
-    bad = set(variants) - {"auto", "none", "gguf"}
-    if bad:
-        raise ValueError(f"--quantization: unknown {sorted(bad)}; use auto, none or gguf")
+    variants = quantization_variants(args)
     runners = [PagellmRunner(spec, args.dtype, args.max_num_seqs, args.kv_cache_memory, q)
                for q in variants]
     skipped: dict[str, str] = {}

@@ -181,11 +181,8 @@ def run_batched_bench(model: str, n: int, args) -> dict:
 
 # ---- the run ------------------------------------------------------------------------------
 def engines(args) -> tuple[list[str], dict[str, str]]:
-    variants = [q for q in args.quantization.split(",") if q] or ["auto"]
-    bad = set(variants) - {"auto", "none", "gguf"}
-    if bad:
-        raise ValueError(f"--quantization: unknown {sorted(bad)}; use auto, none or gguf")
-    names = ["pagellm" if q == "auto" else f"pagellm [{q}]" for q in variants]
+    names = ["pagellm" if q == "auto" else f"pagellm [{q}]"
+             for q in common.quantization_variants(args)]
     skipped = {}
     for peer in [p for p in args.peers.split(",") if p]:
         if peer not in common.PEERS:

@@ -120,10 +120,14 @@ def _step_ok(md: AttentionMetadata) -> bool:
 
 
 def silu_mul_bf16(gu: torch.Tensor) -> torch.Tensor:
-    """gu [T, 2I] bf16 (gate | up) -> silu(gate) * up [T, I] bf16, computed in float32 and
-    rounded once (cpu_layer.c)."""
-    t, two_i = gu.shape
-    out = torch.empty(t, two_i // 2, dtype=torch.bfloat16)
-    native.library().silu_mul_bf16(gu.contiguous().data_ptr(), out.data_ptr(), t, two_i // 2,
+    """gu [..., 2I] bf16 (gate | up) -> silu(gate) * up [..., I] bf16, computed in float32 and
+    rounded once (cpu_layer.c); PyTorch's bf16 ops without the native kernels."""
+    if not native.available():
+        gate, up = gu.chunk(2, dim=-1)
+        return torch.nn.functional.silu(gate) * up
+    two_i = gu.shape[-1]
+    flat = gu.reshape(-1, two_i).contiguous()
+    out = torch.empty(flat.shape[0], two_i // 2, dtype=torch.bfloat16)
+    native.library().silu_mul_bf16(flat.data_ptr(), out.data_ptr(), flat.shape[0], two_i // 2,
                                    torch.get_num_threads())
-    return out
+    return out.view(*gu.shape[:-1], two_i // 2)

@@ -12,7 +12,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagellm.attention.base import AttentionBackend, AttentionMetadata
-from pagellm.kernels import native
 from pagellm.kernels.cpu_layer import FusedDecodeLayer, silu_mul_bf16
 from pagellm.layers import quant
 from pagellm.layers.attention import PagedSelfAttention
@@ -27,7 +26,7 @@ def head_max_rows(head) -> int:
     Where bf16 products run natively (AVX-512 bf16 / AMX) the dense bf16 head wins early
     (2-core Xeon with AMX: the default model's Q8_0 head level at 8 rows, 64 rows 23.5 vs
     5.0 ms; Qwen2.5-1.5B's Q6_K head 1 row 7.3 vs 24 ms, 6 rows 28 vs 26, 16 rows 75 vs 28)."""
-    if native.cpu_has_bf16_units():
+    if not linear_mod.UPCAST_BF16:
         return min(head.max_rows, 9 if isinstance(head, quant.NativeQ8) else 6)
     return head.max_rows
 
@@ -48,11 +47,7 @@ class MLP(nn.Module):
             # projection's input would be anyway); float32 tensors between them made a
             # 2,048-token prefill step of a 1.5B model spend 2.7 of 6 s converting and gating
             # [2048, 17920] values
-            h = gu.onednn(x)
-            if native.available() and h.dim() == 2:
-                return down.onednn(silu_mul_bf16(h)).to(x.dtype)
-            gate, up = h.chunk(2, dim=-1)
-            return down.onednn(F.silu(gate) * up).to(x.dtype)
+            return down.onednn(silu_mul_bf16(gu.onednn(x))).to(x.dtype)
         gate, up = gu(x).chunk(2, dim=-1)
         return down(F.silu(gate) * up)
 
