@@ -16,6 +16,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--quantization", default=None, choices=["gguf", "none"],
                    help="default: a GGUF file's Q4_0/Q4_1 weights stay packed when running "
                         "bfloat16 on the CPU; gguf: insist on it; none: dequantize at load")
+    g.add_argument("--warmup", choices=["auto", "on", "off"], default="auto",
+                   help="a profiling forward before the KV budget is read and warm-up forwards "
+                        "of the step shapes (auto: on a GPU)")
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--kv-cache-memory", default=None, help="KV budget, e.g. 2GiB or 500MB")
     g.add_argument("--kv-cache-dtype", default="auto",
@@ -61,7 +64,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching, seed=args.seed,
         tensor_parallel_size=args.tensor_parallel_size, speculative_config=spec,
-        quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
+        quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
+        warmup={"auto": None, "on": True, "off": False}[args.warmup])
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

@@ -27,7 +27,8 @@ def parse_bytes(value: int | float | str, name: str) -> int:
 @dataclass(frozen=True, slots=True)
 class CacheConfig:
     block_size: int = 16
-    # Exactly one of these decides the KV budget; both None -> fraction 0.3 of available memory.
+    # At most one of these decides the KV budget; both None -> on the CPU min(2 GiB, a quarter
+    # of available memory), on a GPU 0.9 of its memory less what is in use (engine/memory.py).
     kv_cache_memory: int | None = None  # bytes
     kv_cache_fraction: float | None = None  # of available (CPU) / free (GPU) memory
     enable_prefix_caching: bool = True
@@ -128,8 +129,15 @@ class EngineConfig:
     # None (auto): a GGUF file's Q4_0/Q4_1 projections stay packed when running bfloat16 on
     # the CPU; "gguf": insist on that; "none": dequantize every weight at load.
     quantization: str | None = None
+    # A profiling forward at the largest step before the KV budget is read (its activations
+    # come off the budget) and warm-up forwards of the step shapes (GPU kernels compile
+    # here, not on the first requests). None (auto): on a GPU; off on the CPU, where there is
+    # nothing to compile and the budget is not taken from what is left.
+    warmup: bool | None = None
 
     def __post_init__(self):
+        if self.warmup not in (None, True, False):
+            raise ValueError(f"warmup must be true, false or None (auto), got {self.warmup!r}")
         if self.quantization not in (None, "gguf", "none"):
             raise ValueError(f"quantization must be gguf, none or None (auto), "
                              f"got {self.quantization!r}")

@@ -23,10 +23,11 @@ class LLM:
                  max_model_len: int | None = None, enable_prefix_caching: bool = True,
                  speculative_config: dict | SpeculativeConfig | None = None, seed: int = 0,
                  device: str = "auto", tensor_parallel_size: int = 1,
-                 quantization: str | None = None, kv_cache_dtype: str = "auto"):
+                 quantization: str | None = None, kv_cache_dtype: str = "auto",
+                 warmup: bool | None = None):
         config = EngineConfig(
             model=model, dtype=dtype, device=device, max_model_len=max_model_len, seed=seed,
-            tensor_parallel_size=tensor_parallel_size, quantization=quantization,
+            tensor_parallel_size=tensor_parallel_size, quantization=quantization, warmup=warmup,
             cache=CacheConfig(
                 block_size=block_size,
                 kv_cache_memory=None if kv_cache_memory is None else parse_bytes(

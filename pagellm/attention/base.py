@@ -51,6 +51,10 @@ class AttentionBackend(ABC):
         return torch.zeros(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype,
                            device=device)
 
+    def warm_up(self, runner, query_lens: list[int]) -> None:
+        """Compile, over the runner's fresh pool, the kernels for these query lengths that the
+        engine's warm-up forwards do not reach (a no-op where nothing compiles)."""
+
     @abstractmethod
     def write_kv(
         self,

@@ -12,7 +12,7 @@ import torch
 from pagellm.config import EngineConfig
 from pagellm.engine.block_manager import BlockManager
 from pagellm.engine.detokenizer import append_text, find_stop_string
-from pagellm.engine.model_runner import ModelRunner, WorkerDiedError
+from pagellm.engine.model_runner import ModelRunner, WorkerDiedError, profile_forward
 from pagellm.engine.scheduler import Scheduler, SchedulerOutput
 from pagellm.kernels.malloc import keep_freed_memory, release_freed_memory
 from pagellm.engine.memory import (num_kv_blocks, resolve_device,
@@ -82,8 +82,20 @@ class LLMEngine:
         cc = config.cache
         self.kv_dtype = resolve_kv_dtype(cc.kv_cache_dtype, self.dtype, self.device,
                                          self.model.act_dtype)
+        # Every model is loaded, and the largest step profiled, before the KV budget is read:
+        # the budget is what is left of one memory budget.
+        draft = None
+        if config.speculative is not None:
+            from pagellm.spec_decode.setup import load_draft, needs_draft_model
+
+            if needs_draft_model(config.speculative, self.dtype, self.device):
+                draft = load_draft(config.speculative, files, self.dtype, self.device,
+                                   self.max_model_len, config.quantization)
+        self.warmup = (config.warmup if config.warmup is not None
+                       else self.device.type == "cuda") and self._tp_procs is None
+        activation_peak = self._profile(draft) if self.warmup else 0
         self.num_blocks, budget = num_kv_blocks(files.config, cc, self.kv_dtype, self.device,
-                                                config.tensor_parallel_size)
+                                                config.tensor_parallel_size, activation_peak)
         self.spec = None
         if config.speculative is not None:
             from pagellm.spec_decode.setup import build_spec_decoder
@@ -92,7 +104,7 @@ class LLMEngine:
                 config.speculative, target_files=files, target_model=self.model,
                 target_dtype=self.dtype, device=self.device, max_model_len=self.max_model_len,
                 eos_token_id=self.eos_token_ids, kv_budget=budget, block_size=cc.block_size,
-                quantization=config.quantization, kv_cache_dtype=cc.kv_cache_dtype)
+                quantization=config.quantization, kv_cache_dtype=cc.kv_cache_dtype, draft=draft)
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB, %s, %d tokens)", self.num_blocks,
                     cc.block_size, budget / 2**20, self.kv_dtype, self.num_blocks * cc.block_size)
         self.block_manager = BlockManager(self.num_blocks, cc.block_size, cc.enable_prefix_caching)
@@ -109,6 +121,8 @@ class LLMEngine:
                                       self.device)
         if self.spec is not None:
             self.spec.bind(self.scheduler, self.runner, packed_row_limit(self.model))
+        if self.warmup:
+            self._warm_up()
         self.memory_split = self._memory_split()  # fixed from here on: read by /metrics
         m = {k: v / 2**20 for k, v in self.memory_split.items()}
         logger.info("memory: target weights %.0f MiB + KV %.0f MiB; draft weights %.0f MiB + "
@@ -116,7 +130,9 @@ class LLMEngine:
                     m["draft_kv"])
         self.requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
-        self._rng = torch.Generator().manual_seed(config.seed)
+        # Draws of requests without a seed of their own, on the model's device (a seeded
+        # request's generator stays on the CPU: a seed draws the same on every device).
+        self._rng = torch.Generator(device=self.device).manual_seed(config.seed)
         self.num_prompt_tokens = 0  # counters for metrics
         self.num_generation_tokens = 0
         self.dead: str | None = None  # why the engine cannot run any more (a lost worker)
@@ -298,6 +314,43 @@ class LLMEngine:
             kept.num_tokens.append(n)
         logits = torch.cat(parts) if parts else torch.empty(0)
         return kept, logits, failed
+
+    def _profile(self, draft) -> int:
+        """A forward of the largest step (one prompt of the token budget, logits for as many
+        rows as a step can sample) through the target and the draft model; returns the
+        activation bytes to keep out of the KV budget (GPU; 0 on the CPU)."""
+        sc, cc, spec = self.config.scheduler, self.config.cache, self.config.speculative
+        tokens = min(sc.max_num_batched_tokens, self.max_model_len)
+        rows = sc.max_num_seqs * (1 + (spec.num_speculative_tokens if spec else 0))
+        start = time.perf_counter()
+        peak = profile_forward(self.model, tokens, rows, cc.block_size, self.kv_dtype,
+                               self.device)
+        if draft is not None:
+            _, model, dtype = draft
+            kv = resolve_kv_dtype(cc.kv_cache_dtype, dtype, self.device, model.act_dtype)
+            peak = max(peak, profile_forward(model, tokens, sc.max_num_seqs, cc.block_size, kv,
+                                             self.device))
+        logger.info("profiled a %d-token step in %.2f s: %.0f MiB of activations", tokens,
+                    time.perf_counter() - start, peak / 2**20)
+        return peak
+
+    def _warm_up(self) -> None:
+        """Forwards of the decode and verification shapes over the fresh pool (no block is in
+        use yet), the draft's decode too: kernels compile here, not on the first requests."""
+        start = time.perf_counter()
+        spec = self.config.speculative
+        k = spec.num_speculative_tokens if spec else 0
+        lens = sorted({1, *(1 + 2**i for i in range(k.bit_length()) if 2**i <= k), 1 + k})
+        shapes = self.runner.warm_up(self.config.scheduler.max_num_seqs, lens)
+        draft = self.spec.draft_runner() if self.spec is not None else None
+        if draft is not None:
+            shapes += draft.warm_up(self.config.scheduler.max_num_seqs, [1])
+        self.model.layers[0].self_attn.backend.warm_up(self.runner, lens)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        logger.info("warm-up: %d step shapes (sequences, tokens each) %s in %.2f s",
+                    len(shapes), shapes, time.perf_counter() - start)
+        self.warmup_shapes = shapes
 
     def _memory_split(self) -> dict[str, int]:
         """Bytes of the one memory budget: the target's weights and KV pool and, with a draft

@@ -68,25 +68,43 @@ def available_memory(device: torch.device) -> int:
     raise RuntimeError("cannot read MemAvailable from /proc/meminfo")
 
 
-def kv_budget_bytes(cache: CacheConfig, device: torch.device) -> int:
+# On a GPU the default budget is this share of the device's memory, less what is in use when
+# it is read (weights of every model, the CUDA context, other processes) and the profiling
+# forward's activation peak.
+GPU_MEMORY_UTILIZATION = 0.9
+
+
+def kv_budget_bytes(cache: CacheConfig, device: torch.device, activation_peak: int = 0) -> int:
+    """The KV pool's bytes, read once every model is loaded. activation_peak: what the
+    profiling forward (the largest step) took beyond the weights, on a GPU (0 on the CPU,
+    where MemAvailable read after that forward already counts what the allocator kept)."""
     if cache.kv_cache_memory is not None:
         return cache.kv_cache_memory
     if cache.kv_cache_fraction is not None:
-        return int(available_memory(device) * cache.kv_cache_fraction)
+        return int(max(0, available_memory(device) - activation_peak) * cache.kv_cache_fraction)
     if device.type == "cuda":
-        return int(available_memory(device) * 0.85)
+        free, total = torch.cuda.mem_get_info(device)
+        return int(total * GPU_MEMORY_UTILIZATION) - (total - free) - activation_peak
     return min(DEFAULT_KV_CACHE_BYTES, available_memory(device) // 4)
 
 
 def num_kv_blocks(config, cache: CacheConfig, dtype: torch.dtype, device: torch.device,
-                  tp_size: int = 1) -> tuple[int, int]:
+                  tp_size: int = 1, activation_peak: int = 0) -> tuple[int, int]:
     """(number of blocks, budget in bytes). ValueError when not even one block fits."""
     from pagellm.engine.model_runner import kv_bytes_per_block
 
-    budget = kv_budget_bytes(cache, device)
+    budget = kv_budget_bytes(cache, device, activation_peak)
     per_block = kv_bytes_per_block(config, cache.block_size, dtype, tp_size)
     n = budget // per_block
     if n < 1:
-        raise ValueError(f"kv_cache_memory {budget} bytes holds no block of {per_block} bytes")
+        if cache.kv_cache_memory is not None:
+            raise ValueError(f"kv_cache_memory {budget} bytes holds no block of {per_block} bytes")
+        source = (f"kv_cache_fraction {cache.kv_cache_fraction} of available memory"
+                  if cache.kv_cache_fraction is not None else
+                  f"{GPU_MEMORY_UTILIZATION} of the GPU's memory less what is in use"
+                  if device.type == "cuda" else "a quarter of available memory")
+        raise ValueError(f"the KV budget ({source}, after loading the weights"
+                         f"{f' and {activation_peak} bytes of activations' if activation_peak else ''})"
+                         f" is {budget} bytes: no block of {per_block} bytes fits; set "
+                         "kv_cache_memory, or free memory")
     return int(n), budget
-

@@ -24,6 +24,43 @@ def kv_bytes_per_block(config, block_size: int, dtype: torch.dtype, tp_size: int
     return 2 * config.num_hidden_layers * block_size * kv_heads * head_dim * elem
 
 
+def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on the device: itself on the CPU; on a GPU one asynchronous copy from
+    page-locked memory (PyTorch's caching host allocator keeps the pinned block until the copy
+    has run, so the next step's buffer cannot overwrite it), which lets the host go on building
+    the step while the copy runs."""
+    if device.type == "cpu":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+def profile_forward(model, num_tokens: int, num_logit_rows: int, block_size: int,
+                    kv_dtype: torch.dtype, device: torch.device) -> int:
+    """One forward of a num_tokens-token prompt over a temporary pool just large enough, and
+    logits (with a softmax, as sampling makes) for num_logit_rows rows: the largest step the
+    scheduler can make. Returns the bytes it took beyond what was allocated before, on a GPU
+    (0 on the CPU, where the allocator's retained memory shows in MemAvailable instead)."""
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+    runner = ModelRunner(model, -(-num_tokens // block_size), block_size, kv_dtype, device)
+    ids, pos, md = runner.synthetic_step([num_tokens])
+    rows = min(num_logit_rows, num_tokens)
+    runner.forward(ids, pos, md, list(range(num_tokens - rows, num_tokens))).softmax(dim=-1)
+    pool = sum(k.nbytes + v.nbytes for k, v in runner.kv_caches)
+    for layer in model.layers:  # the temporary pool goes; the engine's runner binds its own
+        layer.self_attn.k_cache = layer.self_attn.v_cache = None
+    del runner
+    if not cuda:
+        return 0
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - before - pool
+    torch.cuda.empty_cache()
+    return max(0, peak)
+
+
 class WorkerDiedError(RuntimeError):
     """A tensor-parallel worker is gone: the engine cannot run any step any more."""
 
@@ -38,6 +75,7 @@ class ModelRunner:
         attn = model.layers[0].self_attn
         shape = (num_blocks, block_size, attn.num_kv_heads, attn.head_dim)
         alloc = attn.backend.allocate_kv_cache
+        self.num_blocks = num_blocks
         self.kv_caches = [(alloc(*shape, dtype, device), alloc(*shape, dtype, device))
                           for _ in range(cfg.num_hidden_layers)]
         for layer, (k, v) in zip(model.layers, self.kv_caches):
@@ -50,6 +88,7 @@ class ModelRunner:
         caches (a draft made of the target's own layers); it allocates nothing."""
         self = cls.__new__(cls)
         self.model, self.block_size, self.device = model, runner.block_size, runner.device
+        self.num_blocks = runner.num_blocks
         self.kv_caches = runner.kv_caches
         self.packed_rows = None  # (the draft's few rows per step stay packed)
         return self
@@ -65,6 +104,9 @@ class ModelRunner:
             v.index_copy_(0, dst, v.index_select(0, src))
 
     def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """The step's tensors, built on the host in two buffers (int64: token ids, positions,
+        slots; int32: query starts, sequence lengths, block tables) that reach the device in
+        one copy each (`upload`): views of them are what the model reads."""
         input_ids: list[int] = []
         positions: list[int] = []
         query_lens, seq_lens = [], []
@@ -74,22 +116,77 @@ class ModelRunner:
             positions.extend(range(start, start + n))
             query_lens.append(n)
             seq_lens.append(start + n)
+        num_seqs, num_tokens = len(out.seqs), len(input_ids)
         max_blocks = max(len(s.block_table) for s in out.seqs)
-        tables = torch.zeros(len(out.seqs), max_blocks, dtype=torch.int32)
+        # int32: query_start_loc [num_seqs + 1] | seq_lens [num_seqs] | tables [num_seqs, max_blocks]
+        i32 = torch.zeros(2 * num_seqs + 1 + num_seqs * max_blocks, dtype=torch.int32)
+        qsl, lens = i32[: num_seqs + 1], i32[num_seqs + 1: 2 * num_seqs + 1]
+        tables = i32[2 * num_seqs + 1:].view(num_seqs, max_blocks)
         for i, seq in enumerate(out.seqs):
             tables[i, : len(seq.block_table)] = torch.tensor(seq.block_table, dtype=torch.int32)
-        pos = torch.tensor(positions, dtype=torch.long)
-        seq_index = torch.repeat_interleave(torch.arange(len(out.seqs)), torch.tensor(query_lens))
+        torch.cumsum(torch.tensor(query_lens, dtype=torch.int32), 0, out=qsl[1:])
+        lens.copy_(torch.tensor(seq_lens, dtype=torch.int32))
+        # int64: input_ids [num_tokens] | positions [num_tokens] | slot_mapping [num_tokens]
+        i64 = torch.empty(3 * num_tokens, dtype=torch.long)
+        ids, pos, slots = i64.view(3, num_tokens)
+        ids.copy_(torch.tensor(input_ids, dtype=torch.long))
+        pos.copy_(torch.tensor(positions, dtype=torch.long))
+        seq_index = torch.repeat_interleave(torch.arange(num_seqs), torch.tensor(query_lens))
         block_ids = tables[seq_index, pos // self.block_size].long()
-        slot_mapping = block_ids * self.block_size + pos % self.block_size
-        qsl = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
-        qsl[1:] = torch.cumsum(torch.tensor(query_lens), 0)
-        dev = self.device
+        torch.add(block_ids * self.block_size, pos % self.block_size, out=slots)
+        d32, d64 = upload(i32, self.device), upload(i64, self.device)
         md = AttentionMetadata(
-            slot_mapping=slot_mapping.to(dev), query_start_loc=qsl.to(dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=tables.to(dev), query_lens_cpu=query_lens, seq_lens_cpu=seq_lens)
-        return torch.tensor(input_ids, device=dev), pos.to(dev), md
+            slot_mapping=d64[2 * num_tokens:], query_start_loc=d32[: num_seqs + 1],
+            seq_lens=d32[num_seqs + 1: 2 * num_seqs + 1],
+            block_tables=d32[2 * num_seqs + 1:].view(num_seqs, max_blocks),
+            query_lens_cpu=query_lens, seq_lens_cpu=seq_lens)
+        return d64[:num_tokens], d64[num_tokens: 2 * num_tokens], md
+
+    def synthetic_step(self, query_lens: list[int]):
+        """Step tensors for sequences that start at position 0 with these query lengths, each
+        in its own consecutive blocks of the pool from block 0 on (warm-up and profiling:
+        the tokens are id 0 and the blocks are free, whatever gets written into them)."""
+        tables, first = [], 0
+        for n in query_lens:
+            blocks = -(-n // self.block_size)
+            tables.append(list(range(first, first + blocks)))
+            first += blocks
+        if first > self.num_blocks:
+            raise ValueError(f"a synthetic step of {query_lens} tokens needs {first} blocks; "
+                             f"the pool has {self.num_blocks}")
+        num_seqs, num_tokens, width = len(query_lens), sum(query_lens), max(map(len, tables))
+        i32 = torch.zeros(2 * num_seqs + 1 + num_seqs * width, dtype=torch.int32)
+        torch.cumsum(torch.tensor(query_lens, dtype=torch.int32), 0, out=i32[1: num_seqs + 1])
+        i32[num_seqs + 1: 2 * num_seqs + 1] = torch.tensor(query_lens, dtype=torch.int32)
+        for i, t in enumerate(tables):
+            i32[2 * num_seqs + 1 + i * width: 2 * num_seqs + 1 + i * width + len(t)] = \
+                torch.tensor(t, dtype=torch.int32)
+        i64 = torch.zeros(3 * num_tokens, dtype=torch.long)
+        pos = torch.cat([torch.arange(n) for n in query_lens])
+        i64[num_tokens: 2 * num_tokens] = pos
+        slots = [t[p // self.block_size] * self.block_size + p % self.block_size
+                 for t, n in zip(tables, query_lens) for p in range(n)]
+        i64[2 * num_tokens:] = torch.tensor(slots, dtype=torch.long)
+        d32, d64 = upload(i32, self.device), upload(i64, self.device)
+        md = AttentionMetadata(
+            slot_mapping=d64[2 * num_tokens:], query_start_loc=d32[: num_seqs + 1],
+            seq_lens=d32[num_seqs + 1: 2 * num_seqs + 1],
+            block_tables=d32[2 * num_seqs + 1:].view(num_seqs, width),
+            query_lens_cpu=list(query_lens), seq_lens_cpu=list(query_lens))
+        return d64[:num_tokens], d64[num_tokens: 2 * num_tokens], md
+
+    def warm_up(self, num_seqs: int, query_lens: list[int]) -> list[tuple[int, int]]:
+        """Forwards of up to num_seqs sequences with each query length (decode: 1; speculative
+        verification: 1 + k), as many as the pool's blocks hold, and their logits: a GPU
+        compiles its kernels for these shapes here. Returns the (sequences, query length)
+        shapes run."""
+        shapes = []
+        for q in query_lens:
+            n = max(1, min(num_seqs, self.num_blocks // -(-q // self.block_size)))
+            ids, pos, md = self.synthetic_step([q] * n)
+            self.forward(ids, pos, md, list(range(n * q)))
+            shapes.append((n, q))
+        return shapes
 
     def execute(self, out: SchedulerOutput, logit_rows: list[int]) -> torch.Tensor:
         """Run the step; return float32 logits [len(logit_rows), vocab] for the given rows of
@@ -116,5 +213,5 @@ class ModelRunner:
             choice.observe(rows, dense_from, time.perf_counter() - start)
         if logit_rows is None:  # a tensor-parallel worker: rank 0 computes the logits
             return None
-        rows = torch.tensor(logit_rows, dtype=torch.long, device=hidden.device)
+        rows = upload(torch.tensor(logit_rows, dtype=torch.long), hidden.device)
         return self.model.compute_logits(hidden.index_select(0, rows))

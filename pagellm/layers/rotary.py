@@ -32,15 +32,24 @@ def _inv_freq(config, head_dim: int) -> tuple[torch.Tensor, float]:
 class RotaryEmbedding(nn.Module):
     def __init__(self, config, head_dim: int, max_position: int):
         super().__init__()
-        inv_freq, scaling = _inv_freq(config, head_dim)
-        t = torch.arange(max_position, dtype=torch.float32)
-        freqs = torch.outer(t, inv_freq)  # [max_position, head_dim / 2]
-        sin = freqs.sin() * scaling
-        self.register_buffer("cos", torch.cat((freqs.cos(), freqs.cos()), dim=-1) * scaling,
-                             persistent=False)
+        # The angles in float32 on the host whatever the model is built in (registry builds
+        # it in its own dtype, on its device), then placed where the model's tensors go.
+        device, dtype = torch.get_default_device(), torch.get_default_dtype()
+        torch.set_default_dtype(torch.float32)
+        try:
+            with torch.device("cpu"):
+                inv_freq, scaling = _inv_freq(config, head_dim)
+                t = torch.arange(max_position, dtype=torch.float32)
+                freqs = torch.outer(t, inv_freq.float())  # [max_position, head_dim / 2]
+                sin = freqs.sin() * scaling
+                cos = torch.cat((freqs.cos(), freqs.cos()), dim=-1) * scaling
+        finally:
+            torch.set_default_dtype(dtype)
+        self.register_buffer("cos", cos.to(device), persistent=False)
         # rotate_half(x) * sin == roll(x, half) * [-sin, sin]: one roll instead of slices,
         # a negation and a cat, with the same products (a sign flip is exact).
-        self.register_buffer("signed_sin", torch.cat((-sin, sin), dim=-1), persistent=False)
+        self.register_buffer("signed_sin", torch.cat((-sin, sin), dim=-1).to(device),
+                             persistent=False)
         self._step_key: torch.Tensor | None = None
 
     def forward(

@@ -1,9 +1,11 @@
 """Architecture name -> model class, and building a ready model from loaded files."""
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import torch
+from torch import nn
 
 from pagellm.attention.base import get_attention_backend
 from pagellm import parallel
@@ -54,17 +56,40 @@ def use_packed(quantization: str | None, files, dtype: torch.dtype, device: torc
     return possible
 
 
+@contextlib.contextmanager
+def materialised_in(dtype: torch.dtype, device: torch.device):
+    """Modules built inside make their parameters directly in `dtype` on `device`, without
+    random initialisation (every parameter is then loaded from the checkpoint, which refuses
+    a missing one): no float32 host copy of the model first (~4 bytes a parameter: a 32B
+    model would not fit), no seconds spent drawing random weights."""
+    skipped = ("normal_", "uniform_", "kaiming_uniform_", "kaiming_normal_", "trunc_normal_",
+               "xavier_uniform_", "xavier_normal_")
+    saved = {name: getattr(nn.init, name) for name in skipped}
+    previous = torch.get_default_dtype()
+    try:
+        for name in skipped:
+            setattr(nn.init, name, lambda tensor, *args, **kwargs: tensor)
+        torch.set_default_dtype(dtype)
+        with torch.device(device):
+            yield
+    finally:
+        torch.set_default_dtype(previous)
+        for name, fn in saved.items():
+            setattr(nn.init, name, fn)
+
+
 def build_model(files, dtype: torch.dtype, device: torch.device, max_position: int,
                 quantization: str | None = None):
     cls = model_class(files.config)
-    model = cls(files.config, get_attention_backend(device), max_position)
+    with materialised_in(dtype, device):
+        model = cls(files.config, get_attention_backend(device), max_position)
     packed = use_packed(quantization, files, dtype, device)
     # the head kernels are native only; they follow the packing decision of the projections
     packed_head = packed and files.packed_head and native.available()
     model.load_weights(files.weights(keep_packed=True, keep_head=packed_head) if packed else files.weights())
-    # (a projection with an int8 form keeps its dense weight on the meta device: nothing to
-    # move, and a CPU model's parameters are made on the CPU)
-    model = model.to(dtype=dtype) if device.type == "cpu" else model.to(dtype=dtype, device=device)
+    # The parameters are in dtype on the device already; this converts the float32 buffers
+    # (rotary angles) as a model converted whole would have them.
+    model = model.to(dtype=dtype)
     model = model.eval()
     if packed:
         n_packed, total = model.num_packed()

@@ -148,53 +148,87 @@ def processed_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Ten
     return logits
 
 
-def exponential(shape, generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
-    """Exp(1) draws from the generator (on its own device), on `device`: -log(U), U ~ U[0, 1)
+def uniform_rows(generators: list[torch.Generator | None], n: int,
+                 device: torch.device) -> torch.Tensor:
+    """[len(generators), n] U(0, 1) draws, row i from generators[i] (None: the device's
+    default generator), reaching `device` in one copy per generator device: seeded generators
+    live on the CPU (a seed draws the same on every device), the engine's own on the model's
+    device; one transfer a row was one synchronisation a row on a GPU. Draws are made on the
+    generator's device, so a seed gives the same values everywhere."""
+    groups: dict[torch.device, list[int]] = {}
+    for i, g in enumerate(generators):
+        groups.setdefault(g.device if g is not None else device, []).append(i)
+    out = None
+    for where, idx in groups.items():
+        u = torch.stack([torch.empty(n, device=where).uniform_(generator=generators[i])
+                         for i in idx]).to(device)
+        if len(idx) == len(generators):
+            return u
+        if out is None:
+            out = torch.empty(len(generators), n, device=device)
+        out[torch.tensor(idx, device=device)] = u
+    return out
+
+
+def exponential_rows(generators: list[torch.Generator | None], n: int,
+                     device: torch.device) -> torch.Tensor:
+    """[len(generators), n] Exp(1) draws, row i from generators[i]: -log(U), U ~ U[0, 1)
     (U = 0 gives +inf, a token the Gumbel-max draw then never picks: probability 2^-24).
-    Not torch's exponential_: over a 151,936-token vocabulary on a CPU that took 2.7 ms a draw
-    against 0.5 ms, and a speculative round draws once per draft token and per verified
-    sequence."""
-    where = generator.device if generator is not None else device
-    return torch.empty(shape, device=where).uniform_(generator=generator).log_().neg_().to(device)
+    Not torch's exponential_: over a 151,936-token vocabulary on a CPU that took 2.7 ms a
+    draw against 0.5 ms, and a speculative round draws once per draft token and per verified
+    sequence. See uniform_rows."""
+    return uniform_rows(generators, n, device).log_().neg_()
 
 
-def uniform(shape, generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
-    """U(0, 1) draws from the generator (on its own device), on `device`."""
-    where = generator.device if generator is not None else device
-    return torch.empty(shape, device=where).uniform_(generator=generator).to(device)
-
-
-def draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
-    """One draw from a [vocab] distribution: argmax(p / E) with E ~ Exp(1) (Gumbel-max form)."""
-    return int((probs / exponential(probs.shape, generator, probs.device)).argmax())
+def draw_rows(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """One draw per row of [rows, vocab] distributions (row i with generators[i]), as a
+    [rows] tensor on the probabilities' device: argmax(p / E), E ~ Exp(1) (the Gumbel-max
+    form)."""
+    return (probs / exponential_rows(generators, probs.shape[-1], probs.device)).argmax(dim=-1)
 
 
 def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SampleResult:
-    """logits: [num_rows, vocab] from the model, on its device."""
+    """logits: [num_rows, vocab] from the model, on its device. The tokens reach the host in
+    one transfer, the log-probabilities in at most three, whatever the number of rows."""
     want_logprobs = any(r.params.logprobs is not None for r in rows)
     raw_logprobs = torch.log_softmax(logits.float(), dim=-1) if want_logprobs else None
     proc = processed_logits(logits, rows)
-    greedy_ids = proc.argmax(dim=-1).tolist()
-    token_ids = []
-    for i, row in enumerate(rows):
-        if row.params.greedy:
-            token_ids.append(greedy_ids[i])
-        else:
-            token_ids.append(draw(proc[i].softmax(dim=-1), row.generator))
+    ids = proc.argmax(dim=-1)  # the greedy rows' tokens
+    sampled = [i for i, row in enumerate(rows) if not row.params.greedy]
+    if sampled:
+        idx = torch.tensor(sampled, device=ids.device)
+        ids[idx] = draw_rows(proc[idx].softmax(dim=-1), [rows[i].generator for i in sampled])
+    token_ids = ids.tolist()
     logprobs = [None] * len(rows)
     if raw_logprobs is not None:
-        for i, row in enumerate(rows):
-            logprobs[i] = token_logprobs(raw_logprobs[i], token_ids[i], row.params.logprobs)
+        logprobs = logprobs_of(raw_logprobs, token_ids, [r.params.logprobs for r in rows])
     return SampleResult(token_ids, logprobs)
+
+
+def logprobs_of(row_logprobs: torch.Tensor, token_ids: list[int], num_tops: list[int | None]
+                ) -> list[tuple[float, dict[int, float]] | None]:
+    """[rows, vocab] log-probabilities -> per row (its token's, its top-N dict), or None where
+    num_tops[i] is None; all rows in at most three host transfers."""
+    want = [i for i, n in enumerate(num_tops) if n is not None]
+    result: list[tuple[float, dict[int, float]] | None] = [None] * len(token_ids)
+    if not want:
+        return result
+    dev = row_logprobs.device
+    idx = torch.tensor(want, device=dev)
+    chosen = row_logprobs[idx, torch.tensor([token_ids[i] for i in want], device=dev)].tolist()
+    most = max(num_tops[i] for i in want)
+    top_values = top_ids = None
+    if most > 0:
+        values, ids = row_logprobs[idx].topk(most, dim=-1)
+        top_values, top_ids = values.tolist(), ids.tolist()
+    for j, i in enumerate(want):
+        n = num_tops[i]
+        top = dict(zip(top_ids[j][:n], top_values[j][:n])) if n else {}
+        result[i] = (chosen[j], top)
+    return result
 
 
 def token_logprobs(row_logprobs: torch.Tensor, token_id: int,
                    num_top: int | None) -> tuple[float, dict[int, float]] | None:
     """[vocab] log-probabilities -> (sampled token's, top-N dict)."""
-    if num_top is None:
-        return None
-    top: dict[int, float] = {}
-    if num_top > 0:
-        values, ids = row_logprobs.topk(num_top)
-        top = dict(zip(ids.tolist(), values.tolist()))
-    return float(row_logprobs[token_id]), top
+    return logprobs_of(row_logprobs.unsqueeze(0), [token_id], [num_top])[0]

@@ -18,8 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pagellm.sampling.rejection import rejection_sample
-from pagellm.sampling.sampler import (SamplingRow, exponential, processed_logits,
-                                      token_logprobs, uniform)
+from pagellm.sampling.sampler import SamplingRow, logprobs_of, processed_logits, uniform_rows
 from pagellm.sequence import Sequence
 from pagellm.spec_decode.adaptive import AdaptiveK
 from pagellm.spec_decode.base import Proposal, Proposer
@@ -195,7 +194,9 @@ class SpecDecoder:
 
     def verify(self, seqs: list[Sequence], logits: list[torch.Tensor],
                rng: torch.Generator) -> list[Verified]:
-        """logits[i]: [1 + len(seqs[i].spec_token_ids), vocab] target logits of sequence i."""
+        """logits[i]: [1 + len(seqs[i].spec_token_ids), vocab] target logits of sequence i.
+        Greedy and sampled sequences are each verified as one batch: tokens and acceptance
+        counts reach the host in a fixed number of transfers a step, not one per sequence."""
         results: list[Verified | None] = [None] * len(seqs)
         # Structured outputs: the grammar's mask at every verified position, so p is the
         # target's distribution under the constraint (q was drawn under the same masks).
@@ -204,36 +205,40 @@ class SpecDecoder:
         for i, m in zip(constrained, batch_masks([(seqs[i].constraint, seqs[i].spec_token_ids)
                                                   for i in constrained])):
             bias[i] = m.bias
-        sampled = []
-        for i, (seq, rows_logits) in enumerate(zip(seqs, logits)):
-            if seq.params.greedy:
-                results[i] = self._verify_greedy(seq, rows_logits, bias[i])
-            else:
-                sampled.append(i)
-        if sampled:
-            for i, v in zip(sampled, self._verify_sampled([seqs[i] for i in sampled],
-                                                          [logits[i] for i in sampled], rng,
-                                                          [bias[i] for i in sampled])):
-                results[i] = v
+        for group, verify in ((lambda p: p.greedy, self._verify_greedy),
+                              (lambda p: not p.greedy, self._verify_sampled)):
+            idx = [i for i, s in enumerate(seqs) if group(s.params)]
+            if idx:
+                for i, v in zip(idx, verify([seqs[i] for i in idx], [logits[i] for i in idx],
+                                            rng, [bias[i] for i in idx])):
+                    results[i] = v
         return results
 
-    def _verify_greedy(self, seq: Sequence, rows_logits: torch.Tensor,
-                       bias: torch.Tensor | None = None) -> Verified:
+    def _rows(self, seq: Sequence, bias: torch.Tensor | None,
+              generator: torch.Generator | None) -> list[SamplingRow]:
+        """One sampling row per verified position: the proposals before it count as output."""
+        spec = seq.spec_token_ids
+        return [SamplingRow(seq.params, seq.prompt_token_ids, seq.output_token_ids + spec[:j],
+                            generator, self.eos_token_id, None if bias is None else bias[j])
+                for j in range(len(spec) + 1)]
+
+    def _verify_greedy(self, seqs: list[Sequence], logits: list[torch.Tensor],
+                       rng: torch.Generator, bias: list[torch.Tensor | None]) -> list[Verified]:
         """Greedy: p is one-hot at the argmax, so the rejection sampler accepts a proposal iff
         it is the argmax and always emits the argmax, whatever q is. The same result without
         its [k + 1, vocab] tensors (a batch-16 k=4 step built 30 MB of them)."""
-        spec = seq.spec_token_ids
-        rows = [SamplingRow(seq.params, seq.prompt_token_ids, seq.output_token_ids + spec[:j],
-                            seq.generator, self.eos_token_id,
-                            None if bias is None else bias[j]) for j in range(len(spec) + 1)]
-        best = processed_logits(rows_logits, rows).argmax(-1).tolist()
-        a = 0
-        while a < len(spec) and spec[a] == best[a]:
-            a += 1
-        self._q.pop(seq.seq_id, None)
-        tokens = spec[:a] + [best[a]]
-        self._record(seq, len(spec), a)
-        return Verified(tokens, self._logprobs(seq, rows_logits, tokens))
+        rows = [r for seq, b in zip(seqs, bias) for r in self._rows(seq, b, seq.generator)]
+        best = processed_logits(torch.cat(logits), rows).argmax(-1).tolist()
+        verified, offset = [], 0
+        for seq in seqs:
+            spec = seq.spec_token_ids
+            a = 0
+            while a < len(spec) and spec[a] == best[offset + a]:
+                a += 1
+            verified.append(spec[:a] + [best[offset + a]])
+            offset += len(spec) + 1
+            self._q.pop(seq.seq_id, None)
+        return self._finish(seqs, logits, verified)
 
     def _verify_sampled(self, seqs: list[Sequence], logits: list[torch.Tensor],
                         rng: torch.Generator,
@@ -243,42 +248,51 @@ class SpecDecoder:
         batch = len(seqs)
         p = torch.zeros(batch, k + 1, vocab, device=dev)
         q = torch.zeros(batch, k, vocab, device=dev) if k else None
-        draft_ids = torch.zeros(batch, k, dtype=torch.long, device=dev)
-        uniforms = torch.empty(batch, k, device=dev)
-        noise = torch.empty(batch, vocab, device=dev)
+        # Proposals built on the host, one copy; per sequence k uniforms for the accept tests
+        # and the final draw's noise in one draw from its generator (uniform_rows: one copy
+        # per generator device)
+        draft_ids = torch.zeros(batch, k, dtype=torch.long)
+        for b, seq in enumerate(seqs):
+            draft_ids[b, : len(seq.spec_token_ids)] = torch.tensor(seq.spec_token_ids)
+        draft_ids = draft_ids.to(dev)
+        u = uniform_rows([seq.generator or rng for seq in seqs], k + vocab, dev)
+        uniforms, noise = u[:, :k], u[:, k:].log().neg_()
         for b, (seq, rows_logits) in enumerate(zip(seqs, logits)):
             spec = seq.spec_token_ids
-            mask = bias[b]
-            rows = [SamplingRow(seq.params, seq.prompt_token_ids, seq.output_token_ids + spec[:j],
-                                seq.generator or rng, self.eos_token_id,
-                                None if mask is None else mask[j]) for j in range(len(spec) + 1)]
-            proc = processed_logits(rows_logits, rows)
+            proc = processed_logits(rows_logits, self._rows(seq, bias[b], seq.generator or rng))
             p[b, : len(spec) + 1] = proc.softmax(dim=-1)
-            draft_ids[b, : len(spec)] = torch.tensor(spec, dtype=torch.long, device=dev)
             q_seq = self._q.pop(seq.seq_id, None)
             if q is not None and spec:
                 if q_seq is None:  # one-hot proposals (n-gram, or greedy drafts)
                     q[b, torch.arange(len(spec), device=dev), draft_ids[b, : len(spec)]] = 1.0
                 else:
                     q[b, : len(spec)] = q_seq[: len(spec)]
-            gen = seq.generator or rng
-            uniforms[b] = uniform(k, gen, dev)
-            noise[b] = exponential(vocab, gen, dev)
         num_draft = torch.tensor([len(s.spec_token_ids) for s in seqs], device=dev)
         accepted, final = rejection_sample(p, draft_ids, num_draft, q, uniforms, noise)
-        results = []
-        for b, seq in enumerate(seqs):
-            a = int(accepted[b])
-            tokens = seq.spec_token_ids[:a] + [int(final[b])]
-            results.append(Verified(tokens, self._logprobs(seq, logits[b], tokens)))
-            self._record(seq, len(seq.spec_token_ids), a)
-        return results
+        accepted, final = torch.stack((accepted, final)).tolist()
+        verified = [seq.spec_token_ids[:a] + [f] for seq, a, f in zip(seqs, accepted, final)]
+        return self._finish(seqs, logits, verified)
 
-    def _logprobs(self, seq: Sequence, rows_logits: torch.Tensor, tokens: list[int]):
-        if seq.params.logprobs is None:
-            return [None] * len(tokens)
-        lp = torch.log_softmax(rows_logits[: len(tokens)].float(), dim=-1)
-        return [token_logprobs(lp[j], t, seq.params.logprobs) for j, t in enumerate(tokens)]
+    def _finish(self, seqs: list[Sequence], logits: list[torch.Tensor],
+                verified: list[list[int]]) -> list[Verified]:
+        """Records each sequence's acceptance and attaches the emitted tokens' logprobs (one
+        batch over the sequences that asked for them)."""
+        want = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+        lps: dict[int, list] = {}
+        if want:
+            rows = torch.cat([logits[i][: len(verified[i])] for i in want])
+            tokens = [t for i in want for t in verified[i]]
+            tops = [seqs[i].params.logprobs for i in want for _ in verified[i]]
+            flat = logprobs_of(torch.log_softmax(rows.float(), dim=-1), tokens, tops)
+            offset = 0
+            for i in want:
+                lps[i] = flat[offset: offset + len(verified[i])]
+                offset += len(verified[i])
+        results = []
+        for i, (seq, tokens) in enumerate(zip(seqs, verified)):
+            results.append(Verified(tokens, lps.get(i, [None] * len(tokens))))
+            self._record(seq, len(seq.spec_token_ids), len(tokens) - 1)
+        return results
 
     def _record(self, seq: Sequence, num_draft: int, num_accepted: int) -> None:
         # What the draft's own cache keeps: the context and the accepted proposals.

@@ -14,7 +14,7 @@ import torch
 from pagellm.engine.block_manager import BlockManager
 from pagellm.engine.model_runner import ModelRunner
 from pagellm.engine.scheduler import SchedulerOutput
-from pagellm.sampling.sampler import SamplingRow, draw, processed_logits
+from pagellm.sampling.sampler import SamplingRow, draw_rows, processed_logits
 from pagellm.sequence import Sequence
 from pagellm.spec_decode.base import Proposal, Proposer
 from pagellm.structured import batch_masks
@@ -23,7 +23,7 @@ from pagellm.structured import batch_masks
 class DraftModelProposer(Proposer):
     def __init__(self, model, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device, eos_token_id: int | set[int] | None, max_model_len: int):
-        self._init_rounds(model, eos_token_id, max_model_len)
+        self._init_rounds(model, eos_token_id, max_model_len, device)
         self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
         self.runner = ModelRunner(model, num_blocks, block_size, dtype, device)
 
@@ -32,13 +32,15 @@ class DraftModelProposer(Proposer):
         """The runner of the draft's own KV cache (its share of the memory budget)."""
         return self.runner
 
-    def _init_rounds(self, model, eos_token_id, max_model_len: int) -> None:
+    def _init_rounds(self, model, eos_token_id, max_model_len: int,
+                     device: torch.device) -> None:
         """What the proposal rounds use, whichever cache the draft writes to."""
         self.model = model
         self.eos_token_id = eos_token_id
         self.max_model_len = max_model_len
         self.shadows: dict[int, Sequence] = {}
-        self.rng = torch.Generator().manual_seed(1234)
+        # unseeded requests' draws, on the draft's device (see LLMEngine._rng)
+        self.rng = torch.Generator(device=device).manual_seed(1234)
         self.last_rounds = 0  # proposal rounds of the latest propose() call
         self.last_seconds = 0.0
         self.last_catchup_seconds = 0.0  # its rounds that caught a shadow up on context
@@ -127,16 +129,18 @@ class DraftModelProposer(Proposer):
         # vocabulary limit): that sequence proposes no more this step. Only a mask can do it.
         dead = (~proc[constrained].isfinite().any(-1)).nonzero().flatten().tolist() if constrained else []
         stopped = {batch[constrained[i]][0].seq_id for i in dead}
-        for i, (seq, shadow, _) in enumerate(batch):
-            if seq.seq_id in stopped:
-                continue
-            if seq.params.greedy:
-                token = int(proc[i].argmax())
-            else:
-                q = proc[i].softmax(dim=-1)
-                token = draw(q, rows[i].generator)
-                probs[seq.seq_id].append(q)
-            shadow.spec_token_ids.append(token)
+        live = [i for i, (seq, _, _) in enumerate(batch) if seq.seq_id not in stopped]
+        sampled = [i for i in live if not batch[i][0].params.greedy]
+        tokens = proc.argmax(dim=-1)  # greedy rows' proposals
+        if sampled:  # one batched draw; the tokens reach the host in one transfer
+            idx = torch.tensor(sampled, device=proc.device)
+            q = proc[idx].softmax(dim=-1)
+            tokens[idx] = draw_rows(q, [rows[i].generator for i in sampled])
+            for j, i in enumerate(sampled):
+                probs[batch[i][0].seq_id].append(q[j])
+        tokens = tokens.tolist()
+        for i in live:
+            batch[i][1].spec_token_ids.append(tokens[i])
         return stopped
 
     def on_verified(self, seq: Sequence, num_valid: int) -> None:
@@ -182,7 +186,8 @@ class EarlyExitProposer(DraftModelProposer):
     rejected."""
 
     def __init__(self, target, num_layers: int, eos_token_id, max_model_len: int):
-        self._init_rounds(EarlyExitModel(target, num_layers), eos_token_id, max_model_len)
+        self._init_rounds(EarlyExitModel(target, num_layers), eos_token_id, max_model_len,
+                          target.embed_tokens.weight.device)
         self.scheduler = None
         self.runner: ModelRunner | None = None
 

@@ -52,11 +52,19 @@ def shares_target(spec: SpeculativeConfig, target_dtype: torch.dtype, device) ->
     return spec.model is None and same_dtype and parallel.tp_size() == 1
 
 
+def needs_draft_model(spec: SpeculativeConfig, target_dtype: torch.dtype, device) -> bool:
+    """Whether the speculation has a draft model of its own to load (the engine loads it
+    before reading the KV budget, so that the budget counts its weights)."""
+    return spec.method != "ngram" and not shares_target(spec, target_dtype, device)
+
+
 def build_spec_decoder(spec: SpeculativeConfig, *, target_files, target_model, target_dtype,
                        device, max_model_len, eos_token_id, kv_budget: int, block_size: int,
-                       quantization: str | None = None, kv_cache_dtype: str = "auto"):
+                       quantization: str | None = None, kv_cache_dtype: str = "auto",
+                       draft=None):
     """(SpecDecoder, number of target KV blocks). The KV budget is split so that target and
-    draft caches hold the same number of tokens."""
+    draft caches hold the same number of tokens. draft: load_draft's result where the engine
+    loaded it already (needs_draft_model); loaded here otherwise."""
     t_kv = resolve_kv_dtype(kv_cache_dtype, target_dtype, device, target_model.act_dtype)
     t_block = kv_bytes_per_block(target_files.config, block_size, t_kv, parallel.tp_size())
     if spec.method == "ngram":
@@ -74,8 +82,8 @@ def build_spec_decoder(spec: SpeculativeConfig, *, target_files, target_model, t
             spec.num_speculative_tokens, target_model.weight_bytes() / 2**20,
             num_blocks * t_block / 2**20)
     else:
-        files, draft, dtype = load_draft(spec, target_files, target_dtype, device, max_model_len,
-                                         quantization)
+        files, draft, dtype = draft or load_draft(spec, target_files, target_dtype, device,
+                                                  max_model_len, quantization)
         draft.limit_vocab(spec.draft_vocab_size or None)  # 0 / None: all ids
         d_kv = resolve_kv_dtype(kv_cache_dtype, dtype, device, draft.act_dtype)
         d_block = kv_bytes_per_block(files.config, block_size, d_kv)
