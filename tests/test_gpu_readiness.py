@@ -230,3 +230,28 @@ def test_a_budget_without_room_names_what_set_it(tiny_llama):
         LLM(path, dtype="float32", kv_cache_fraction=1e-12)
     with pytest.raises(ValueError, match="kv_cache_memory 64 bytes holds no block"):
         LLM(path, dtype="float32", kv_cache_memory=64)
+
+
+@pytest.mark.parametrize("flag, expected", [([], True), (["--warmup", "off"], False),
+                                            (["--warmup", "on"], True)])
+def test_the_server_warms_up_on_every_device_unless_told_not_to(monkeypatch, flag, expected):
+    from pagellm import cli
+    from pagellm.server import api_server
+
+    seen = {}
+    monkeypatch.setattr(api_server, "serve", lambda args, kwargs: seen.update(kwargs) or 0)
+    assert cli.main(["serve", "model.gguf", *flag]) == 0
+    assert seen["warmup"] is expected
+    assert cli.engine_kwargs(cli_args(["generate", "hi"]))["warmup"] is None  # offline: auto
+
+
+def cli_args(argv):
+    import argparse
+
+    from pagellm import cli
+
+    p = argparse.ArgumentParser()
+    cli.add_engine_args(p)
+    p.add_argument("cmd")
+    p.add_argument("prompt")
+    return p.parse_args(argv)
