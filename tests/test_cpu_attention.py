@@ -133,3 +133,17 @@ def test_native_write_kv_fills_the_slots(kv_dtype):
     untouched[slots] = False
     assert torch.equal(flat_k[untouched], before_k.reshape(-1, 3, 16)[untouched])
     assert torch.equal(flat_v[untouched], before_v.reshape(-1, 3, 16)[untouched])
+
+
+@pytest.mark.parametrize("kvh,group", [(1, 1), (3, 3)])
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_prefill_chunk_after_cached_keys(kvh, group, kv_dtype):
+    """A long chunk after cached keys (chunked prefill, a prefix-cache hit): every query sees
+    the cached keys and the chunk's own causally; equal to the reference (the two flash
+    passes and their log-sum-exp merge), next to a first chunk (causal only)."""
+    seq_lens, qlens = [90, 37, 64], [40, 37, 17]
+    backend, q, kc, vc, md, tables = _case(16, kvh, group, seq_lens, qlens, seed=5,
+                                           kv_dtype=kv_dtype)
+    out = backend.forward(q, kc, vc, md, 0.3)
+    ref = _reference(q, kc, vc, tables, seq_lens, qlens, 0.3)
+    assert torch.allclose(out.double(), ref, atol=1e-5, rtol=1e-5)

@@ -11,7 +11,9 @@ cost as much as the gather and the matmuls together.)
 Short queries (decode, speculative verification) are batched: one matmul-softmax-matmul over
 every sequence, padded to the longest; long queries (prefill chunks) go one sequence at a time
 through PyTorch's fused attention, whose CPU kernel works in tiles (flash attention: no
-[queries, keys] score matrix, which for a 4,000-token prompt was 0.6 GB a layer).
+[queries, keys] score matrix, which for a 4,000-token prompt was 0.6 GB a layer); a chunk after
+cached keys takes two unmasked passes (the cached keys, then its own causally) merged by their
+log-sum-exps, not one masked pass (`_prefix_then_causal`).
 """
 from __future__ import annotations
 
@@ -88,6 +90,35 @@ def _batched_plan(md: AttentionMetadata, seqs: list[int], group: int, kvh: int, 
     tables = md.block_tables.index_select(0, idx).long()
     bias = _causal_bias(slens, qlens, max_q, group, kv_len, kvh).to(md.block_tables.device)
     return qlens, max_q, max(slens), contiguous, tables, bias
+
+
+# PyTorch's CPU flash attention, returning each row's log-sum-exp beside its output.
+_FLASH_WITH_LSE = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def _prefix_then_causal(
+    q: torch.Tensor,  # [H, qlen, hd]: a chunk's queries, after `prefix` keys already cached
+    k: torch.Tensor,  # [kvh, prefix + qlen, hd]
+    v: torch.Tensor,  # [kvh, prefix + qlen, hd]
+    prefix: int,
+    scale: float,
+) -> torch.Tensor:  # [H, qlen, hd]
+    """Attention of a prefill chunk that follows cached keys, as two unmasked flash passes:
+    every query sees all `prefix` keys, and the chunk's own keys causally from the top left;
+    the two softmaxes merge exactly by their log-sum-exps (out = sum_i o_i e^(l_i - m) /
+    sum_i e^(l_i - m)). With one masked pass instead, PyTorch's kernel computed every
+    (query, key) score through the mask: a 2,048-token chunk after 5,952 cached tokens took
+    288 ms a layer against 220 (9 heads of 64, two cores)."""
+    heads, kvh = q.shape[0], k.shape[0]
+    if heads != kvh:  # the kernel wants as many K/V heads as query heads
+        k, v = k.repeat_interleave(heads // kvh, 0), v.repeat_interleave(heads // kvh, 0)
+    q = q.unsqueeze(0)
+    o1, l1 = _FLASH_WITH_LSE(q, k[None, :, :prefix], v[None, :, :prefix], scale=scale)[:2]
+    o2, l2 = _FLASH_WITH_LSE(q, k[None, :, prefix:], v[None, :, prefix:], is_causal=True,
+                             scale=scale)[:2]
+    m = torch.maximum(l1, l2)
+    w1, w2 = (l1 - m).exp_().unsqueeze(-1), (l2 - m).exp_().unsqueeze(-1)
+    return ((o1 * w1 + o2 * w2) / (w1 + w2))[0]
 
 
 class TorchPagedAttention(AttentionBackend):
@@ -187,14 +218,17 @@ class TorchPagedAttention(AttentionBackend):
         dtype = q.dtype
         if upcast(q) or q.dtype != k.dtype:  # as _attend: float32 where bf16 products are slow
             q, k, v = q.float(), k.float(), v.float()
-        mask = None  # no keys before the chunk: causal from the top left
-        if slen > qlen:  # the same for every layer of the step (built here: torch.nn.attention
-            # .bias's causal_lower_right would import triton, and with it the GPU compilers)
-            mask = md.cache.get(("single", b))
-            if mask is None:
-                pos = torch.arange(slen - qlen, slen, device=q.device).unsqueeze(1)
-                mask = md.cache[("single", b)] = torch.arange(slen, device=q.device) <= pos
-        o = F.scaled_dot_product_attention(
-            q.transpose(0, 1).unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask,
-            is_causal=mask is None, scale=scale, enable_gqa=num_heads != kvh)
-        out[starts[b] : starts[b] + qlen] = o[0].transpose(0, 1).to(dtype)
+        if slen > qlen and _FLASH_WITH_LSE is not None and q.device.type == "cpu":
+            o = _prefix_then_causal(q.transpose(0, 1), k, v, slen - qlen, scale)
+        else:
+            mask = None  # no keys before the chunk: causal from the top left
+            if slen > qlen:  # the same for every layer of the step (built here: torch.nn.
+                # attention.bias's causal_lower_right would import triton, and the GPU compilers)
+                mask = md.cache.get(("single", b))
+                if mask is None:
+                    pos = torch.arange(slen - qlen, slen, device=q.device).unsqueeze(1)
+                    mask = md.cache[("single", b)] = torch.arange(slen, device=q.device) <= pos
+            o = F.scaled_dot_product_attention(
+                q.transpose(0, 1).unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask,
+                is_causal=mask is None, scale=scale, enable_gqa=num_heads != kvh)[0]
+        out[starts[b] : starts[b] + qlen] = o.transpose(0, 1).to(dtype)
