@@ -134,12 +134,18 @@ class ModelRunner:
         seq_index = torch.repeat_interleave(torch.arange(num_seqs), torch.tensor(query_lens))
         block_ids = tables[seq_index, pos // self.block_size].long()
         torch.add(block_ids * self.block_size, pos % self.block_size, out=slots)
+        return self._on_device(i32, i64, query_lens, seq_lens)
+
+    def _on_device(self, i32: torch.Tensor, i64: torch.Tensor, query_lens: list[int],
+                   seq_lens: list[int]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """The step's two host buffers uploaded, and the views of them the model reads."""
+        num_seqs, num_tokens = len(query_lens), i64.shape[0] // 3
         d32, d64 = upload(i32, self.device), upload(i64, self.device)
         md = AttentionMetadata(
             slot_mapping=d64[2 * num_tokens:], query_start_loc=d32[: num_seqs + 1],
             seq_lens=d32[num_seqs + 1: 2 * num_seqs + 1],
-            block_tables=d32[2 * num_seqs + 1:].view(num_seqs, max_blocks),
-            query_lens_cpu=query_lens, seq_lens_cpu=seq_lens)
+            block_tables=d32[2 * num_seqs + 1:].view(num_seqs, -1),
+            query_lens_cpu=list(query_lens), seq_lens_cpu=list(seq_lens))
         return d64[:num_tokens], d64[num_tokens: 2 * num_tokens], md
 
     def synthetic_step(self, query_lens: list[int]):
@@ -167,13 +173,7 @@ class ModelRunner:
         slots = [t[p // self.block_size] * self.block_size + p % self.block_size
                  for t, n in zip(tables, query_lens) for p in range(n)]
         i64[2 * num_tokens:] = torch.tensor(slots, dtype=torch.long)
-        d32, d64 = upload(i32, self.device), upload(i64, self.device)
-        md = AttentionMetadata(
-            slot_mapping=d64[2 * num_tokens:], query_start_loc=d32[: num_seqs + 1],
-            seq_lens=d32[num_seqs + 1: 2 * num_seqs + 1],
-            block_tables=d32[2 * num_seqs + 1:].view(num_seqs, width),
-            query_lens_cpu=list(query_lens), seq_lens_cpu=list(query_lens))
-        return d64[:num_tokens], d64[num_tokens: 2 * num_tokens], md
+        return self._on_device(i32, i64, query_lens, query_lens)
 
     def warm_up(self, num_seqs: int, query_lens: list[int]) -> list[tuple[int, int]]:
         """Forwards of up to num_seqs sequences with each query length (decode: 1; speculative
