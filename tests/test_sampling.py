@@ -10,7 +10,7 @@ import torch
 from pagellm import LLM, SamplingParams
 from pagellm.engine.detokenizer import find_stop_string
 from pagellm.outputs import CompletionOutput
-from pagellm.sampling.sampler import SamplingRow, processed_logits, sample, token_logprobs
+from pagellm.sampling.sampler import SamplingRow, logprobs_of, processed_logits, sample
 from pagellm.sequence import Sequence
 from tests.helpers import make_tiny_model
 
@@ -205,7 +205,7 @@ def test_logprobs_are_raw_sorted_top_n():
     assert lp == pytest.approx(float(raw[3]))
     assert list(top) == [1, 3, 4]
     assert list(top.values()) == pytest.approx(raw[[1, 3, 4]].tolist())
-    assert token_logprobs(raw, 2, 0) == (pytest.approx(float(raw[2])), {})
+    assert logprobs_of(raw.unsqueeze(0), [2], [0]) == [(pytest.approx(float(raw[2])), {})]
     assert sample(logits, [row(SamplingParams())]).logprobs == [None]
 
 

@@ -104,9 +104,6 @@ class ModelRunner:
             v.index_copy_(0, dst, v.index_select(0, src))
 
     def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """The step's tensors, built on the host in two buffers (int64: token ids, positions,
-        slots; int32: query starts, sequence lengths, block tables) that reach the device in
-        one copy each (`upload`): views of them are what the model reads."""
         input_ids: list[int] = []
         positions: list[int] = []
         query_lens, seq_lens = [], []
@@ -116,37 +113,8 @@ class ModelRunner:
             positions.extend(range(start, start + n))
             query_lens.append(n)
             seq_lens.append(start + n)
-        num_seqs, num_tokens = len(out.seqs), len(input_ids)
-        max_blocks = max(len(s.block_table) for s in out.seqs)
-        # int32: query_start_loc [num_seqs + 1] | seq_lens [num_seqs] | tables [num_seqs, max_blocks]
-        i32 = torch.zeros(2 * num_seqs + 1 + num_seqs * max_blocks, dtype=torch.int32)
-        qsl, lens = i32[: num_seqs + 1], i32[num_seqs + 1: 2 * num_seqs + 1]
-        tables = i32[2 * num_seqs + 1:].view(num_seqs, max_blocks)
-        for i, seq in enumerate(out.seqs):
-            tables[i, : len(seq.block_table)] = torch.tensor(seq.block_table, dtype=torch.int32)
-        torch.cumsum(torch.tensor(query_lens, dtype=torch.int32), 0, out=qsl[1:])
-        lens.copy_(torch.tensor(seq_lens, dtype=torch.int32))
-        # int64: input_ids [num_tokens] | positions [num_tokens] | slot_mapping [num_tokens]
-        i64 = torch.empty(3 * num_tokens, dtype=torch.long)
-        ids, pos, slots = i64.view(3, num_tokens)
-        ids.copy_(torch.tensor(input_ids, dtype=torch.long))
-        pos.copy_(torch.tensor(positions, dtype=torch.long))
-        seq_index = torch.repeat_interleave(torch.arange(num_seqs), torch.tensor(query_lens))
-        block_ids = tables[seq_index, pos // self.block_size].long()
-        torch.add(block_ids * self.block_size, pos % self.block_size, out=slots)
-        return self._on_device(i32, i64, query_lens, seq_lens)
-
-    def _on_device(self, i32: torch.Tensor, i64: torch.Tensor, query_lens: list[int],
-                   seq_lens: list[int]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """The step's two host buffers uploaded, and the views of them the model reads."""
-        num_seqs, num_tokens = len(query_lens), i64.shape[0] // 3
-        d32, d64 = upload(i32, self.device), upload(i64, self.device)
-        md = AttentionMetadata(
-            slot_mapping=d64[2 * num_tokens:], query_start_loc=d32[: num_seqs + 1],
-            seq_lens=d32[num_seqs + 1: 2 * num_seqs + 1],
-            block_tables=d32[2 * num_seqs + 1:].view(num_seqs, -1),
-            query_lens_cpu=list(query_lens), seq_lens_cpu=list(seq_lens))
-        return d64[:num_tokens], d64[num_tokens: 2 * num_tokens], md
+        return self._step_tensors(input_ids, positions, query_lens, seq_lens,
+                                  [s.block_table for s in out.seqs])
 
     def synthetic_step(self, query_lens: list[int]):
         """Step tensors for sequences that start at position 0 with these query lengths, each
@@ -160,20 +128,41 @@ class ModelRunner:
         if first > self.num_blocks:
             raise ValueError(f"a synthetic step of {query_lens} tokens needs {first} blocks; "
                              f"the pool has {self.num_blocks}")
-        num_seqs, num_tokens, width = len(query_lens), sum(query_lens), max(map(len, tables))
+        positions = [p for n in query_lens for p in range(n)]
+        return self._step_tensors([0] * len(positions), positions, list(query_lens),
+                                  list(query_lens), tables)
+
+    def _step_tensors(self, input_ids: list[int], positions: list[int], query_lens: list[int],
+                      seq_lens: list[int], block_tables: list[list[int]]
+                      ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """The step's tensors, built on the host in two buffers (int64: token ids, positions,
+        slots; int32: query starts, sequence lengths, block tables) that reach the device in
+        one copy each (`upload`): views of them are what the model reads."""
+        num_seqs, num_tokens = len(query_lens), len(input_ids)
+        width = max(len(t) for t in block_tables)
+        # int32: query_start_loc [num_seqs + 1] | seq_lens [num_seqs] | tables [num_seqs, width]
         i32 = torch.zeros(2 * num_seqs + 1 + num_seqs * width, dtype=torch.int32)
-        torch.cumsum(torch.tensor(query_lens, dtype=torch.int32), 0, out=i32[1: num_seqs + 1])
-        i32[num_seqs + 1: 2 * num_seqs + 1] = torch.tensor(query_lens, dtype=torch.int32)
-        for i, t in enumerate(tables):
-            i32[2 * num_seqs + 1 + i * width: 2 * num_seqs + 1 + i * width + len(t)] = \
-                torch.tensor(t, dtype=torch.int32)
-        i64 = torch.zeros(3 * num_tokens, dtype=torch.long)
-        pos = torch.cat([torch.arange(n) for n in query_lens])
-        i64[num_tokens: 2 * num_tokens] = pos
-        slots = [t[p // self.block_size] * self.block_size + p % self.block_size
-                 for t, n in zip(tables, query_lens) for p in range(n)]
-        i64[2 * num_tokens:] = torch.tensor(slots, dtype=torch.long)
-        return self._on_device(i32, i64, query_lens, query_lens)
+        qsl, lens = i32[: num_seqs + 1], i32[num_seqs + 1: 2 * num_seqs + 1]
+        tables = i32[2 * num_seqs + 1:].view(num_seqs, width)
+        for i, table in enumerate(block_tables):
+            tables[i, : len(table)] = torch.tensor(table, dtype=torch.int32)
+        torch.cumsum(torch.tensor(query_lens, dtype=torch.int32), 0, out=qsl[1:])
+        lens.copy_(torch.tensor(seq_lens, dtype=torch.int32))
+        # int64: input_ids [num_tokens] | positions [num_tokens] | slot_mapping [num_tokens]
+        i64 = torch.empty(3 * num_tokens, dtype=torch.long)
+        ids, pos, slots = i64.view(3, num_tokens)
+        ids.copy_(torch.tensor(input_ids, dtype=torch.long))
+        pos.copy_(torch.tensor(positions, dtype=torch.long))
+        seq_index = torch.repeat_interleave(torch.arange(num_seqs), torch.tensor(query_lens))
+        block_ids = tables[seq_index, pos // self.block_size].long()
+        torch.add(block_ids * self.block_size, pos % self.block_size, out=slots)
+        d32, d64 = upload(i32, self.device), upload(i64, self.device)
+        md = AttentionMetadata(
+            slot_mapping=d64[2 * num_tokens:], query_start_loc=d32[: num_seqs + 1],
+            seq_lens=d32[num_seqs + 1: 2 * num_seqs + 1],
+            block_tables=d32[2 * num_seqs + 1:].view(num_seqs, width),
+            query_lens_cpu=query_lens, seq_lens_cpu=seq_lens)
+        return d64[:num_tokens], d64[num_tokens: 2 * num_tokens], md
 
     def warm_up(self, num_seqs: int, query_lens: list[int]) -> list[tuple[int, int]]:
         """Forwards of up to num_seqs sequences with each query length (decode: 1; speculative

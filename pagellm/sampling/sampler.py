@@ -5,8 +5,10 @@ One row of logits per position to sample. `processed_logits` is shared with the 
 rejection sampler so that the target's p and the draft's q see the same transformations.
 
 Everything runs on the logits' device (the model's): a GPU step sends only token ids and
-logprobs to the host. Random draws come from the rows' generators (CPU, so that a seed gives
-the same draws on every device) and travel to the logits.
+logprobs to the host, in a fixed number of reads a step. Random draws come from the rows'
+generators: a seeded request's on the CPU (a seed gives the same draws on every device), whose
+noise travels to the logits in one copy; the engine's own, for the other requests, on the
+model's device.
 """
 from __future__ import annotations
 
@@ -226,9 +228,3 @@ def logprobs_of(row_logprobs: torch.Tensor, token_ids: list[int], num_tops: list
         top = dict(zip(top_ids[j][:n], top_values[j][:n])) if n else {}
         result[i] = (chosen[j], top)
     return result
-
-
-def token_logprobs(row_logprobs: torch.Tensor, token_id: int,
-                   num_top: int | None) -> tuple[float, dict[int, float]] | None:
-    """[vocab] log-probabilities -> (sampled token's, top-N dict)."""
-    return logprobs_of(row_logprobs.unsqueeze(0), [token_id], [num_top])[0]

@@ -63,8 +63,8 @@ def build_spec_decoder(spec: SpeculativeConfig, *, target_files, target_model, t
                        quantization: str | None = None, kv_cache_dtype: str = "auto",
                        draft=None):
     """(SpecDecoder, number of target KV blocks). The KV budget is split so that target and
-    draft caches hold the same number of tokens. draft: load_draft's result where the engine
-    loaded it already (needs_draft_model); loaded here otherwise."""
+    draft caches hold the same number of tokens. draft: load_draft's result where
+    needs_draft_model (the engine loads it before it reads the budget)."""
     t_kv = resolve_kv_dtype(kv_cache_dtype, target_dtype, device, target_model.act_dtype)
     t_block = kv_bytes_per_block(target_files.config, block_size, t_kv, parallel.tp_size())
     if spec.method == "ngram":
@@ -82,8 +82,7 @@ def build_spec_decoder(spec: SpeculativeConfig, *, target_files, target_model, t
             spec.num_speculative_tokens, target_model.weight_bytes() / 2**20,
             num_blocks * t_block / 2**20)
     else:
-        files, draft, dtype = draft or load_draft(spec, target_files, target_dtype, device,
-                                                  max_model_len, quantization)
+        files, draft, dtype = draft
         draft.limit_vocab(spec.draft_vocab_size or None)  # 0 / None: all ids
         d_kv = resolve_kv_dtype(kv_cache_dtype, dtype, device, draft.act_dtype)
         d_block = kv_bytes_per_block(files.config, block_size, d_kv)
