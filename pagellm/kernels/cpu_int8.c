@@ -20,7 +20,12 @@
  * Zen 3 core: 127 G int8 ops/s against 80 GFLOP/s). What it saves is memory: one byte per
  * weight instead of four. (A 32-value type's float scale per block would cost a multiply and
  * an FMA per block and output, no fewer than float32: those stay dense.)
- * Tiles of 4 rows x 2 outputs share each loaded block; a super-block of a row chunk stays in
+ * With AVX-512 BW + VNNI (tile below) the same sums take 3 instructions per 64 values
+ * instead of 4 per 32; measured on a Zen 5 core against the AVX2 tile, per layer of a 1.5B
+ * Qwen2.5 (1536 -> 2048, 1536, 2 x 8960; 8960 -> 1536): one thread 1.20x / 1.29x / 1.22x
+ * at 16 / 64 / 512 rows, two 1.04x / 1.10x / 1.37x. Where bf16 units exist the dense bf16
+ * products stay 3-4x faster still (the int8 path is off there: layers/linear.py USE_INT8).
+ * Tiles of 4 rows x 2 outputs (AVX-512: 4 x 4) share each loaded block; a super-block of a row chunk stays in
  * L1 while a group of outputs uses it; outputs are split across OpenMP threads, each summed
  * by one thread in a fixed order.
  */
@@ -32,7 +37,12 @@
 #define BLOCK 32
 #define SUPER 256
 #define TILE_R 4
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define INT8_AVX512 1
+#define TILE_N 4  /* 16 int32 sums, 4 codes, 4 scales, a row's activations: 26 of 32 registers */
+#else
 #define TILE_N 2
+#endif
 #define ROW_CHUNK 64  /* rows whose super-block (64 x 256 bytes) sits in a 32 KB L1 */
 #define COL_GROUP 16  /* outputs sharing it (their 16 x 256 code bytes beside it) */
 #define PANEL 4  /* super-blocks per pass over the outputs: the chunk's 64 KB of them in L2 */
@@ -85,7 +95,45 @@ void quantize_i8(const float *x, int64_t R, int64_t K, int8_t *xq, float *dx, ui
     }
 }
 
-#ifdef __AVX2__
+#ifdef INT8_AVX512
+/* Adds super-block sb of rows [0, RB) x outputs [0, NB) into y (RB, NB literals after
+ * inlining). AVX-512 BW + VNNI: a register holds two 32-value blocks (lanes 0-7 the first,
+ * 8-15 the second), and the power-of-two shift moves from the int32 sums onto the int16
+ * sub-block scales (vpsllvw: a 6-bit scale << 6 and Q6_K's |int8| << 6 stay below 2^15), so
+ * that vpdpwssd multiplies by the shifted scales and accumulates in one instruction: 3 per 64
+ * values of a row and output (vpmaddubsw, vpsllvw, vpdpwssd) against the AVX2 path's 4 per 32.
+ * A lane sums 4 vpdpwssd of a super-block: <= 4 * 2 * 16002 * 8192 < 2^31. The same integer
+ * terms as the AVX2 path; the lanes convert to float before they add, as there. */
+static inline __attribute__((always_inline)) void tile(
+        int RB, int NB, int64_t sb, const int8_t *xq, const float *dx, const uint8_t *sh,
+        int64_t K, const uint8_t *c, const float *d, const int32_t *isc, float *y, int64_t ldy) {
+    const int64_t S = K / SUPER, G = K / BLOCK;
+    __m512i sum[TILE_R][TILE_N];
+    for (int r = 0; r < RB; r++)
+        for (int n = 0; n < NB; n++) sum[r][n] = _mm512_setzero_si512();
+    for (int64_t g = sb * (SUPER / BLOCK); g < (sb + 1) * (SUPER / BLOCK); g += 2) {
+        __m512i w[TILE_N], hs[TILE_N];
+        for (int n = 0; n < NB; n++) {
+            w[n] = _mm512_loadu_si512((const void *)(c + n * K + g * BLOCK));
+            hs[n] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi32(isc[n * G + g])),
+                                       _mm256_set1_epi32(isc[n * G + g + 1]), 1);
+        }
+        for (int r = 0; r < RB; r++) {
+            const __m512i xv = _mm512_loadu_si512((const void *)(xq + r * K + g * BLOCK));
+            const __m512i shift = _mm512_inserti64x4(
+                _mm512_castsi256_si512(_mm256_set1_epi16(sh[r * G + g])),
+                _mm256_set1_epi16(sh[r * G + g + 1]), 1);
+            for (int n = 0; n < NB; n++)
+                sum[r][n] = _mm512_dpwssd_epi32(sum[r][n], _mm512_maddubs_epi16(w[n], xv), _mm512_sllv_epi16(
+                                                hs[n], shift));
+        }
+    }
+    for (int r = 0; r < RB; r++)
+        for (int n = 0; n < NB; n++)
+            y[r * ldy + n] += d[n * S + sb] * dx[r * S + sb] *
+                              _mm512_reduce_add_ps(_mm512_cvtepi32_ps(sum[r][n]));
+}
+#elif defined(__AVX2__)
 /* Adds super-block sb of rows [0, RB) x outputs [0, NB) into y (RB, NB literals after
  * inlining: the loops unroll and the int32 sums stay in registers). */
 static inline __attribute__((always_inline)) void tile(
@@ -146,27 +194,29 @@ static void group(const int8_t *xq, const float *dx, const uint8_t *sh, int64_t 
     if (s0 == 0)
         for (int64_t r = r0; r < r1; r++)
             for (int64_t n = n0; n < n1; n++) y[r * ldy + n] = 0.f;
-    for (int64_t sb = s0; sb < s1; sb++)
-        for (int64_t n = n0; n < n1; n += TILE_N) {
+    for (int64_t sb = s0; sb < s1; sb++) {
+        int64_t n = n0;
+        for (; n + TILE_N <= n1; n += TILE_N) {
             int64_t r = r0;
-            if (n + TILE_N <= n1) {
-                for (; r + TILE_R <= r1; r += TILE_R) TILE_CASE(TILE_R, TILE_N);
-                switch (r1 - r) {
-                case 3: TILE_CASE(3, TILE_N); break;
-                case 2: TILE_CASE(2, TILE_N); break;
-                case 1: TILE_CASE(1, TILE_N); break;
-                default: break;
-                }
-            } else {
-                for (; r + TILE_R <= r1; r += TILE_R) TILE_CASE(TILE_R, 1);
-                switch (r1 - r) {
-                case 3: TILE_CASE(3, 1); break;
-                case 2: TILE_CASE(2, 1); break;
-                case 1: TILE_CASE(1, 1); break;
-                default: break;
-                }
+            for (; r + TILE_R <= r1; r += TILE_R) TILE_CASE(TILE_R, TILE_N);
+            switch (r1 - r) {
+            case 3: TILE_CASE(3, TILE_N); break;
+            case 2: TILE_CASE(2, TILE_N); break;
+            case 1: TILE_CASE(1, TILE_N); break;
+            default: break;
             }
         }
+        for (; n < n1; n++) {  /* the group's last outputs, one at a time */
+            int64_t r = r0;
+            for (; r + TILE_R <= r1; r += TILE_R) TILE_CASE(TILE_R, 1);
+            switch (r1 - r) {
+            case 3: TILE_CASE(3, 1); break;
+            case 2: TILE_CASE(2, 1); break;
+            case 1: TILE_CASE(1, 1); break;
+            default: break;
+            }
+        }
+    }
 }
 
 /* xq [R, K] int8, dx [R, K / 256], sh [R, K / 32] (quantize_i8), codes [N, K] uint8 (0..63, ORDER within each
