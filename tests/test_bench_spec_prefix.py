@@ -151,3 +151,101 @@ def test_spec_configs_choose_the_engines(tmp_path):
     assert engines == {"off", "ngram", "ngram spec-off"}
     with pytest.raises(ValueError, match="--configs"):
         spec.main(["--smoke", "--configs", "ngramm", "--peers", "", "--out", str(out)])
+
+
+def test_spec_temperatures_and_workloads(tmp_path):
+    """--temperatures runs every workload at each temperature, a sampled one labelled
+    "<workload> t<T>"; sampling is seeded, so the engine with speculation forced off gives the
+    "off" engine's tokens exactly at 0.7 too. Bad values are refused, naming the flag."""
+    import pytest
+
+    out = tmp_path / "out"
+    assert spec.main(["--smoke", "--configs", "ngram", "--peers", "hf", "--temperatures",
+                      "0,0.7", "--no-fixed-k", "--out", str(out)]) == 0
+    rows = {(r["workload"], r["batch"], r["engine"]): r for r in outputs(out, "spec")["results"]}
+    assert {w for w, _, _ in rows} == {"copy", "chat", "copy t0.7", "chat t0.7"}
+    assert rows[("chat t0.7", 1, "ngram spec-off")]["same_as_off"] == 1.0
+    assert rows[("chat t0.7", 4, "ngram spec-off")]["same_as_off"] == 1.0
+    assert rows[("copy t0.7", 1, "hf")]["ms_per_token"] > 0
+    for bad in (["--temperatures", "hot"], ["--temperatures", "-1"], ["--workloads", "poetry"],
+                ["--peers", "vllm"], ["--peers", "llama.cpp", "--llama-cpp-bin", str(tmp_path)]):
+        with pytest.raises(SystemExit):
+            spec.main(["--smoke", *bad, "--out", str(out)])
+
+
+FAKE_SPEC = """#!/bin/sh
+# stands in for llama.cpp's llama-speculative-simple: records its arguments, echoes the prompt
+# file (-f) and a continuation on stdout, and logs its counts on stderr as the tool does
+printf '%s\\n' "$@" > "$(dirname "$0")/argv.txt"
+while [ $# -gt 0 ]; do [ "$1" = "-f" ] && file="$2"; shift; done
+printf '\\n\\n'; cat "$file"; printf ' def add(a, b):\\n    return a + b\\n\\n'
+echo "encoded   20 tokens in    0.100 seconds, speed:  200.000 t/s" >&2
+echo "decoded   12 tokens in    0.600 seconds, speed:   20.000 t/s" >&2
+echo "n_draft   = 4" >&2
+echo "n_predict = 12" >&2
+echo "n_drafted = 16" >&2
+echo "n_accept  = 10" >&2
+"""
+FAKE_BENCH = """#!/bin/sh
+# stands in for llama-bench -o json
+printf '%s\\n' "$@" > "$(dirname "$0")/argv.txt"
+echo '[{"n_prompt": 0, "n_gen": 8, "n_depth": 5, "avg_ts": 40.0}]'
+"""
+
+
+def test_llama_cpp_peer_command_and_parsing(tmp_path):
+    """The llama.cpp peer: plain decoding from llama-bench at the prompt's depth (its
+    speculation tool cannot turn the draft off), its speculation from
+    llama-speculative-simple with the draft (draft-simple, k tokens a round); time per token
+    is the tool's decode time over its tokens, acceptance its own counts, and its new text
+    comes back as token ids. Stand-in scripts play the tools (their output as llama.cpp
+    11434 prints it)."""
+    import os
+    import stat
+
+    from transformers import AutoTokenizer
+
+    from pagellm.benchmarks import common
+    from pagellm.models.loader import default_model_path
+
+    for name, text in (("llama-speculative-simple", FAKE_SPEC), ("llama-bench", FAKE_BENCH)):
+        binary = tmp_path / name
+        binary.write_text(text)
+        binary.chmod(binary.stat().st_mode | stat.S_IEXEC)
+    target = default_model_path()
+    args = spec.parse_args(["--model", target, "--draft", target, "--peers", "llama.cpp",
+                            "--llama-cpp-bin", str(tmp_path), "--threads", "2", "--k", "3",
+                            "--max-tokens", "8"])
+    tok = AutoTokenizer.from_pretrained(os.path.dirname(target),
+                                        gguf_file=os.path.basename(target))
+    peer = spec.LlamaCppPeer(common.ModelSpec.resolve(target), args, tok)
+    assert set(peer.variants) == {"llama.cpp", "llama.cpp spec"}
+    prompt = tok.encode("<|im_start|>user\nWrite add.<|im_end|>\n<|im_start|>assistant\n")
+
+    plain = peer.run("llama.cpp", prompt)
+    argv = (tmp_path / "argv.txt").read_text().split("\n")
+    assert argv[argv.index("-m") + 1] == target and argv[argv.index("-t") + 1] == "2"
+    assert argv[argv.index("-d") + 1] == str(len(prompt)) and argv[argv.index("-n") + 1] == "8"
+    req = plain["requests"][0]
+    assert abs(req["tpot_s"] - 1 / 40) < 1e-12 and req["tokens"] is None
+    assert "peer_stats" not in plain
+
+    run = peer.run("llama.cpp spec", prompt, temperature=0.7)
+    argv = (tmp_path / "argv.txt").read_text().split("\n")
+    assert argv[argv.index("-m") + 1] == target and argv[argv.index("-md") + 1] == target
+    assert argv[argv.index("--spec-type") + 1] == "draft-simple"
+    assert argv[argv.index("--spec-draft-n-max") + 1] == "3"
+    assert argv[argv.index("--temp") + 1] == "0.7"
+    req = run["requests"][0]
+    assert req["num_tokens"] == 12 and abs(req["tpot_s"] - 0.05) < 1e-12
+    assert tok.decode(req["tokens"]) == " def add(a, b):\n    return a + b"
+    assert run["peer_stats"] == {"drafted": 16, "accepted": 10}
+    # a row without token ids (llama-bench) has no "same tokens as off"
+    runs = [{"engine": e, "workload": "code", "batch": 1, "repeat": 0, "prompts": [0],
+             "wall_s": 1.0, "preemptions": 0, **r}
+            for e, r in (("off", {"requests": [{**req, "num_tokens": 12}]}),
+                         ("llama.cpp", plain), ("llama.cpp spec", run))]
+    spec.mark_identity(runs)
+    rows = {r["engine"]: r for r in spec.summarize(runs)}
+    assert rows["llama.cpp"]["same_as_off"] is None and rows["llama.cpp spec"]["same_as_off"] == 1
+    assert rows["llama.cpp spec"]["acceptance_rate"] == 10 / 16

@@ -16,7 +16,13 @@ drafts whose j-th token was accepted); "spec steps": share of decode steps with 
 With --draft, the draft model runs as its own configuration (adaptive and fixed k), and again
 behind n-gram lookup ("draft+lookup": the draft only where no 3-token match exists), and each
 configuration gets a verdict: the batch sizes at which it is faster than off on every workload
-("pays at batch <= N"). With --prompts, your own prompts are the workload.
+("pays at batch <= N"). With --prompts, your own prompts are the workload. `--workloads code,chat` picks built-in
+workloads (`code`: complete a function, refactor or edit a snippet, write tests for it);
+`--temperatures 0,0.7` runs each at those temperatures (seeded per request; a sampled
+workload is labelled "code t0.7"). `--peers llama.cpp --llama-cpp-bin DIR` adds llama.cpp's
+own decoding of the same GGUF files at batch 1 (`llama-speculative-simple`: plain, and with
+--draft as its draft, `--spec-type draft-simple --spec-draft-n-max k`; the prompt is the
+chat-templated text, its time per token the tool's decode time over its tokens).
 The floor ("never below 0.95x") is judged on paired runs: each adaptive engine runs next to
 itself with speculation forced off on the same prompts, and the median of those ratios counts
 (the machine's speed swings more between runs minutes apart than the effects measured).
@@ -24,6 +30,10 @@ itself with speculation forced off on the same prompts, and the median of those 
 from __future__ import annotations
 
 import argparse
+import os
+import re
+import subprocess
+import tempfile
 import time
 
 import torch
@@ -69,6 +79,24 @@ PARA_TASKS = ["Rewrite the following paragraph in the past tense, keeping everyt
 CODE_TASKS = ["Add comments to this Python code and return the complete code:\n\n```python\n{}```",
               "Rename the function in this code to a better name and return the full code:"
               "\n\n```python\n{}```"]
+# code: completing a function from its signature and docstring, refactoring or editing a given
+# snippet (much of the answer repeats it), writing tests for given code
+COMPLETE = [
+    "def merge_intervals(intervals):\n    \"\"\"Merge overlapping [start, end] intervals and "
+    "return them sorted by start.\"\"\"\n",
+    "def parse_duration(text):\n    \"\"\"Parse strings like '1h30m' or '45s' into a number of "
+    "seconds.\"\"\"\n",
+    "class LRUCache:\n    \"\"\"A least-recently-used cache with a fixed capacity, with get(key) "
+    "and put(key, value).\"\"\"\n",
+    "def is_valid_ipv4(address):\n    \"\"\"Whether the string is a dotted IPv4 address.\"\"\"\n",
+]
+CODE_WORK = (["Complete this Python code:\n\n```python\n{}```".format(c) for c in COMPLETE] +
+             [t.format(c) for c in CODE for t in (
+                 "Refactor this Python code to be clearer and return the full code:\n\n"
+                 "```python\n{}```",
+                 "Add type hints to this Python code and return the complete code:\n\n"
+                 "```python\n{}```",
+                 "Write pytest unit tests for this code:\n\n```python\n{}```")])
 CHAT = ["Write a short story about a robot who learns to paint.", "Explain how a rainbow forms.",
         "What are some good habits for staying healthy?", "Describe your ideal weekend.",
         "Give me tips for learning a new language.", "Why is the sky blue?",
@@ -100,7 +128,15 @@ def parse_args(argv):
     p.add_argument("--batch1-prompts", type=int, default=4,
                    help="prompts per workload per repeat at batch 1 (rotating through the set)")
     p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--peers", default="hf", help="'hf' or '' (none)")
+    p.add_argument("--peers", default="hf", help="comma-separated: hf, llama.cpp; '' none")
+    p.add_argument("--llama-cpp-bin", default=os.environ.get("LLAMA_CPP_BIN"),
+                   help="folder with llama-speculative-simple (or $LLAMA_CPP_BIN): the "
+                        "llama.cpp peer")
+    p.add_argument("--workloads", default="copy,chat",
+                   help="built-in workloads: copy (rewrite a paragraph or edit code), code "
+                        "(complete, refactor, test code), chat")
+    p.add_argument("--temperatures", default="0",
+                   help="comma-separated sampling temperatures (0: greedy)")
     p.add_argument("--peer-prompts", type=int, default=None,
                    help="HF peers run on the first N of each repeat's batch-1 prompts per "
                         "workload (default: all; HF early-exit assisted generation takes ~0.5 s "
@@ -116,6 +152,23 @@ def parse_args(argv):
                         "'off' always runs): each is an engine with both models in memory")
     common.add_output_args(p)
     args = p.parse_args(argv)
+    unknown = set(args.workloads.split(",")) - {"copy", "code", "chat"}
+    if unknown:
+        p.error(f"--workloads: unknown {sorted(unknown)}; choose from copy, code, chat")
+    try:
+        args.temps = [float(t) for t in args.temperatures.split(",")]
+    except ValueError:
+        p.error(f"--temperatures: not numbers: {args.temperatures!r}")
+    if any(t < 0 for t in args.temps):
+        p.error("--temperatures: must be >= 0")
+    args.peer_list = [x for x in args.peers.split(",") if x]
+    if set(args.peer_list) - {"hf", "llama.cpp"}:
+        p.error(f"--peers: choose from hf, llama.cpp (got {args.peers!r})")
+    if "llama.cpp" in args.peer_list and not (args.llama_cpp_bin and all(
+            os.path.isfile(os.path.join(args.llama_cpp_bin, tool))
+            for tool in ("llama-bench", "llama-speculative-simple"))):
+        p.error("--peers llama.cpp needs --llama-cpp-bin DIR with llama-bench and "
+                "llama-speculative-simple (benchmarks/README.md says how to build them)")
     if args.draft_layers is None:
         args.draft_layers = "" if args.draft else "8,15"
     if args.smoke:
@@ -127,12 +180,12 @@ def parse_args(argv):
 
 
 # ---- workloads and configurations -----------------------------------------------------------
-def chat_prompts(llm) -> dict[str, list[list[int]]]:
+def chat_prompts(llm, workloads: list[str]) -> dict[str, list[list[int]]]:
     copy = [t.format(p) for p in PARAGRAPHS for t in PARA_TASKS]
     copy += [t.format(c) for c in CODE for t in CODE_TASKS]
     msg = lambda text: [{"role": "user", "content": text}]  # noqa: E731
-    return {"copy": [llm.apply_chat_template(msg(t)) for t in copy],
-            "chat": [llm.apply_chat_template(msg(t)) for t in CHAT]}
+    texts = {"copy": copy, "code": CODE_WORK, "chat": CHAT}
+    return {w: [llm.apply_chat_template(msg(t)) for t in texts[w]] for w in workloads}
 
 
 def user_prompts(llm, path: str) -> dict[str, list[list[int]]]:
@@ -211,24 +264,27 @@ class Engine:
 
             ctl.choose = recording_choose
 
-    def run(self, prompts: list[list[int]], spec_off: bool = False) -> dict:
+    def run(self, prompts: list[list[int]], spec_off: bool = False,
+            temperature: float = 0.0) -> dict:
         """spec_off: this engine with speculation forced off, the fair baseline for it (an
         engine built later in the same process can run several percent slower, so another
-        engine's "off" row alone would flatter or wrong it)."""
+        engine's "off" row alone would flatter or wrong it). temperature > 0: sampled, seeded."""
+        import dataclasses
+
         before = self.spec.stats.as_dict() if self.spec else None
         self.ks.clear()
+        params = (self.params if temperature == 0 else
+                  dataclasses.replace(self.params, temperature=temperature, seed=0))
         start = time.perf_counter()
         if spec_off:  # per request, as a user would: no proposer runs for these requests
-            import dataclasses
-
-            off = dataclasses.replace(self.params, num_speculative_tokens=0)
+            off = dataclasses.replace(params, num_speculative_tokens=0)
             self.recording = False  # (the controller's k is capped at 0 for each of them)
             try:
                 outs = self.llm.generate(prompts, off, use_tqdm=False)
             finally:
                 self.recording = True
         else:
-            outs = self.llm.generate(prompts, self.params, use_tqdm=False)
+            outs = self.llm.generate(prompts, params, use_tqdm=False)
         res = {"wall_s": time.perf_counter() - start,
                "requests": [{"tpot_s": o.metrics.time_per_output_token,
                              "e2e_s": o.metrics.e2e_latency,
@@ -273,13 +329,18 @@ class HFPeer:
             self.variants["hf assisted"] = {"assistant_model": assistant,
                                             "num_assistant_tokens": args.k}
 
-    def run(self, variant: str, prompt: list[int]) -> dict:
+    def run(self, variant: str, prompt: list[int], temperature: float = 0.0) -> dict:
         ids, clock, args = torch.tensor([prompt]), Clock(), self.args
         extra = {"min_new_tokens": args.max_tokens} if args.ignore_eos else {}
+        if temperature > 0:
+            torch.manual_seed(0)
+            extra.update(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
+        else:
+            extra["do_sample"] = False
         start = time.perf_counter()
         with torch.inference_mode():
             out = self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
-                                      max_new_tokens=args.max_tokens, do_sample=False,
+                                      max_new_tokens=args.max_tokens,
                                       streamer=clock, **extra, **self.variants[variant])
         end, tokens = time.perf_counter(), out[0, ids.shape[1]:].tolist()
         (t1, c1), (tn, _) = clock.puts[1], clock.puts[-1]  # puts[0] is the prompt
@@ -301,35 +362,113 @@ class Clock:
         pass
 
 
+class LlamaCppPeer:
+    """llama.cpp on the same GGUF files at batch 1: plain decoding ("llama.cpp": `llama-bench
+    -p 0 -n N -d P`, N tokens generated after P tokens of context, the request's prompt length;
+    its tool for speculation cannot turn the draft off) and, with --draft, its own draft-model
+    speculation ("llama.cpp spec": `llama-speculative-simple --spec-type draft-simple`, k
+    tokens a round) on the request's chat-templated text (llama.cpp tokenizes it, special
+    tokens included). Its printed text is tokenized back with the target's tokenizer to
+    compare with pagellm's output; llama-bench prints none."""
+
+    def __init__(self, spec: common.ModelSpec, args, tokenizer):
+        if not spec.path.endswith(".gguf") or (args.draft and not args.draft.endswith(".gguf")):
+            raise SystemExit("--peers llama.cpp: the model and the draft must be GGUF files")
+        self.bin, self.model, self.args, self.tokenizer = (args.llama_cpp_bin, spec.path, args,
+                                                           tokenizer)
+        self.variants = {"llama.cpp": None}
+        if args.draft:
+            self.variants["llama.cpp spec"] = ["-md", args.draft, "--spec-type", "draft-simple",
+                                               "--spec-draft-n-max", str(args.k)]
+
+    def _exec(self, cmd: list[str]) -> tuple[subprocess.CompletedProcess, float]:
+        start = time.perf_counter()
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+        if done.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed ({done.returncode}):\n"
+                               f"{done.stderr[-2000:]}")
+        return done, time.perf_counter() - start
+
+    def run(self, variant: str, prompt: list[int], temperature: float = 0.0) -> dict:
+        args = self.args
+        if self.variants[variant] is None:  # plain: generation time at the prompt's depth
+            import json
+
+            done, wall = self._exec([
+                os.path.join(self.bin, "llama-bench"), "-m", self.model, "-p", "0",
+                "-n", str(args.max_tokens), "-d", str(len(prompt)), "-t", str(args.threads),
+                "-r", "1", "-o", "json"])
+            tok_s = json.loads(done.stdout)[0]["avg_ts"]
+            return {"wall_s": wall, "preemptions": 0, "requests": [
+                {"tpot_s": 1 / tok_s, "e2e_s": wall, "ttft_s": None, "tokens": None,
+                 "num_tokens": args.max_tokens}]}
+        text = self.tokenizer.decode(prompt, skip_special_tokens=False)
+        with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
+            f.write(text)
+        cmd = [os.path.join(self.bin, "llama-speculative-simple"), "-m", self.model,
+               "-f", f.name, "-n", str(args.max_tokens), "-t", str(args.threads),
+               "-c", str(len(prompt) + args.max_tokens + 64), "--temp", str(temperature),
+               "--seed", "0", *self.variants[variant]]
+        if args.ignore_eos:
+            cmd.append("--ignore-eos")
+        try:
+            done, wall = self._exec(cmd)
+        finally:
+            os.unlink(f.name)
+        log = done.stderr
+        m = re.search(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds", log)
+        if m is None:
+            raise RuntimeError(f"{' '.join(cmd)}: no 'decoded N tokens' line:\n{log[-2000:]}")
+        n, seconds = int(m.group(1)), float(m.group(2))
+        tail = text.strip()[-200:]  # the echoed prompt ends here; the new text follows
+        at = done.stdout.find(tail)
+        new_text = done.stdout[at + len(tail):] if at >= 0 else ""
+        tokens = self.tokenizer.encode(new_text.strip("\n"), add_special_tokens=False)
+        res = {"wall_s": wall, "preemptions": 0, "requests": [
+            {"tpot_s": seconds / n if n else None, "e2e_s": wall, "ttft_s": None,
+             "tokens": tokens, "num_tokens": n}]}
+        drafted = re.search(r"n_drafted\s*=\s*(\d+)", log)
+        accepted = re.search(r"n_accept\s*=\s*(\d+)", log)
+        if drafted and accepted:
+            res["peer_stats"] = {"drafted": int(drafted.group(1)),
+                                 "accepted": int(accepted.group(1))}
+        return res
+
+
 # ---- the run ----------------------------------------------------------------------------------
-def measure(args, engines: dict[str, Engine], hf: HFPeer | None, prompts, batch: int) -> list:
-    """Every engine takes its turn on the same prompts inside each repeat (order alternates).
-    HF peers run at batch 1 only (on the first --peer-prompts groups of each repeat)."""
+def measure(args, engines: dict[str, Engine], peers: list, prompts, batch: int) -> list:
+    """Every engine takes its turn on the same prompts inside each repeat (order alternates),
+    at each temperature (a sampled workload is labelled "<workload> t<T>"). Peers (HF,
+    llama.cpp) run at batch 1 only (on the first --peer-prompts groups of each repeat)."""
     names = []
     for n in engines:  # each adaptive engine next to itself with speculation forced off
         names += [n] if n == "off" or "fixed" in n else [n, f"{n} spec-off"]
-    hf_names = list(hf.variants) if hf and batch == 1 else []
+    by_variant = {v: peer for peer in peers for v in peer.variants} if batch == 1 else {}
+    peer_names = list(by_variant)
     n1, runs, peer_limit = args.batch1_prompts, [], args.peer_prompts
-    per_group = len(names) * (n1 if batch == 1 else 1) + len(hf_names) * min(
+    per_group = len(names) * (n1 if batch == 1 else 1) + len(peer_names) * min(
         n1, n1 if peer_limit is None else peer_limit)
-    names += hf_names
-    bar = tqdm(total=args.repeats * len(prompts) * per_group,
+    names += peer_names
+    cases = [(w if t == 0 else f"{w} t{t:g}", ps, t) for w, ps in prompts.items()
+             for t in args.temps]
+    bar = tqdm(total=args.repeats * len(cases) * per_group,
                desc=f"spec batch {batch}", unit="run")
     for rep in range(args.repeats):
-        for workload, ps in prompts.items():
+        for workload, ps, temp in cases:
             groups = ([[(rep * n1 + i) % len(ps)] for i in range(n1)] if batch == 1
                       else [[i % len(ps) for i in range(batch)]])
             for g, group in enumerate(groups):
                 for name in (names if rep % 2 == 0 else names[::-1]):
-                    if name in hf_names and peer_limit is not None and g >= peer_limit:
+                    if name in by_variant and peer_limit is not None and g >= peer_limit:
                         continue
                     sel = [ps[i] for i in group]
                     if name in engines:
-                        res = engines[name].run(sel)
+                        res = engines[name].run(sel, temperature=temp)
                     elif name.endswith(" spec-off"):
-                        res = engines[name.removesuffix(" spec-off")].run(sel, spec_off=True)
+                        res = engines[name.removesuffix(" spec-off")].run(
+                            sel, spec_off=True, temperature=temp)
                     else:
-                        res = hf.run(name, sel[0])
+                        res = by_variant[name].run(name, sel[0], temperature=temp)
                     runs.append({"engine": name, "workload": workload, "batch": batch,
                                  "repeat": rep, "prompts": group, **res})
                     bar.update(1)
@@ -344,8 +483,15 @@ def mark_identity(runs: list[dict]) -> None:
            for r in runs if r["engine"] == "off"}
     for r in runs:
         ref = off[(r["workload"], r["batch"], r["repeat"], tuple(r["prompts"]))]
-        r["same_as_off"] = sum(a["tokens"] == b["tokens"]
-                               for a, b in zip(r["requests"], ref["requests"]))
+        # (llama.cpp's speculation may overshoot max_tokens by a round: its first tokens count)
+        r["same_as_off"] = (None if any(a["tokens"] is None for a in r["requests"]) else
+                            sum(a["tokens"][:len(b["tokens"])] == b["tokens"]
+                                for a, b in zip(r["requests"], ref["requests"])))
+
+
+def _ntok(q: dict) -> int:
+    """A request's output tokens (a peer that prints no token ids says how many)."""
+    return q["num_tokens"] if "num_tokens" in q else len(q["tokens"])
 
 
 def summarize(runs: list[dict]) -> list[dict]:
@@ -358,10 +504,17 @@ def summarize(runs: list[dict]) -> list[dict]:
         row = {"workload": workload, "batch": batch, "engine": engine,
                "ms_per_token": common.median(tpots) * 1e3 if tpots else None,
                "e2e_ms": common.median([q["e2e_s"] for q in reqs]) * 1e3,
-               "tok_s": sum(len(q["tokens"]) for q in reqs) / sum(r["wall_s"] for r in rs),
-               "mean_output_tokens": sum(len(q["tokens"]) for q in reqs) / len(reqs),
-               "same_as_off": sum(r["same_as_off"] for r in rs) / len(reqs),
+               "tok_s": sum(_ntok(q) for q in reqs)
+               / sum(r["wall_s"] for r in rs),
+               "mean_output_tokens": sum(_ntok(q)
+                                         for q in reqs) / len(reqs),
+               "same_as_off": (None if any(r["same_as_off"] is None for r in rs)
+                               else sum(r["same_as_off"] for r in rs) / len(reqs)),
                "preemptions": sum(r["preemptions"] for r in rs)}
+        if "peer_stats" in rs[0]:  # llama.cpp's own counts
+            tried = sum(r["peer_stats"]["drafted"] for r in rs)
+            row["acceptance_rate"] = sum(r["peer_stats"]["accepted"] for r in rs) / tried \
+                if tried else None
         if "stats" in rs[0]:
             drafts = sum(r["stats"]["num_drafts"] for r in rs)
             tried = sum(r["stats"]["num_draft_tokens"] for r in rs)
@@ -423,11 +576,15 @@ def targets(rows: list[dict]) -> dict:
     ngram = own.get(("copy", 1, "ngram")) or speed.get(("copy", 1, "ngram"))
     adaptive = {f"{e} {w} b{b}": own[(w, b, e)] or v for (w, b, e), v in speed.items()
                 if v and e != "off" and "fixed" not in e and "spec-off" not in e
-                and not e.startswith("hf")}
+                and not is_peer(e)}
     worst = min(adaptive.items(), key=lambda kv: kv[1]) if adaptive else (None, None)
     return {"verdicts": verdicts(rows),"ngram_copy_b1_speedup": ngram, "ngram_copy_b1_met": bool(ngram and ngram >= 2.0),
             "adaptive_worst": worst[0], "adaptive_worst_speedup": worst[1],
             "adaptive_floor_met": worst[1] is None or worst[1] >= 0.95}
+
+
+def is_peer(engine: str) -> bool:
+    return engine.startswith(("hf", "llama.cpp"))
 
 
 def verdicts(rows: list[dict]) -> dict[str, str]:
@@ -436,7 +593,7 @@ def verdicts(rows: list[dict]) -> dict[str, str]:
     "pays at batch <= N" or "does not pay at batch 1"."""
     out = {}
     engines = [e for e in dict.fromkeys(r["engine"] for r in rows)
-               if e != "off" and "spec-off" not in e and not e.startswith("hf")]
+               if e != "off" and "spec-off" not in e and not is_peer(e)]
     batches = sorted({r["batch"] for r in rows})
     for e in engines:
         pays = []
@@ -472,9 +629,10 @@ def render(rows, args, tg) -> str:
               fmt(r["tok_s"], "{:.1f}"),
               fmt(r.get("acceptance_rate")), fmt(r.get("mean_acceptance_length")),
               " ".join(f"{x:.2f}" for x in r.get("accepted_per_position") or []) or "-",
-              fmt(r.get("spec_step_share")), f"{r['same_as_off']:.0%}",
+              fmt(r.get("spec_step_share")), fmt(r["same_as_off"], "{:.0%}"),
               f"{r['mean_output_tokens']:.0f}", r["preemptions"]] for r in rows]
-    head = (f"### Speculative decoding, greedy, {args.dtype}, max_tokens {args.max_tokens}, "
+    temps = ", ".join("greedy" if t == 0 else f"temperature {t:g}" for t in args.temps)
+    head = (f"### Speculative decoding, {temps}, {args.dtype}, max_tokens {args.max_tokens}, "
             f"k={args.k}, {args.threads} thread(s), {args.repeats} repeats\n\n")
     body = common.markdown_table(
         ["workload", "batch", "engine", "ms/token", "speedup vs off", "vs own spec-off", "paired vs own spec-off (range)", "tok/s",
@@ -531,13 +689,17 @@ def main(argv: list[str] | None = None) -> int:
     off = engines["off"].llm
     prompts = (user_prompts(off, args.prompts) if args.prompts else
                smoke_prompts(off.engine.vocab_size) if off.get_tokenizer() is None
-               else chat_prompts(off))
-    hf = HFPeer(spec, args) if "hf" in args.peers.split(",") else None
+               else chat_prompts(off, args.workloads.split(",")))
+    peers = []
+    if "hf" in args.peer_list:
+        peers.append(HFPeer(spec, args))
+    if "llama.cpp" in args.peer_list:
+        peers.append(LlamaCppPeer(spec, args, off.get_tokenizer()))
     for e in engines.values():  # warm-up
         e.run(next(iter(prompts.values()))[:1])
     runs = []
     for batch in (int(b) for b in args.batch_sizes.split(",")):
-        runs += measure(args, engines, hf, prompts, batch)
+        runs += measure(args, engines, peers, prompts, batch)
         report(args, spec, prompts, runs)  # after each batch size: a checkpoint
     return 0
 
@@ -546,7 +708,8 @@ def report(args, spec, prompts, runs) -> None:
     rows = summarize(runs)
     tg = targets(rows)
     raw = [{**r, "requests": [{**{k: v for k, v in q.items() if k != "tokens"},
-                               "num_tokens": len(q["tokens"])} for q in r["requests"]]}
+                               "num_tokens": _ntok(q)}
+                              for q in r["requests"]]}
            for r in runs]
     lengths = {w: [len(p) for p in ps] for w, ps in prompts.items()}
     common.write_results(args.out, "spec", {
