@@ -47,6 +47,9 @@ def test_fused_layer_matches_module_path():
     llm = LLM(dtype="bfloat16", kv_cache_memory="32MiB", block_size=4)
     try:
         assert all(layer.fused is not None for layer in llm.engine.model.layers)
+        # one float32 copy of the rotary tables for all layers (a copy each cost 30x)
+        assert len({p.data_ptr() for layer in llm.engine.model.layers
+                    for p in layer.fused._keep[:2]}) == 2
         calls = []
         orig = type(llm.engine.model.layers[0].fused).__call__
 

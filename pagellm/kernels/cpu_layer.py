@@ -45,8 +45,7 @@ class FusedDecodeLayer:
     def __init__(self, layer):
         attn, mlp = layer.self_attn, layer.mlp
         rot = attn.rotary
-        # float32 copies of the rotary tables: the values the module path multiplies by
-        self._keep = [rot.cos.float().contiguous(), rot.signed_sin.float().contiguous()]
+        self._keep = list(rot.float32_tables())  # one float32 copy for all layers
         self.layer = layer
         self.eps = layer.input_layernorm.eps
         self.heads, self.kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
