@@ -416,6 +416,29 @@ def test_step_walls_follow_the_machine_speed():
     assert walls.speed == pytest.approx(1.3, rel=0.1)
 
 
+def test_step_walls_do_not_drift_over_thousands_of_plain_steps():
+    """Speculation off for 8,000 steps of a noisy machine (8% jitter, 1% of steps 3x slow):
+    the stale k=1 wall keeps its ratio to a plain step (2.0x), and the plain step its real
+    time. (The speed once followed each step's ratio by its mean while the walls are medians:
+    every slow outlier pushed it up for good, and k=1 looked 1,000x a plain step, so the
+    controller never probed it again.)"""
+    import math
+    import random
+
+    rng = random.Random(0)
+    walls = StepWalls()
+    for _ in range(5):
+        walls.observe(1, 0.050, 2, 1.8)
+    for _ in range(5):
+        walls.observe(0, 0.025, 0, 1)
+    for _ in range(8000):
+        seconds = 0.025 * math.exp(rng.gauss(0, 0.08)) * (3 if rng.random() < 0.01 else 1)
+        walls.observe(0, seconds, 0, 1)
+        assert 1 / 1.5 < walls.speed < 1.5
+    assert walls.wall(1) / walls.wall(0) == pytest.approx(2.0, rel=0.15)
+    assert walls.wall(0) * walls.speed == pytest.approx(0.025, rel=0.1)
+
+
 def test_a_measured_step_never_costs_more_than_one_with_more_rows():
     """Batch 1: k=3 measured in a slow moment (39 ms) above k=4 (29 ms) counts as 29 ms (its
     median would otherwise stand for good: only the k in use and the runner-up are

@@ -2,6 +2,7 @@
 and whole-step wall times per batch size and k."""
 from __future__ import annotations
 
+import math
 import statistics
 from collections import deque
 
@@ -9,6 +10,11 @@ EMA = 0.2  # weight of a new observation in the forgetting averages (~5 observat
 PRIOR_WEIGHT = 2.0  # observations the prior acceptance counts for: one bad draft moves it far
 _WINDOW = 9  # steps per (batch size, k) whose median is its wall: outliers do not move it
 STALE_AFTER = 8  # steps after which a k's average tokens per step start anew
+# The speed drifts back to 1 over ~1 / REVERT steps: the walls of the k in use follow it
+# within their window, and without the pull speed and walls could wander together for good
+# (a scale nothing else fixes), taking the stale walls of the other k with them.
+REVERT = 1 / 256
+_RATIOS = 5  # steps whose median ratio to their walls moves the speed (a slow one does not)
 
 
 class KindAcceptance:
@@ -41,13 +47,19 @@ class StepWalls:
         self.last: dict[int, int] = {}  # step number of each k's latest measurement
         self.num = 0
         self.speed = 1.0  # the machine's slowness now, relative to the walls kept
+        self._ratios: deque = deque(maxlen=_RATIOS)  # latest log(step / (speed * wall))
         self.backoff, self.probing = 1, False
 
     def observe(self, k: int, seconds: float, rows: int, tokens: float) -> None:
         # Each step's ratio to its k's wall moves a speed common to every k: the side not in
         # use is measured rarely, and walls from two moods of a shared machine do not compare.
         if k in self.steps:
-            self.speed *= (seconds / (self.speed * self.wall(k))) ** EMA
+            # the median of the latest steps' log ratios, not this step's: a wall is a
+            # median, so a speed moved by the mean would drift with every slow outlier (1% of
+            # steps at 3x: a factor 1,000 in 8,000 plain steps, and a stale k's wall with it)
+            self._ratios.append(math.log(seconds / (self.speed * self.wall(k))))
+            self.speed = math.exp((1 - REVERT) * math.log(self.speed)
+                                  + EMA * statistics.median(self._ratios))
         window = self.steps.setdefault(k, deque(maxlen=_WINDOW))
         window.append((seconds / self.speed, rows))
         self._median[k] = (statistics.median(s for s, _ in window),
