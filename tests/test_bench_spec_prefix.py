@@ -249,3 +249,26 @@ def test_llama_cpp_peer_command_and_parsing(tmp_path):
     rows = {r["engine"]: r for r in spec.summarize(runs)}
     assert rows["llama.cpp"]["same_as_off"] is None and rows["llama.cpp spec"]["same_as_off"] == 1
     assert rows["llama.cpp spec"]["acceptance_rate"] == 10 / 16
+
+
+def test_spec_targets_for_a_draft_model():
+    """The draft pair's targets: its best configuration on code at batch 1 against off
+    (>= 1.5x), and against llama.cpp's own speculation per batch-1 workload (>= 2x)."""
+    def row(w, e, ms, b=1):
+        return {"workload": w, "batch": b, "engine": e, "ms_per_token": ms,
+                "speedup_vs_off": None, "paired_vs_own_off": None}
+
+    rows = [row("code", "off", 30.0), row("code", "draft", 20.0), row("code", "draft fixed-k", 25.0),
+            row("code", "draft spec-off", 10.0), row("code", "llama.cpp spec", 42.0),
+            row("chat", "off", 30.0), row("chat", "draft", 31.0), row("chat", "llama.cpp spec", 60.0),
+            row("code", "off", 90.0, 8), row("code", "draft", 100.0, 8)]
+    for r in rows:
+        off = next(o for o in rows if (o["workload"], o["batch"], o["engine"]) ==
+                   (r["workload"], r["batch"], "off"))
+        r["speedup_vs_off"] = off["ms_per_token"] / r["ms_per_token"]
+    tg = spec.targets(rows)
+    assert tg["draft_code_b1_speedup"] == 1.5 and tg["draft_code_b1_met"]
+    assert tg["draft_vs_llama_cpp_spec"] == {"code": 42.0 / 20.0, "chat": 60.0 / 31.0}
+    assert not tg["draft_vs_llama_cpp_spec_met"]  # chat: 1.94x
+    rows[-3]["ms_per_token"] = 62.0
+    assert spec.targets(rows)["draft_vs_llama_cpp_spec_met"]

@@ -578,9 +578,27 @@ def targets(rows: list[dict]) -> dict:
                 if v and e != "off" and "fixed" not in e and "spec-off" not in e
                 and not is_peer(e)}
     worst = min(adaptive.items(), key=lambda kv: kv[1]) if adaptive else (None, None)
+    # a draft model: >= 1.5x off on code at batch 1 (its best configuration, against "off":
+    # fixed k has no spec-off twin), and its ms/token >= 2x faster than llama.cpp's own
+    # speculation on the same pair and prompts, per batch-1 workload
+    draft = {(w, e): v for (w, b, e), v in speed.items()
+             if b == 1 and v and e.startswith("draft") and "spec-off" not in e}
+    code = [v for (w, _), v in draft.items() if w == "code"]
+    ms = {(r["workload"], r["engine"]): r["ms_per_token"] for r in rows if r["batch"] == 1}
+    vs_llama = {}
+    for (w, e), m in ms.items():
+        if e == "llama.cpp spec" and m:
+            ours = [v for (w2, e2), v in ms.items() if w2 == w and v and e2.startswith("draft")
+                    and "spec-off" not in e2]
+            if ours:
+                vs_llama[w] = m / min(ours)
     return {"verdicts": verdicts(rows),"ngram_copy_b1_speedup": ngram, "ngram_copy_b1_met": bool(ngram and ngram >= 2.0),
             "adaptive_worst": worst[0], "adaptive_worst_speedup": worst[1],
-            "adaptive_floor_met": worst[1] is None or worst[1] >= 0.95}
+            "adaptive_floor_met": worst[1] is None or worst[1] >= 0.95,
+            "draft_code_b1_speedup": max(code) if code else None,
+            "draft_code_b1_met": bool(code and max(code) >= 1.5),
+            "draft_vs_llama_cpp_spec": vs_llama,
+            "draft_vs_llama_cpp_spec_met": bool(vs_llama) and min(vs_llama.values()) >= 2.0}
 
 
 def is_peer(engine: str) -> bool:
@@ -646,7 +664,15 @@ def render(rows, args, tg) -> str:
                f"{fmt(tg['ngram_copy_b1_speedup'], '{:.2f}x')} "
                f"({'met' if tg['ngram_copy_b1_met'] else 'NOT met'}); adaptive never below "
                f"0.95x: worst {tg['adaptive_worst']} {fmt(tg['adaptive_worst_speedup'])}x "
-               f"({'met' if tg['adaptive_floor_met'] else 'NOT met'}).\n\n"
+               f"({'met' if tg['adaptive_floor_met'] else 'NOT met'})."
+               + (f" A draft model >= 1.5x off on code at batch 1: "
+                  f"{fmt(tg['draft_code_b1_speedup'], '{:.2f}x')} "
+                  f"({'met' if tg['draft_code_b1_met'] else 'NOT met'})."
+                  if tg["draft_code_b1_speedup"] is not None else "")
+               + (" >= 2x faster than llama.cpp's speculation: " + ", ".join(
+                   f"{w} {v:.2f}x" for w, v in tg["draft_vs_llama_cpp_spec"].items())
+                  + f" ({'met' if tg['draft_vs_llama_cpp_spec_met'] else 'NOT met'})."
+                  if tg["draft_vs_llama_cpp_spec"] else "") + "\n\n"
                "Verdicts (faster than off on every workload, from the smallest batch up): "
                + "; ".join(f"{e}: {v}" for e, v in tg["verdicts"].items()) + ".\n\n")
     return head + body + verdict + ctl
