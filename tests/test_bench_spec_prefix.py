@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from pagellm.benchmarks import prefix, spec, spec_replay
+from pagellm.benchmarks import prefix, spec, spec_peers, spec_replay
 
 
 def outputs(out, kind: str) -> dict:
@@ -218,7 +218,7 @@ def test_llama_cpp_peer_command_and_parsing(tmp_path):
                             "--max-tokens", "8"])
     tok = AutoTokenizer.from_pretrained(os.path.dirname(target),
                                         gguf_file=os.path.basename(target))
-    peer = spec.LlamaCppPeer(common.ModelSpec.resolve(target), args, tok)
+    peer = spec_peers.LlamaCppPeer(common.ModelSpec.resolve(target), args, tok)
     assert set(peer.variants) == {"llama.cpp", "llama.cpp spec"}
     prompt = tok.encode("<|im_start|>user\nWrite add.<|im_end|>\n<|im_start|>assistant\n")
 
