@@ -16,13 +16,14 @@ drafts whose j-th token was accepted); "spec steps": share of decode steps with 
 With --draft, the draft model runs as its own configuration (adaptive and fixed k), and again
 behind n-gram lookup ("draft+lookup": the draft only where no 3-token match exists), and each
 configuration gets a verdict: the batch sizes at which it is faster than off on every workload
-("pays at batch <= N"). With --prompts, your own prompts are the workload. `--workloads code,chat` picks built-in
-workloads (`code`: complete a function, refactor or edit a snippet, write tests for it);
+("pays at batch <= N"). With --prompts, your own prompts are the workload.
+`--workloads code,chat` picks built-in workloads (`code`: complete a function, refactor or
+edit a snippet, write tests for it);
 `--temperatures 0,0.7` runs each at those temperatures (seeded per request; a sampled
 workload is labelled "code t0.7"). `--peers llama.cpp --llama-cpp-bin DIR` adds llama.cpp's
-own decoding of the same GGUF files at batch 1 (`llama-speculative-simple`: plain, and with
---draft as its draft, `--spec-type draft-simple --spec-draft-n-max k`; the prompt is the
-chat-templated text, its time per token the tool's decode time over its tokens).
+own decoding of the same GGUF files at batch 1 (plain: `llama-bench` at the prompt's depth;
+with --draft, its speculation: `llama-speculative-simple --spec-type draft-simple
+--spec-draft-n-max k` on the chat-templated text; spec_peers.py).
 The floor ("never below 0.95x") is judged on paired runs: each adaptive engine runs next to
 itself with speculation forced off on the same prompts, and the median of those ratios counts
 (the machine's speed swings more between runs minutes apart than the effects measured).
@@ -30,6 +31,7 @@ itself with speculation forced off on the same prompts, and the median of those 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import time
 
@@ -128,8 +130,8 @@ def parse_args(argv):
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--peers", default="hf", help="comma-separated: hf, llama.cpp; '' none")
     p.add_argument("--llama-cpp-bin", default=os.environ.get("LLAMA_CPP_BIN"),
-                   help="folder with llama-speculative-simple (or $LLAMA_CPP_BIN): the "
-                        "llama.cpp peer")
+                   help="folder with llama-bench and llama-speculative-simple (or "
+                        "$LLAMA_CPP_BIN): the llama.cpp peer")
     p.add_argument("--workloads", default="copy,chat",
                    help="built-in workloads: copy (rewrite a paragraph or edit code), code "
                         "(complete, refactor, test code), chat")
@@ -267,8 +269,6 @@ class Engine:
         """spec_off: this engine with speculation forced off, the fair baseline for it (an
         engine built later in the same process can run several percent slower, so another
         engine's "off" row alone would flatter or wrong it). temperature > 0: sampled, seeded."""
-        import dataclasses
-
         before = self.spec.stats.as_dict() if self.spec else None
         self.ks.clear()
         params = (self.params if temperature == 0 else
@@ -369,10 +369,8 @@ def summarize(runs: list[dict]) -> list[dict]:
         row = {"workload": workload, "batch": batch, "engine": engine,
                "ms_per_token": common.median(tpots) * 1e3 if tpots else None,
                "e2e_ms": common.median([q["e2e_s"] for q in reqs]) * 1e3,
-               "tok_s": sum(_ntok(q) for q in reqs)
-               / sum(r["wall_s"] for r in rs),
-               "mean_output_tokens": sum(_ntok(q)
-                                         for q in reqs) / len(reqs),
+               "tok_s": sum(map(_ntok, reqs)) / sum(r["wall_s"] for r in rs),
+               "mean_output_tokens": sum(map(_ntok, reqs)) / len(reqs),
                "same_as_off": (None if any(r["same_as_off"] is None for r in rs)
                                else sum(r["same_as_off"] for r in rs) / len(reqs)),
                "preemptions": sum(r["preemptions"] for r in rs)}
@@ -446,17 +444,14 @@ def targets(rows: list[dict]) -> dict:
     # a draft model: >= 1.5x off on code at batch 1 (its best configuration, against "off":
     # fixed k has no spec-off twin), and its ms/token >= 2x faster than llama.cpp's own
     # speculation on the same pair and prompts, per batch-1 workload
-    draft = {(w, e): v for (w, b, e), v in speed.items()
-             if b == 1 and v and e.startswith("draft") and "spec-off" not in e}
-    code = [v for (w, _), v in draft.items() if w == "code"]
+    is_draft = lambda e: e.startswith("draft") and "spec-off" not in e  # noqa: E731
+    code = [v for (w, b, e), v in speed.items() if (w, b) == ("code", 1) and v and is_draft(e)]
     ms = {(r["workload"], r["engine"]): r["ms_per_token"] for r in rows if r["batch"] == 1}
     vs_llama = {}
     for (w, e), m in ms.items():
-        if e == "llama.cpp spec" and m:
-            ours = [v for (w2, e2), v in ms.items() if w2 == w and v and e2.startswith("draft")
-                    and "spec-off" not in e2]
-            if ours:
-                vs_llama[w] = m / min(ours)
+        ours = [v for (w2, e2), v in ms.items() if w2 == w and v and is_draft(e2)]
+        if e == "llama.cpp spec" and m and ours:
+            vs_llama[w] = m / min(ours)
     return {"verdicts": verdicts(rows),"ngram_copy_b1_speedup": ngram, "ngram_copy_b1_met": bool(ngram and ngram >= 2.0),
             "adaptive_worst": worst[0], "adaptive_worst_speedup": worst[1],
             "adaptive_floor_met": worst[1] is None or worst[1] >= 0.95,
@@ -599,8 +594,7 @@ def report(args, spec, prompts, runs) -> None:
     rows = summarize(runs)
     tg = targets(rows)
     raw = [{**r, "requests": [{**{k: v for k, v in q.items() if k != "tokens"},
-                               "num_tokens": _ntok(q)}
-                              for q in r["requests"]]}
+                               "num_tokens": _ntok(q)} for q in r["requests"]]}
            for r in runs]
     lengths = {w: [len(p) for p in ps] for w, ps in prompts.items()}
     common.write_results(args.out, "spec", {
