@@ -120,3 +120,18 @@ def test_random_blocks_decode_as_gguf_says():
     zeroed = quant.GGUFBlocks(torch.from_numpy(raw), Q.Q4_K, 256)
     w = zeroed.dequantize().numpy().reshape(2, 8, 32)
     np.testing.assert_allclose(w, np.repeat(sub_block_mins(zeroed)[:, :, None], 32, -1), rtol=1e-6)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K], ids=lambda t: t.name)
+def test_long_inputs_sum_in_chunks_the_same_on_any_thread_count(qtype):
+    """A down projection's 8,960 inputs (35 K-quant blocks): from 3 rows the AVX-512 path takes
+    K in chunks of 8 blocks (the last one 3), each output adding its chunks in order; 8 and 9
+    rows split into passes of at most 7. Within the bound, and the same on 1 and 2 threads."""
+    blocks = random_blocks(qtype, 40, 35 * 256, seed=7)
+    packed = quant.NativeGGUF(blocks)
+    g = torch.Generator().manual_seed(7)
+    for rows in (2, 3, 5, 8, 9):
+        x = torch.randn(rows, 35 * 256, generator=g)
+        one, two = outputs_on_one_and_two_threads(packed, x)
+        assert torch.equal(one, two)
+        _check(two, x, blocks)

@@ -106,15 +106,16 @@ static inline __attribute__((always_inline)) void row_32(
     for (int r = 0; r < rb; r++) y[r * N] = hsum8(acc[r]) + mins[r];
 }
 
-/* Rows [0, rb) of one output feature over a weight row of 256-value K-quant blocks (dx: one
- * step per 256 values). Each block's codes, times their integer sub-block scales, are made
- * once and multiplied into every row's int32 sums. 512-bit registers hold a sub-block's 32
- * codes, so a block is 8 vpdpwssd per row (16 with 256-bit ones: 5-row products 9% slower);
- * chains per row: 4 for one row (a dot's latency would otherwise serialise a block's 8), 2
- * for more rows (the rows interleave). */
+/* Rows [0, rb) of one output feature over blocks [u0, u1) of a weight row of 256-value K-quant
+ * blocks (dx: one step per 256 values), added to y unless u0 is 0; weights prefetched pf bytes
+ * ahead. Each block's codes, times their integer sub-block scales, are made once and
+ * multiplied into every row's int32 sums. 512-bit registers hold a sub-block's 32 codes, so a
+ * block is 8 vpdpwssd per row (16 with 256-bit ones: 5-row products 9% slower); chains per
+ * row: 4 for one row (a dot's latency would otherwise serialise a block's 8), 2 for more rows
+ * (the rows interleave). */
 static inline __attribute__((always_inline)) void row_k(
         int type, int rb, const int16_t *xq, const float *dx, const float *xs, int64_t K,
-        const uint8_t *row, float *y, int64_t N) {
+        int64_t u0, int64_t u1, int64_t pf, const uint8_t *row, float *y, int64_t N) {
     const int64_t U = K / 256, G = K / 32;
     const int size = bytes_of(type), has_min = type != T_Q6_K, NC = rb == 1 ? 4 : 2;
     __m512 acc[ROW_BLOCK];
@@ -123,9 +124,9 @@ static inline __attribute__((always_inline)) void row_k(
 #define DOT512(CODE, J, OFFSET) \
     for (int r = 0; r < rb; r++) \
         ia[r * NC + (J) % NC] = _mm512_dpwssd_epi32(ia[r * NC + (J) % NC], CODE, _mm512_loadu_si512(xb + r * K + (OFFSET)))
-    for (int64_t u = 0; u < U; u++) {
+    for (int64_t u = u0; u < u1; u++) {
         const uint8_t *b = row + u * size;
-        PREFETCH_BLOCK(b, size);
+        for (int i = 0; i < size; i += 64) _mm_prefetch((const char *)b + pf + i, PF_HINT);
         const int16_t *xb = xq + u * 256;
         __m512i ia[ROW_BLOCK * 2];  /* rb * NC chains: 4 at one row, 2 a row past it */
         for (int r = 0; r < rb * NC; r++) ia[r] = _mm512_setzero_si512();
@@ -187,19 +188,55 @@ static inline __attribute__((always_inline)) void row_k(
     }
 #undef DOT512
     for (int r = 0; r < rb; r++)
-        y[r * N] = _mm512_reduce_add_ps(acc[r]) + (has_min ? hsum8(macc[r]) : 0.f);
+        y[r * N] = (u0 ? y[r * N] : 0.f) + _mm512_reduce_add_ps(acc[r]) + (has_min ? hsum8(macc[r]) : 0.f);
 }
 
-static inline __attribute__((always_inline)) void gguf_row(
-        int type, int rb, const int16_t *xq, const float *dx, const float *xs, int64_t K,
-        const uint8_t *row, float *y, int64_t N) {
-    if (unit_of(type) == 256) row_k(type, rb, xq, dx, xs, K, row, y, N);
-    else row_32(type, rb, xq, dx, xs, K, row, y, N);
-}
-
-#define GGUF_DX_ROW(T, K) ((K) / unit_of(T))  /* a step per block of the type */
+/* 32-value types: GGUF_PRODUCT's passes through row_32. */
+#define gguf_row row_32
+#define GGUF_DX_ROW(T, K) ((K) / 32)
 #define GGUF_XS_ROW(K) ((K) / 32)
-GGUF_PRODUCTS
+GGUF_PRODUCTS_32
+#undef gguf_row
+
+/* K-quants: a pass re-reads its rows' int16 activations for every output, and they stay in L1
+ * beside the streaming weights only up to ~40 KiB. Past that (a 1.5B's 8,960-input down
+ * projection: 17.5 KiB a row, from 3 rows) the passes take K in chunks of 8 blocks (4 KiB a
+ * row; 16 blocks were 1.2x slower at 8 rows), every output's chunk before the next chunk (5
+ * rows: the 1.5B's Q6_K down projections 1.5x faster). Each output sums its chunks in order, by the thread that owns it in every chunk:
+ * the same sums however many threads. Passes take at most 7 rows: 8 rows' accumulators spill
+ * out of the 32 vector registers (one pass of 8 rows 1.4x slower than 4 + 4). */
+#define L1_WHOLE_K 40960
+#define K_CHUNK_BLOCKS 8
+#define K_PASS_ROWS 7
+#define ROWS_K(T, RB) row_k(T, RB, xq + r0 * K, dx + r0 * (K / 256), xs + r0 * (K / 32), K, u0, u1, \
+                            pf, w + n * row_bytes, y + r0 * N + n, N)
+#define ROWS_K_T_Q4_K(RB) ROWS_K(T_Q4_K, RB)
+#define ROWS_K_T_Q5_K(RB) ROWS_K(T_Q5_K, RB)
+#define ROWS_K_T_Q6_K(RB) ROWS_K(T_Q6_K, RB)
+#define GGUF_PRODUCT_K(T) \
+static void product_##T(const int16_t *xq, const float *dx, const float *xs, int64_t R, int64_t K, \
+                        const uint8_t *w, int64_t row_bytes, int64_t N, float *y, int threads) { \
+    const int64_t U = K / 256, passes = (R + K_PASS_ROWS - 1) / K_PASS_ROWS; \
+    const int64_t rows = (R + passes - 1) / passes; /* the largest pass */ \
+    const int64_t cb = rows * K * 2 <= L1_WHOLE_K ? U : K_CHUNK_BLOCKS; \
+    /* prefetch ~PF_DIST ahead: in the row, or in the rows after it when a pass takes a chunk */ \
+    const int64_t chunk = cb * bytes_of(T); \
+    const int64_t pf = cb >= U ? PF_DIST : (PF_DIST + chunk - 1) / chunk * row_bytes; \
+    _Pragma("omp parallel num_threads(threads) if (threads > 1)") \
+    for (int64_t u0 = 0; u0 < U; u0 += cb) { \
+        const int64_t u1 = u0 + cb < U ? u0 + cb : U; \
+        /* the same static split of the outputs in every chunk: a thread adds to its own */ \
+        _Pragma("omp for schedule(static) nowait") \
+        for (int64_t n = 0; n < N; n++) \
+            for (int64_t p = 0, r0 = 0, rb; p < passes; p++, r0 += rb) { \
+                rb = R / passes + (p < R % passes); \
+                DISPATCH(rb, ROWS_K_##T) \
+            } \
+    } \
+}
+GGUF_PRODUCT_K(T_Q4_K)
+GGUF_PRODUCT_K(T_Q5_K)
+GGUF_PRODUCT_K(T_Q6_K)
 
 /* gguf_linear's arguments, checked by it. Returns 0, or -1 when out of memory. */
 int gguf_avx512(const float *x, int64_t R, int64_t K, const uint8_t *w, int64_t row_bytes,

@@ -60,9 +60,10 @@ static void product_##T(const int16_t *xq, const float *dx, const float *xs, int
 #define GGUF_ROWS_T_Q4_K(RB) GGUF_ROWS(T_Q4_K, RB)
 #define GGUF_ROWS_T_Q5_K(RB) GGUF_ROWS(T_Q5_K, RB)
 #define GGUF_ROWS_T_Q6_K(RB) GGUF_ROWS(T_Q6_K, RB)
-#define GGUF_PRODUCTS \
+#define GGUF_PRODUCTS_32 \
     GGUF_PRODUCT(T_Q4_0) GGUF_PRODUCT(T_Q4_1) GGUF_PRODUCT(T_Q5_0) GGUF_PRODUCT(T_Q5_1) \
-    GGUF_PRODUCT(T_Q8_0) GGUF_PRODUCT(T_Q4_K) GGUF_PRODUCT(T_Q5_K) GGUF_PRODUCT(T_Q6_K)
+    GGUF_PRODUCT(T_Q8_0)
+#define GGUF_PRODUCTS GGUF_PRODUCTS_32 GGUF_PRODUCT(T_Q4_K) GGUF_PRODUCT(T_Q5_K) GGUF_PRODUCT(T_Q6_K)
 
 /* product_T(args) for the runtime type */
 #define GGUF_CALL(type, ...) do { switch (type) { \
