@@ -152,3 +152,70 @@ def test_per_request_caps_reach_the_proposer(tiny_llama):
         want = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, sp, use_tqdm=False)]
         assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, sp, use_tqdm=False)] == want
     assert max(asked[None]) == 3 and max(asked[1]) == 1 and max(asked[0]) == 0
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_the_draft_catches_up_past_its_prefix_cache(tiny_llama, prefix_caching):
+    """A request sharing 64 tokens (4 blocks) with an earlier one: the draft's own prefix cache
+    serves them, so its catch-up computes only the rest (prefix caching on, as the target's),
+    or the whole context (off). Greedy output stays the target's either way."""
+    path, _ = tiny_llama
+    first = list(range(3, 73))
+    second = first[:64] + [200, 201, 202, 203, 204]
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    plain = LLM(path, dtype="float32", kv_cache_memory=2**20)
+    want = [plain.generate([p], sp, use_tqdm=False)[0].outputs[0].token_ids for p in (first, second)]
+    llm = LLM(path, dtype="float32", kv_cache_memory=2**20, enable_prefix_caching=prefix_caching,
+              speculative_config={"method": "draft_model", "model": path, "num_speculative_tokens": 3,
+                                  "draft_num_layers": 1, "adaptive": False})
+    proposer = llm.engine.spec.proposer
+    computed = []
+    execute = proposer.runner.execute
+
+    def counting(out, rows):
+        computed.append(sum(out.num_tokens))
+        return execute(out, rows)
+
+    proposer.runner.execute = counting
+    got = []
+    for prompt in (first, second):
+        computed.clear()
+        got.append(llm.generate([prompt], sp, use_tqdm=False)[0].outputs[0].token_ids)
+        catch_up = max(computed)
+    assert got == want
+    if prefix_caching:
+        assert proposer.block_manager.prefix_hits == 64
+        assert catch_up <= len(second) + 1 - 64  # the rest of the prompt and the first token
+    else:
+        assert proposer.block_manager.prefix_hits == 0
+        assert catch_up >= len(second)
+
+
+def test_a_failed_draft_round_leaves_nothing_in_its_prefix_cache(tiny_llama):
+    """The catch-up round registers the prompt's full blocks before its forward: when that
+    forward fails, they leave the draft's cache (a later request must not read KV never
+    written), the step decodes without proposals, and the next request computes them."""
+    path, _ = tiny_llama
+    prompt = list(range(3, 73))
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    want = LLM(path, dtype="float32", kv_cache_memory=2**20).generate([prompt], sp, use_tqdm=False)[0]
+    llm = LLM(path, dtype="float32", kv_cache_memory=2**20,
+              speculative_config={"method": "draft_model", "model": path, "num_speculative_tokens": 3,
+                                  "draft_num_layers": 1, "adaptive": False})
+    proposer = llm.engine.spec.proposer
+    execute, failed = proposer.runner.execute, []
+
+    def failing_catch_up(out, rows):
+        if not failed and max(out.num_tokens) > 2:
+            failed.append(1)
+            raise RuntimeError("draft forward failed")
+        return execute(out, rows)
+
+    proposer.runner.execute = failing_catch_up
+    out = llm.generate([prompt], sp, use_tqdm=False)[0]
+    assert failed and out.outputs[0].token_ids == want.outputs[0].token_ids
+    assert proposer.block_manager.prefix_hits == 0
+    again = llm.generate([prompt], sp, use_tqdm=False)[0]
+    assert again.outputs[0].token_ids == want.outputs[0].token_ids
+    # the second request's draft found the blocks its own successful catch-up registered
+    assert proposer.block_manager.prefix_hits == 64

@@ -104,7 +104,8 @@ class LLMEngine:
                 config.speculative, target_files=files, target_model=self.model,
                 target_dtype=self.dtype, device=self.device, max_model_len=self.max_model_len,
                 eos_token_id=self.eos_token_ids, kv_budget=budget, block_size=cc.block_size,
-                quantization=config.quantization, kv_cache_dtype=cc.kv_cache_dtype, draft=draft)
+                quantization=config.quantization, kv_cache_dtype=cc.kv_cache_dtype, draft=draft,
+                enable_prefix_caching=cc.enable_prefix_caching)
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB, %s, %d tokens)", self.num_blocks,
                     cc.block_size, budget / 2**20, self.kv_dtype, self.num_blocks * cc.block_size)
         self.block_manager = BlockManager(self.num_blocks, cc.block_size, cc.enable_prefix_caching)

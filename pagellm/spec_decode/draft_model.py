@@ -22,9 +22,12 @@ from pagellm.structured import batch_masks
 
 class DraftModelProposer(Proposer):
     def __init__(self, model, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device, eos_token_id: int | set[int] | None, max_model_len: int):
+                 device: torch.device, eos_token_id: int | set[int] | None, max_model_len: int,
+                 enable_prefix_caching: bool = True):
         self._init_rounds(model, eos_token_id, max_model_len, device)
-        self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
+        # Prefix-cached like the target's: a request that shares a prefix with an earlier one
+        # (a system prompt, the earlier turns of a chat) catches the draft up on the rest only.
+        self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
         self.runner = ModelRunner(model, num_blocks, block_size, dtype, device)
 
     @property
@@ -53,7 +56,7 @@ class DraftModelProposer(Proposer):
         shadow = self.shadows.get(seq.seq_id)
         if shadow is None:
             shadow = Sequence(seq.seq_id, seq.request_id, seq.index, seq.prompt_token_ids,
-                              seq.params, seq.eos_token_id)
+                              seq.params, seq.eos_token_id, cache_salt=seq.cache_salt)
             shadow.output_token_ids = seq.output_token_ids  # shared: accepted tokens show up
             self.shadows[seq.seq_id] = shadow
         return shadow
@@ -63,8 +66,22 @@ class DraftModelProposer(Proposer):
         return self._shadow(seq)
 
     def _room(self, shadow: Sequence, n: int) -> bool:
-        """Cache slots for the shadow's next n tokens (its catch-up, then one per round)."""
-        return self.block_manager.allocate_slots(shadow, n)
+        """Cache slots for the shadow's next n tokens (its catch-up, then one per round). A
+        new shadow takes its cached prefix first (its computed count moves past it)."""
+        bm = self.block_manager
+        if not shadow.block_table and shadow.num_computed_tokens == 0:
+            cached = bm.find_cached_prefix(shadow)
+            return bm.allocate_slots(shadow, n - len(cached) * bm.block_size, cached)
+        return bm.allocate_slots(shadow, n)
+
+    def _written(self, ok: bool) -> None:
+        """After a round's forward: the prefix-cache blocks registered for it hold their KV
+        (ok), or never will (the forward failed: out of the cache, so no later request reads
+        them; the caller releases the shadows)."""
+        if ok:
+            self.block_manager.commit()
+        else:
+            self.block_manager.drop_uncommitted()
 
     def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> list[Proposal]:
         start = time.perf_counter()
@@ -77,17 +94,21 @@ class DraftModelProposer(Proposer):
             round_start = time.perf_counter()
             batch, counts = [], []
             for seq, shadow, k in active:
-                n = shadow.num_tokens_to_compute
-                if self._room(shadow, n):
+                if self._room(shadow, shadow.num_tokens_to_compute):
                     batch.append((seq, shadow, k))
-                    counts.append(n)
+                    counts.append(shadow.num_tokens_to_compute)  # past a cached prefix
                 else:
                     self.release(seq)  # no room for its draft KV: no proposals this step
             if not batch:
                 break
             out = SchedulerOutput([b[1] for b in batch], counts)
             rows = list(torch.tensor(counts).cumsum(0) - 1)
-            logits = self.runner.execute(out, [int(r) for r in rows])
+            try:
+                logits = self.runner.execute(out, [int(r) for r in rows])
+            except BaseException:
+                self._written(False)
+                raise
+            self._written(True)
             # A first round feeds 1 token, or 2 after a step that accepted every proposal (the
             # last proposal and the target's own token): a proposal round's cost. More is a
             # shadow catching up on context (a prompt, or tokens emitted while it was off).
@@ -214,6 +235,9 @@ class EarlyExitProposer(DraftModelProposer):
 
     def _room(self, shadow: Sequence, n: int) -> bool:
         return True  # taken in _start
+
+    def _written(self, ok: bool) -> None:
+        pass  # the target's cache: its engine commits (or drops) the step's blocks
 
     def on_verified(self, seq: Sequence, num_valid: int) -> None:
         shadow = self.shadows.get(seq.seq_id)

@@ -61,7 +61,7 @@ def needs_draft_model(spec: SpeculativeConfig, target_dtype: torch.dtype, device
 def build_spec_decoder(spec: SpeculativeConfig, *, target_files, target_model, target_dtype,
                        device, max_model_len, eos_token_id, kv_budget: int, block_size: int,
                        quantization: str | None = None, kv_cache_dtype: str = "auto",
-                       draft=None):
+                       draft=None, enable_prefix_caching: bool = True):
     """(SpecDecoder, number of target KV blocks). The KV budget is split so that target and
     draft caches hold the same number of tokens. draft: load_draft's result where
     needs_draft_model (the engine loads it before it reads the budget)."""
@@ -89,7 +89,7 @@ def build_spec_decoder(spec: SpeculativeConfig, *, target_files, target_model, t
         num_blocks = kv_budget // (t_block + d_block)
         with parallel.single_process():
             proposer = DraftModelProposer(draft, num_blocks, block_size, d_kv, device,
-                                          eos_token_id, max_model_len)
+                                          eos_token_id, max_model_len, enable_prefix_caching)
         mib = 2**20
         logger.info(
             "speculative decoding: draft %s (%d layers, %s, scores %s token ids), k=%d. "
