@@ -85,6 +85,12 @@ class SpeculativeConfig:
     # method "draft_model", batch 1: n-gram lookup proposes first (matches of at least
     # max(3, prompt_lookup_min) tokens), the draft only where it finds nothing.
     prompt_lookup_first: bool = False
+    # "q4_1": a GGUF draft's blocks of more than 5 bits a weight (Q8_0, Q5_0/1, Q5_K, Q6_K)
+    # requantized to Q4_1 at load. A draft's decode step reads all its weights, so fewer bytes
+    # make every proposal cheaper; its proposals change a little, the output distribution not
+    # at all (verification is exact). Qwen2.5-Coder-0.5B (Q8_0 head, Q5_0 layers): 391 -> 305 MB
+    # read a token, draft step 12.0 -> 9.7 ms, same acceptance on a code prompt.
+    draft_quantization: str | None = None
 
     def __post_init__(self):
         if self.method not in ("ngram", "draft_model"):
@@ -98,6 +104,12 @@ class SpeculativeConfig:
         if self.draft_vocab_size is not None and self.draft_vocab_size < 0:
             raise ValueError("speculative_config.draft_vocab_size must be >= 0 (0: the whole "
                              f"vocabulary), got {self.draft_vocab_size}")
+        if self.draft_quantization not in (None, "q4_1"):
+            raise ValueError("speculative_config.draft_quantization must be 'q4_1' or None, got "
+                             f"{self.draft_quantization!r}")
+        if self.draft_quantization and (self.method != "draft_model" or not self.model):
+            raise ValueError("speculative_config.draft_quantization needs method 'draft_model' "
+                             "and a draft 'model' of its own (GGUF)")
         if self.prompt_lookup_first and self.method != "draft_model":
             raise ValueError("speculative_config.prompt_lookup_first needs method 'draft_model' "
                              "(it puts n-gram lookup before the draft)")

@@ -270,3 +270,65 @@ def test_llama3_byte_level_tokenizer_and_template_from_the_file(tmp_path):
     assert llm.apply_chat_template(msgs) == expected
     out = llm.chat(msgs, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)[0]
     assert out.prompt_token_ids == expected and len(out.outputs[0].token_ids) == 3
+
+
+def _q4_1_roundtrip(dense: torch.Tensor) -> torch.Tensor:
+    from gguf import quants
+    raw = quants.quantize(dense.float().numpy(), Q.Q4_1)
+    return torch.from_numpy(quants.dequantize(raw, Q.Q4_1))
+
+
+def test_requantized_draft_weights_are_q4_1_blocks_of_the_file_values(tiny_gguf):
+    """SpeculativeConfig.draft_quantization's loading: projections and the head stored in more
+    than 5 bits a weight (Q5_0/1, Q5_K, Q6_K, Q8_0 here) become Q4_1 blocks holding gguf's
+    quantization of the file's values, in transformers' row order (llama's q/k rows permuted
+    back); 4-bit ones (Q4_0, Q4_1, Q4_K) and the embedding stay as they are; the dense form
+    (float32 engines) holds the same values."""
+    path, _ = tiny_gguf
+    files = load_model_files(path, load_tokenizer=False)
+    file_values = dict(files.weights())
+    packed = dict(files.weights(keep_packed=True, keep_head=True, requantize=Q.Q4_1))
+    dense = dict(files.weights(requantize=Q.Q4_1))
+    block = {p: "self_attn" for p in ("q_proj", "k_proj", "v_proj", "o_proj")}
+    types = {**{f"model.layers.{i}.{block.get(p, 'mlp')}.{p}.weight": t
+                for i, layer in enumerate(_LAYER_TYPES) for p, t in layer.items()},
+             **_TOP_TYPES}
+    changed = 0
+    for name, t in types.items():
+        bits = {Q.Q4_0: 4.5, Q.Q4_1: 5.0, Q.Q4_K: 4.5}.get(t, 5.5)
+        if bits > 5 and name != "model.embed_tokens.weight":
+            want = _q4_1_roundtrip(file_values[name])
+            assert isinstance(packed[name], quant.GGUFBlocks) and packed[name].ggml_type == Q.Q4_1, name
+            assert torch.equal(packed[name].dequantize(), want), name
+            assert torch.equal(dense[name], want), name
+            changed += 1
+        else:
+            assert torch.equal(dense[name], file_values[name]), name
+    assert changed == 8  # layer 0: v, down; layer 1: q, k, v, o, gate; the head
+
+
+def test_a_requantized_draft_keeps_the_targets_greedy_output(tiny_gguf):
+    """The file as its own draft, requantized: the draft's head holds the Q4_1 values, the
+    target's the file's own, and greedy output is the target's (float32)."""
+    path, _ = tiny_gguf
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = [PROMPTS[0], list(range(60, 90))]
+    want = [o.outputs[0].token_ids for o in
+            LLM(path, dtype="float32", kv_cache_memory=2**22).generate(prompts, sp, use_tqdm=False)]
+    llm = LLM(path, dtype="float32", kv_cache_memory=2**22,
+              speculative_config={"method": "draft_model", "model": path, "num_speculative_tokens": 3,
+                                  "adaptive": False, "draft_quantization": "q4_1"})
+    file_head = dict(load_model_files(path, load_tokenizer=False).weights())["lm_head.weight"]
+    assert torch.equal(llm.engine.spec.proposer.model.lm_head.weight, _q4_1_roundtrip(file_head))
+    assert torch.equal(llm.engine.model.lm_head.weight, file_head)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)] == want
+    assert llm.engine.spec.stats.num_draft_tokens > 0
+
+
+@pytest.mark.parametrize("cfg,match", [({"method": "draft_model", "model": "x.gguf", "draft_quantization": "q8"}, "'q4_1' or None"),
+                                       ({"method": "draft_model", "draft_quantization": "q4_1"}, "draft 'model'"),
+                                       ({"method": "ngram", "draft_quantization": "q4_1"}, "draft 'model'")])
+def test_draft_quantization_is_checked(cfg, match):
+    from pagellm.config import SpeculativeConfig
+    with pytest.raises(ValueError, match=match):
+        SpeculativeConfig.from_dict(cfg)

@@ -14,7 +14,8 @@ ms/token: time per output token after the first, median over requests and repeat
 off's median / this one's. Acceptance from `engine.spec.stats` (per position: share of verified
 drafts whose j-th token was accepted); "spec steps": share of decode steps with proposals.
 With --draft, the draft model runs as its own configuration (adaptive and fixed k), and again
-behind n-gram lookup ("draft+lookup": the draft only where no 3-token match exists), and each
+behind n-gram lookup ("draft+lookup": the draft only where no 3-token match exists), a GGUF
+draft also requantized ("draft q4_1": SpeculativeConfig.draft_quantization), and each
 configuration gets a verdict: the batch sizes at which it is faster than off on every workload
 ("pays at batch <= N"). With --prompts, your own prompts are the workload.
 `--workloads code,chat` picks built-in workloads (`code`: complete a function, refactor or
@@ -225,6 +226,9 @@ def configs(args) -> dict[str, dict | None]:
         for n in args.draft_layers.split(",") if n]
     if args.draft:
         methods.append(("draft", {"method": "draft_model", "model": args.draft}))
+        if args.draft.endswith(".gguf"):  # the same draft requantized: a cheaper step
+            methods.append(("draft q4_1", {"method": "draft_model", "model": args.draft,
+                                           "draft_quantization": "q4_1"}))
         # n-gram lookup first, the draft where it finds nothing
         methods.append(("draft+lookup", {"method": "draft_model", "model": args.draft,
                                          "prompt_lookup_first": True}))

@@ -8,6 +8,7 @@ memmap once per vocabulary string and takes ~8 s on the default model's 49k-toke
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import struct
@@ -19,6 +20,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quant_shape_to_byte_shape
+from gguf.quants import quantize as gguf_quantize
 
 from pagellm.layers.quant import (GGUF_PACKED_TYPES, GGUFBlocks, Int4Blocks, Int8Blocks,
                                   packable_types)
@@ -205,26 +207,53 @@ def has_packed_head(gguf_file: GGUFFile) -> bool:
 
 
 def iter_gguf_weights(gguf_file: GGUFFile, keep_packed: bool = False, keep_head: bool = False,
+                      requantize: GGMLQuantizationType | None = None,
                       ) -> Iterator[tuple[str, torch.Tensor | Int4Blocks | Int8Blocks | GGUFBlocks]]:
     """Yield (HF name, tensor) one at a time, so peak memory is one dequantized tensor.
     keep_packed: projection weights of packable types come packed: Q4_0 / Q4_1 as Int4Blocks
     (codes, scales, zeros), the other types as GGUFBlocks (the file's bytes);
-    keep_head: the LM head (a tied embedding too) likewise, Q8_0 as Int8Blocks."""
+    keep_head: the LM head (a tied embedding too) likewise, Q8_0 as Int8Blocks.
+    requantize: projections and the head stored in more bits a weight than this packed type
+    are requantized to it first (packed or not, the same values: a draft model's cheaper form,
+    SpeculativeConfig.draft_quantization)."""
     # np.asarray drops the memmap subclass: its per-slice bookkeeping is slow; pages stay mapped.
     blob = np.asarray(np.memmap(gguf_file.path, dtype=np.uint8, mode="r"))
     head = _head(gguf_file)
     for tensor in gguf_file.tensors:
         if tensor.hf_name == ROPE_FREQS:  # in the config (gguf_config)
             continue
+        is_head, source, requantized = tensor is head, blob, False
+        if (requantize is not None and (is_head or _LINEAR.fullmatch(tensor.hf_name))
+                and tensor.ggml_type in GGUF_PACKED_TYPES
+                and _BITS[tensor.ggml_type] > _BITS[requantize]):
+            source, tensor = _requantize(blob, tensor, requantize)
+            requantized = True
         linear = keep_packed and _LINEAR.fullmatch(tensor.hf_name)
-        if linear and tensor.ggml_type in _INT4_TYPES:
-            yield tensor.hf_name, _load_int4(blob, tensor)
-        elif keep_head and tensor is head and tensor.ggml_type == _Q.Q8_0:
-            yield tensor.hf_name, _load_int8(blob, tensor)
-        elif (linear or (keep_head and tensor is head)) and tensor.ggml_type in GGUF_PACKED_TYPES:
-            yield tensor.hf_name, _load_blocks(blob, tensor)
+        # requantized blocks stay GGUF blocks (Q4_1: 5 bits a weight; as Int4Blocks, float32
+        # scales and zeros make it 6)
+        if linear and tensor.ggml_type in _INT4_TYPES and not requantized:
+            yield tensor.hf_name, _load_int4(source, tensor)
+        elif keep_head and is_head and tensor.ggml_type == _Q.Q8_0:
+            yield tensor.hf_name, _load_int8(source, tensor)
+        elif (linear or (keep_head and is_head)) and tensor.ggml_type in GGUF_PACKED_TYPES:
+            yield tensor.hf_name, _load_blocks(source, tensor)
         else:
-            yield tensor.hf_name, _load_tensor(blob, tensor)
+            yield tensor.hf_name, _load_tensor(source, tensor)
+
+
+# Bits a weight of each packed type (block bytes * 8 / block values).
+_BITS = {t: GGML_QUANT_SIZES[t][1] * 8 / GGML_QUANT_SIZES[t][0] for t in GGUF_PACKED_TYPES}
+
+
+def _requantize(blob: np.ndarray, tensor: GGUFTensor,
+                ggml_type: GGMLQuantizationType) -> tuple[np.ndarray, GGUFTensor]:
+    """The tensor's blocks dequantized and quantized again to ggml_type (gguf's own
+    quantizer, rows in the file's order): (its bytes, the tensor described over them)."""
+    rows = tensor.hf_shape[0]
+    raw = blob[tensor.offset:tensor.offset + tensor.nbytes].reshape(rows, -1)
+    dense = gguf_dequantize(raw, tensor.ggml_type).astype(np.float32, copy=False)
+    out = np.ascontiguousarray(gguf_quantize(dense, ggml_type)).reshape(-1)
+    return out, dataclasses.replace(tensor, ggml_type=ggml_type, offset=0, nbytes=out.size)
 
 
 def _load_blocks(blob: np.ndarray, tensor: GGUFTensor) -> GGUFBlocks:

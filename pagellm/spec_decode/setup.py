@@ -3,9 +3,11 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import logging
 
 import torch
+from gguf import GGMLQuantizationType
 
 from pagellm import parallel
 from pagellm.config import SpeculativeConfig
@@ -33,6 +35,12 @@ def load_draft(spec: SpeculativeConfig, target_files, target_dtype: torch.dtype,
     if t_tok is not None and d_tok is not None and t_tok.get_vocab() != d_tok.get_vocab():
         raise ValueError("speculative_config.model: the draft's tokenizer differs from the "
                          "target's; speculative decoding needs the same tokenizer")
+    if spec.draft_quantization:
+        if not files.path.endswith(".gguf"):
+            raise ValueError("speculative_config.draft_quantization: the draft must be a GGUF "
+                             f"file, got {files.path}")
+        files = dataclasses.replace(files, weights=functools.partial(
+            files.weights, requantize=GGMLQuantizationType.Q4_1))
     if spec.draft_num_layers is not None:
         config = copy.deepcopy(files.config)
         config.num_hidden_layers = min(spec.draft_num_layers, config.num_hidden_layers)
