@@ -988,3 +988,16 @@ def test_packed_row_limit_is_the_smallest_few_row_kernel_limit():
     assert packed_row_limit(model) is None  # no packed weights: no limit
     model[0].packed, model[1].packed = SimpleNamespace(max_rows=41), SimpleNamespace(max_rows=17)
     assert packed_row_limit(model) == 16  # products take the packed path below max_rows
+
+
+def test_a_draft_that_pays_a_little_is_used_at_batch_1():
+    """The 1.5B / 0.5B pair's costs on a CPU (plain step 23 ms, +5.3 ms a verified row, a
+    draft round 10.6 ms) at 0.9 acceptance a token: k = 2-4 gain 7-9% over plain decoding, and
+    the controller takes most of it. (A request's acceptance as a mean of each step's accepted
+    / tried was biased low for k > 1 and kept it on plain decoding: 23.0 ms a token.)"""
+    ctl = AdaptiveK(max_k=4, draft_cost=True)
+    spec_steps = []
+    per_token = simulate(ctl, 1, 400, lambda n: 0.023 + 0.0053 * (n - 1), accept=0.9,
+                         draft_round=0.0106, spec_steps=spec_steps)
+    assert per_token < 0.023 / 1.05
+    assert sum(k > 0 for k in spec_steps[100:]) > 150
