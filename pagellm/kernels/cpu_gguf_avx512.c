@@ -202,9 +202,10 @@ GGUF_PRODUCTS_32
  * beside the streaming weights only up to ~40 KiB. Past that (a 1.5B's 8,960-input down
  * projection: 17.5 KiB a row, from 3 rows) the passes take K in chunks of 8 blocks (4 KiB a
  * row; 16 blocks were 1.2x slower at 8 rows), every output's chunk before the next chunk (5
- * rows: the 1.5B's Q6_K down projections 1.5x faster). Each output sums its chunks in order, by the thread that owns it in every chunk:
- * the same sums however many threads. Passes take at most 7 rows: 8 rows' accumulators spill
- * out of the 32 vector registers (one pass of 8 rows 1.4x slower than 4 + 4). */
+ * rows: the 1.5B's Q6_K down projections 1.5x faster). Each output sums its chunks in order,
+ * by the thread that owns it in every chunk: the same sums however many threads. Passes take
+ * at most 7 rows: 8 rows' accumulators spill out of the 32 vector registers (one pass of 8
+ * rows 1.4x slower than 4 + 4). */
 #define L1_WHOLE_K 40960
 #define K_CHUNK_BLOCKS 8
 #define K_PASS_ROWS 7
