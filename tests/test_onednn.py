@@ -52,3 +52,41 @@ def test_projection_with_a_prepacked_weight(monkeypatch):
     assert torch.equal(col(torch.ones(5, 48)), want_col)
     out = row(x)
     assert out.dtype == torch.float32 and torch.equal(out, want_row)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_prepacked_head_gives_the_plain_heads_logits(monkeypatch, tied):
+    """prepack_head: the LM head from oneDNN's layout gives the plain bf16 head's logits at
+    few and many rows, whole and limited to its first ids (a draft's head); an untied head's
+    dense weight goes to the meta device, a tied one stays as the embedding."""
+    import transformers
+
+    from pagellm.attention.base import get_attention_backend
+    from pagellm.models.llama import LlamaForCausalLM
+
+    monkeypatch.setattr(lin, "UPCAST_BF16", False)
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=2,
+                                   vocab_size=300, tie_word_embeddings=tied)
+    torch.manual_seed(1)
+    model = LlamaForCausalLM(cfg, get_attention_backend(torch.device("cpu")), 64)
+    for p in model.parameters():
+        p.data.normal_()
+    model.to(torch.bfloat16)
+    hidden = [torch.randn(rows, 64) for rows in (1, 9, 70)]
+    want = [model.compute_logits(h) for h in hidden]
+    model.limit_vocab(100)
+    want_limited = [model.compute_logits(h) for h in hidden]
+    model.limit_vocab(None)
+    assert model.prepack_head() and model.head_onednn is not None
+    assert not model.prepack_head()  # once
+    assert (model._head().device.type == "meta") == (not tied)
+    assert model.embed_tokens.weight.device.type == "cpu"
+    for h, w in zip(hidden, want):
+        got = model.compute_logits(h)
+        assert got.dtype == torch.float32 and torch.equal(got, w)
+    model.limit_vocab(100)
+    assert (model._head_sub_onednn is not None) == tied
+    for h, w in zip(hidden, want_limited):
+        got = model.compute_logits(h)
+        assert torch.equal(got, w) and torch.isinf(got[:, 100:]).all()

@@ -114,4 +114,6 @@ def build_model(files, dtype: torch.dtype, device: torch.device, max_position: i
         model.enable_fused_decode()
     if device.type == "cpu" and dtype == torch.bfloat16:
         prepack_bf16(model)  # bf16 units: dense products from oneDNN's layout, made once
+        if parallel.tp_size() == 1:
+            model.prepack_head()
     return model
