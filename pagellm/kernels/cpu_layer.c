@@ -106,22 +106,10 @@ void silu_mul_bf16(const uint16_t *gu, uint16_t *a, int64_t T, int64_t I, int th
         int64_t i = 0;
 #ifdef __AVX2__
         for (; i + 8 <= I; i += 8) {
-            const __m256 gv = _mm256_castsi256_ps(_mm256_slli_epi32(
-                _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(g + i))), 16));
-            const __m256 uv = _mm256_castsi256_ps(_mm256_slli_epi32(
-                _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(u + i))), 16));
+            const __m256 gv = load_bf16x8(g + i), uv = load_bf16x8(u + i);
             const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv));
-            const __m256 y = _mm256_mul_ps(_mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.f), e)),
-                                           uv);
-            /* round to nearest even: + 0x7fff + the kept part's lowest bit, then the top half */
-            const __m256i bits = _mm256_castps_si256(y);
-            const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-            __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(bits, odd),
-                                                           _mm256_set1_epi32(0x7fff)), 16);
-            const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(y, y, _CMP_UNORD_Q));
-            r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), nan);
-            _mm_storeu_si128((__m128i *)(out + i), _mm_packus_epi32(
-                _mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)));
+            store_bf16x8(out + i, _mm256_mul_ps(
+                _mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.f), e)), uv));
         }
 #endif
         for (; i < I; i++) {

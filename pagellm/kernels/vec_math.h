@@ -1,5 +1,5 @@
-/* Helpers shared by the kernels: bf16 <-> float32 by bits; with AVX2, exp of 8 floats
- * (softmax, SiLU) and horizontal sums.
+/* Helpers shared by the kernels: bf16 <-> float32 by bits (with AVX2, 8 at a time); with
+ * AVX2, exp of 8 floats (softmax, SiLU) and horizontal sums.
  * exp8 is the Cephes expf scheme: n = round(x / ln 2), r = x - n ln 2 in two parts, a
  * degree-6 polynomial for e^r, then 2^n through the exponent bits; ~2 ulp over the clamped
  * range [-87.3, 88.7] (below it returns ~1e-38 instead of a denormal or 0, which a softmax or
@@ -37,6 +37,25 @@ static inline __m256 exp8(__m256 x) {
     const __m256 y = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.f));
     const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+/* 8 bf16 -> float32 (exact) */
+static inline __m256 load_bf16x8(const uint16_t *src) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(
+        _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)src)), 16));
+}
+
+/* 8 float32 -> bf16, rounded to nearest even as f32_to_bf16 (NaN stays NaN) */
+static inline void store_bf16x8(uint16_t *dst, __m256 y) {
+    /* + 0x7fff + the kept part's lowest bit, then the top half */
+    const __m256i bits = _mm256_castps_si256(y);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(bits, odd),
+                                                   _mm256_set1_epi32(0x7fff)), 16);
+    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(y, y, _CMP_UNORD_Q));
+    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), nan);
+    _mm_storeu_si128((__m128i *)dst, _mm_packus_epi32(_mm256_castsi256_si128(r),
+                                                      _mm256_extracti128_si256(r, 1)));
 }
 
 static inline float hsum8(__m256 v) {

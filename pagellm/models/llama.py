@@ -13,6 +13,7 @@ from torch import nn
 
 from pagellm.attention.base import AttentionBackend, AttentionMetadata
 from pagellm.kernels.cpu_layer import FusedDecodeLayer, silu_mul_bf16
+from pagellm.kernels.cpu_wide_layer import WideLayer
 from pagellm.layers import onednn, quant
 from pagellm.layers.attention import PagedSelfAttention
 from pagellm.layers import linear as linear_mod
@@ -65,10 +66,14 @@ class DecoderLayer(nn.Module):
                        bool(getattr(config, "mlp_bias", False)))
 
     fused = None  # a FusedDecodeLayer (kernels/cpu_layer.py) once enabled
+    wide_layer = None  # a WideLayer (kernels/cpu_wide_layer.py) once enabled
 
     def forward(self, positions, x, md):
-        if self.fused is not None and positions.dtype == torch.int64 and self.fused.usable(x, md):
-            return self.fused(positions, x, md)
+        if positions.dtype == torch.int64:
+            if self.fused is not None and self.fused.usable(x, md):
+                return self.fused(positions, x, md)
+            if self.wide_layer is not None and self.wide_layer.usable(x, md):
+                return self.wide_layer(positions, x, md)
         x, h = self.post_attention_layernorm.add_forward(
             x, self.self_attn(positions, self.input_layernorm(x), md))
         return x + self.mlp(h)
@@ -117,6 +122,18 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers:
             if FusedDecodeLayer.supports(layer):
                 layer.fused = FusedDecodeLayer(layer)
+                n += 1
+        return n
+
+    def enable_wide_layers(self) -> int:
+        """Steps of many rows on CPUs with bf16 units run each layer as its four prepacked
+        bf16 products with native steps between them (kernels/cpu_wide_layer.py), where the
+        layer allows it (float32 activations, prepacked projections, one process). Returns the
+        number of layers that do."""
+        n = 0
+        for layer in self.layers:
+            if WideLayer.supports(layer):
+                layer.wide_layer = WideLayer(layer)
                 n += 1
         return n
 

@@ -116,4 +116,6 @@ def build_model(files, dtype: torch.dtype, device: torch.device, max_position: i
         prepack_bf16(model)  # bf16 units: dense products from oneDNN's layout, made once
         if parallel.tp_size() == 1:
             model.prepack_head()
+            if model.act_dtype == torch.float32:
+                model.enable_wide_layers()
     return model

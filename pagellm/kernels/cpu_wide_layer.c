@@ -1,0 +1,126 @@
+/* The native steps of a decoder layer for steps of many rows on CPUs with bf16 units
+ * (kernels/cpu_wide_layer.py), around its four oneDNN bf16 products:
+ *
+ *   h = bf16(norm(x))            rms_norm_bf16
+ *   qkv = h Wqkv (bf16)          oneDNN
+ *   q, k, v = rotate(qkv + b)    rope_qkv_bf16: q float32 out, k and v into the pool
+ *   a = attention(q)             the attention backend
+ *   o = a Wo (bf16)              oneDNN
+ *   x += o; h = bf16(norm(x))    rms_norm_bf16
+ *   d = silu(h Wg) * (h Wu) Wd   oneDNN, silu_mul_bf16, oneDNN
+ *   x += d
+ *
+ * The module path computes the same values with ~40 PyTorch ops a layer (float32 <-> bf16
+ * conversions around every product, the rotary's muls, roll and add, a bias add, slicing);
+ * here each step is one call over all rows, and every value is the module path's: the norm is
+ * rms_norm's float32 result rounded to nearest even once (what `.to(bfloat16)` does before a
+ * product), the rotation is two rounded products and a rounded sum (no fused multiply-add:
+ * PyTorch's mul, mul, add), and K/V are rounded into the pool by store_kv_row as write_kv
+ * does. */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include "vec_math.h"
+
+void rms_norm(const float *x, const float *add, float *x_out, const float *weight, float *out,
+              int64_t T, int64_t D, float eps);
+void store_kv_row(void *pool, int64_t index, const float *src, int64_t D, int bf16);
+
+static void round_row(const float *src, uint16_t *dst, int64_t n) {
+    int64_t i = 0;
+#ifdef __AVX2__
+    for (; i + 8 <= n; i += 8) store_bf16x8(dst + i, _mm256_loadu_ps(src + i));
+#endif
+    for (; i < n; i++) dst[i] = f32_to_bf16(src[i]);
+}
+
+static void widen_row(const uint16_t *src, float *dst, int64_t n) {
+    int64_t i = 0;
+#ifdef __AVX2__
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, load_bf16x8(src + i));
+#endif
+    for (; i < n; i++) dst[i] = bf16_to_f32(src[i]);
+}
+
+/* x [T, D] float32, updated in place to x + add when add [T, D] bf16 is given; out [T, D]
+ * bf16 = rms_norm(x) rounded once. Returns 0, or -1 when out of memory. */
+int rms_norm_bf16(float *x, const uint16_t *add, const float *weight, uint16_t *out, int64_t T,
+                  int64_t D, float eps, int threads) {
+    int failed = 0;
+    #pragma omp parallel num_threads(threads) if (threads > 1 && T > 1)
+    {
+        float *buf = malloc(sizeof(float) * 2 * D);
+        if (!buf) {
+            #pragma omp atomic write
+            failed = 1;
+        }
+        #pragma omp for schedule(static)
+        for (int64_t t = 0; t < T; t++) {
+            if (!buf) continue;
+            float *xr = x + t * D, *delta = buf, *h = buf + D;
+            if (add) {
+                widen_row(add + t * D, delta, D);
+                rms_norm(xr, delta, xr, weight, h, 1, D, eps);
+            } else {
+                rms_norm(xr, NULL, NULL, weight, h, 1, D, eps);
+            }
+            round_row(h, out + t * D, D);
+        }
+        free(buf);
+    }
+    return failed ? -1 : 0;
+}
+
+/* x * cos + roll(x, half) * signed_sin over each head of one row, each product and the sum
+ * rounded on its own (no contraction into fused multiply-adds: PyTorch's separate ops). */
+__attribute__((optimize("fp-contract=off")))
+static void rotate_rounded(float *x, int64_t heads, int64_t hd, const float *cos,
+                           const float *ssin) {
+    const int64_t half = hd / 2;
+    for (int64_t h = 0; h < heads; h++) {
+        float *xh = x + h * hd;
+        for (int64_t i = 0; i < half; i++) {
+            const float a = xh[i], b = xh[i + half];
+            const float a_cos = a * cos[i], b_sin = b * ssin[i];
+            const float b_cos = b * cos[i + half], a_sin = a * ssin[i + half];
+            xh[i] = a_cos + b_sin;
+            xh[i + half] = b_cos + a_sin;
+        }
+    }
+}
+
+/* qkv [T, (H + 2 KVH) hd] bf16 (+ bias float32 when given) -> q [T, H hd] float32, q and k
+ * rotated by their positions' rows of cos / signed_sin [positions, hd]; k and v written to
+ * their slots of the head-major pools kc, vc [KVH, NB * BS, hd] (float32, or bf16 rounded to
+ * nearest even). Returns 0, or -1 when out of memory. */
+int rope_qkv_bf16(const uint16_t *qkv, const float *bias, int64_t T, int64_t H, int64_t KVH,
+                  int64_t hd, const float *cos, const float *ssin, const int64_t *positions,
+                  float *q, void *kc, void *vc, int64_t NB, int64_t BS, const int64_t *slots,
+                  int kv_bf16, int threads) {
+    const int64_t nq = H * hd, nkv = KVH * hd, width = nq + 2 * nkv;
+    int failed = 0;
+    #pragma omp parallel num_threads(threads) if (threads > 1 && T > 1)
+    {
+        float *row = malloc(sizeof(float) * width);
+        if (!row) {
+            #pragma omp atomic write
+            failed = 1;
+        }
+        #pragma omp for schedule(static)
+        for (int64_t t = 0; t < T; t++) {
+            if (!row) continue;
+            widen_row(qkv + t * width, row, width);
+            if (bias)
+                for (int64_t j = 0; j < width; j++) row[j] += bias[j];
+            rotate_rounded(row, H + KVH, hd, cos + positions[t] * hd, ssin + positions[t] * hd);
+            memcpy(q + t * nq, row, sizeof(float) * nq);
+            for (int64_t kh = 0; kh < KVH; kh++) {
+                const int64_t dst = kh * NB * BS + slots[t];
+                store_kv_row(kc, dst, row + nq + kh * hd, hd, kv_bf16);
+                store_kv_row(vc, dst, row + nq + nkv + kh * hd, hd, kv_bf16);
+            }
+        }
+        free(row);
+    }
+    return failed ? -1 : 0;
+}

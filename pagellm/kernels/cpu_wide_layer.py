@@ -1,0 +1,82 @@
+"""A decoder layer for steps of many rows on CPUs with bf16 units: its four products from
+oneDNN's prepacked bf16 weights (layers/onednn.py), the steps between them native
+(cpu_wide_layer.c) and the attention from the layer's backend. The module path gives the same
+values with ~40 PyTorch ops a layer (conversions around every product, the rotary's ops, a
+bias add); at 64 rows of the default model those ops and their dispatch were ~8 ms of a
+~47 ms decode step."""
+from __future__ import annotations
+
+import torch
+
+from pagellm.attention.base import AttentionMetadata
+from pagellm.kernels import native
+from pagellm.kernels.cpu_layer import silu_mul_bf16
+
+
+class WideLayer:
+    """Runs one DecoderLayer's many-row steps (prefill chunks, large decode batches) where
+    every projection has a prepacked bf16 form. x is updated in place, like the fused decode
+    layer's."""
+
+    def __init__(self, layer):
+        attn, mlp = layer.self_attn, layer.mlp
+        self.layer = layer
+        self._tables = attn.rotary.float32_tables()  # shared by every layer
+        self.eps = layer.input_layernorm.eps
+        self._projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+
+    @staticmethod
+    def supports(layer) -> bool:
+        from pagellm import parallel
+        from pagellm.attention.torch_paged import TorchPagedAttention
+
+        attn, mlp = layer.self_attn, layer.mlp
+        qkv, o, gu, down = attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
+        # the K/V writes go straight into the CPU backend's head-major pool: only there
+        return (native.available() and parallel.tp_size() == 1
+                and isinstance(attn.backend, TorchPagedAttention)
+                and all(m.onednn is not None and m.int8 is None for m in (qkv, o, gu, down))
+                and (qkv.bias is None or qkv.bias.dtype == torch.float32)
+                and o.bias is None and gu.bias is None and down.bias is None
+                and all(n.weight.dtype == torch.float32 for n in (
+                    layer.input_layernorm, layer.post_attention_layernorm)))
+
+    def usable(self, x: torch.Tensor, md: AttentionMetadata) -> bool:
+        attn = self.layer.self_attn
+        return (x.dtype == torch.float32 and x.dim() == 2 and x.is_contiguous()
+                and all(m.takes_wide(x) for m in self._projections)
+                and attn.k_cache is not None
+                and attn.k_cache.dtype in (torch.float32, torch.bfloat16)
+                and attn.k_cache.permute(2, 0, 1, 3).is_contiguous()
+                and attn.v_cache.permute(2, 0, 1, 3).is_contiguous()
+                and md.slot_mapping.dtype == torch.int64 and md.slot_mapping.is_contiguous())
+
+    def __call__(self, positions: torch.Tensor, x: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
+        layer = self.layer
+        attn, mlp = layer.self_attn, layer.mlp
+        lib, threads = native.library(), torch.get_num_threads()
+        T, D = x.shape
+        h = torch.empty(T, D, dtype=torch.bfloat16)
+        self._norm(lib, x, None, layer.input_layernorm, h, threads)
+        qkv = attn.qkv_proj.onednn(h)  # [T, (H + 2 KVH) hd] bf16
+        q = torch.empty(T, attn.num_heads, attn.head_dim)
+        kvh, nb, bs, _ = attn.k_cache.permute(2, 0, 1, 3).shape
+        bias = attn.qkv_proj.bias
+        if lib.rope_qkv_bf16(
+                qkv.data_ptr(), None if bias is None else bias.data_ptr(), T, attn.num_heads,
+                kvh, attn.head_dim, self._tables[0].data_ptr(), self._tables[1].data_ptr(),
+                positions.data_ptr(), q.data_ptr(), attn.k_cache.data_ptr(),
+                attn.v_cache.data_ptr(), nb, bs, md.slot_mapping.data_ptr(),
+                attn.k_cache.dtype == torch.bfloat16, threads) != 0:
+            raise MemoryError("rope_qkv_bf16: out of memory for its buffers")
+        a = attn.backend.forward(q, attn.k_cache, attn.v_cache, md, attn.scale)
+        o = attn.o_proj.onednn(a.view(T, -1))  # [T, D] bf16
+        self._norm(lib, x, o, layer.post_attention_layernorm, h, threads)  # x += o
+        d = mlp.down_proj.onednn(silu_mul_bf16(mlp.gate_up_proj.onednn(h)))
+        return x.add_(d)
+
+    def _norm(self, lib, x, add, norm, out, threads) -> None:
+        if lib.rms_norm_bf16(x.data_ptr(), None if add is None else add.contiguous().data_ptr(),
+                             norm.weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1],
+                             self.eps, threads) != 0:
+            raise MemoryError("rms_norm_bf16: out of memory for its buffers")

@@ -1,0 +1,144 @@
+"""The many-row layer (kernels/cpu_wide_layer.py: oneDNN bf16 products with native steps
+between them) gives exactly the module path's values on the default model: each call's
+output and the K/V it writes, over prefill steps, chunked prefill after cached keys and a
+decode batch past the packed kernels' rows; and so the same tokens and log-probabilities."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagellm import LLM, SamplingParams
+from pagellm.kernels import native
+from pagellm.layers import onednn
+
+pytestmark = pytest.mark.skipif(not (native.available() and onednn.available()),
+                                reason="no C compiler, or PyTorch without oneDNN")
+
+
+@pytest.fixture(autouse=True)
+def bf16_units(monkeypatch):
+    """The wide layer serves CPUs with bf16 units (bf16 products prepacked for oneDNN); build
+    the engine that way on any CPU (oneDNN computes bf16 products without the units, slowly)."""
+    from pagellm.layers import linear
+
+    monkeypatch.setattr(linear, "UPCAST_BF16", False)
+    monkeypatch.setattr(linear, "USE_INT8", False)
+
+
+def _prompts():
+    words = ("river town morning boats water children school bank sun fishermen "
+             "market bread lamp window road").split()
+    # 44 prompts of 3-17 words: a 44-row decode batch (past the packed kernels' 40 rows),
+    # and one long prompt that chunked prefill splits over cached keys
+    short = [" ".join(words[(i * 7 + j) % len(words)] for j in range(3 + i % 15))
+             for i in range(44)]
+    return short + [" ".join(words[j % len(words)] for j in range(600))]
+
+
+def _engine():
+    # no prefix cache: a second run of the same prompts would compute their last tokens in a
+    # step of a few rows (the packed kernels), not the same steps again
+    return LLM(dtype="bfloat16", kv_cache_memory="64MiB", block_size=8, max_num_seqs=64,
+               max_num_batched_tokens=512, enable_prefix_caching=False)
+
+
+def test_wide_layer_output_equals_module_output_per_step():
+    """Each wide call against the module path on a copy of the same input and cache: the
+    same output and the same K/V written, bit for bit. The wide call runs first, on the cache
+    as the step found it (run second, the module path's own writes would hide a wide layer
+    that wrote none)."""
+    llm = _engine()
+    try:
+        model = llm.engine.model
+        assert all(layer.wide_layer is not None for layer in model.layers)
+        layer = model.layers[5]
+        attn = layer.self_attn
+        wide = layer.wide_layer
+        rows, mismatches = [], []
+
+        class Compare:
+            def usable(self, x, md):
+                return wide.usable(x, md)
+
+            def __call__(self, positions, x, md):
+                before = attn.k_cache.clone(), attn.v_cache.clone()
+                inp = x.clone()
+                out = wide(positions, x, md).clone()
+                wide_kv = attn.k_cache.clone(), attn.v_cache.clone()
+                attn.k_cache.copy_(before[0])
+                attn.v_cache.copy_(before[1])
+                layer.wide_layer = None
+                try:
+                    ref = layer(positions, inp, md)
+                finally:
+                    layer.wide_layer = self
+                rows.append((list(md.query_lens_cpu), list(md.seq_lens_cpu)))
+                if not torch.equal(out, ref):
+                    mismatches.append(("out", x.shape[0], (out - ref).abs().max().item()))
+                for got, cache in zip(wide_kv, (attn.k_cache, attn.v_cache)):
+                    if not torch.equal(got, cache):
+                        mismatches.append(("kv", x.shape[0]))
+                return out
+
+        layer.wide_layer = Compare()
+        sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+        llm.generate(_prompts(), sp, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    assert not mismatches, mismatches
+    # a step with 41+ decoding rows, and a prefill chunk after cached keys (a long query
+    # shorter than its sequence) went through the wide layer
+    assert any(sum(n == 1 for n in q) > 40 for q, _ in rows), rows
+    assert any(n > 16 and n < s for q, lens in rows for n, s in zip(q, lens)), [(q[-3:], l[-3:]) for q, l in rows]
+
+
+def test_wide_layer_gives_the_module_paths_tokens_and_logprobs():
+    llm = _engine()
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=3)
+    layers = llm.engine.model.layers
+    saved = [layer.wide_layer for layer in layers]
+    calls = []
+    orig = type(saved[0]).__call__
+
+    def counting(self, *args):
+        calls.append(1)
+        return orig(self, *args)
+
+    try:
+        type(saved[0]).__call__ = counting
+        try:
+            wide = llm.generate(_prompts(), sp, use_tqdm=False)
+        finally:
+            type(saved[0]).__call__ = orig
+        for layer in layers:
+            layer.wide_layer = None
+        plain = llm.generate(_prompts(), sp, use_tqdm=False)
+    finally:
+        for layer, w in zip(layers, saved):
+            layer.wide_layer = w
+        llm.shutdown()
+    assert calls
+    for w, p in zip(wide, plain):
+        assert w.outputs[0].token_ids == p.outputs[0].token_ids
+        assert w.outputs[0].logprobs == p.outputs[0].logprobs
+
+
+@pytest.mark.parametrize("rows,width", [(1, 5), (3, 64), (70, 576)])
+def test_norm_rounds_rms_norm_once_and_adds_the_bf16_residual(rows, width):
+    """rms_norm_bf16: x += add (bf16, widened exactly), out = rms_norm(x) rounded to nearest
+    even: the float32 native norm's values through `.to(bfloat16)`, widths not a multiple of
+    8 through the scalar tail."""
+    from pagellm.layers.norm import RMSNorm
+
+    g = torch.Generator().manual_seed(rows)
+    norm = RMSNorm(width, 1e-5)
+    norm.weight.data = torch.randn(width, generator=g)
+    x = torch.randn(rows, width, generator=g) * 3
+    add = torch.randn(rows, width, generator=g).to(torch.bfloat16)
+    want_x, want_h = norm.add_forward(x.clone(), add.float())
+    out = torch.empty(rows, width, dtype=torch.bfloat16)
+    got_x = x.clone()
+    assert native.library().rms_norm_bf16(got_x.data_ptr(), add.data_ptr(),
+                                          norm.weight.data_ptr(), out.data_ptr(), rows, width,
+                                          1e-5, 2) == 0
+    assert torch.equal(got_x, want_x) and torch.equal(out, want_h.to(torch.bfloat16))
