@@ -1,7 +1,7 @@
 """The native paged attention and KV writes (pagellm/kernels/cpu_attention.c) against a plain
 float64 reference that gathers each sequence's K/V through its block table: decode, several
-query rows per sequence (speculative verification), GQA groups, block sizes 1 and 16, and a
-subset of the batch left to another path; float32 and bf16 pools (the reference reads the
+query rows per sequence (speculative verification), prefill chunks split into tasks of query
+rows, GQA groups, block sizes 1 and 16; float32 and bf16 pools (the reference reads the
 bf16 pool's own values, which the kernel widens exactly)."""
 from __future__ import annotations
 
@@ -102,8 +102,12 @@ def test_softmax_of_far_apart_scores():
     assert torch.allclose(out.double(), ref, atol=1e-5, rtol=1e-5)
 
 
-def test_long_queries_still_take_the_torch_path():
-    # a 40-row prefill chunk beside a decode row: both correct, whichever path each takes
+@pytest.mark.parametrize("native_kernel", [True, False])
+def test_long_queries_on_either_path(monkeypatch, native_kernel):
+    """A 40-row prefill chunk beside a decode row: the native kernel splits it into tasks of
+    32 query rows; without it, PyTorch's fused attention takes it. Both the reference's."""
+    if not native_kernel:
+        monkeypatch.setattr(cpu_attention, "usable", lambda *args: False)
     seq_lens, qlens = [40, 21], [40, 1]
     backend, q, kc, vc, md, tables = _case(16, 2, 2, seq_lens, qlens, seed=1)
     out = backend.forward(q, kc, vc, md, 0.5)
@@ -135,13 +139,18 @@ def test_native_write_kv_fills_the_slots(kv_dtype):
     assert torch.equal(flat_v[untouched], before_v.reshape(-1, 3, 16)[untouched])
 
 
+@pytest.mark.parametrize("native_kernel", [True, False])
 @pytest.mark.parametrize("kvh,group", [(1, 1), (3, 3)])
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
-def test_prefill_chunk_after_cached_keys(kvh, group, kv_dtype):
-    """A long chunk after cached keys (chunked prefill, a prefix-cache hit): every query sees
-    the cached keys and the chunk's own causally; equal to the reference (the two flash
-    passes and their log-sum-exp merge), next to a first chunk (causal only)."""
-    seq_lens, qlens = [90, 37, 64], [40, 37, 17]
+def test_prefill_chunk_after_cached_keys(monkeypatch, kvh, group, kv_dtype, native_kernel):
+    """Long chunks after cached keys (chunked prefill, a prefix-cache hit): every query sees
+    the cached keys and the chunk's own causally; equal to the reference next to a first
+    chunk (causal only). The native kernel splits a chunk into tasks of 32 query rows (70 =
+    32 + 32 + 6: each task's rows are the last of the sequence cut after them); PyTorch's
+    path takes two flash passes merged by their log-sum-exps."""
+    if not native_kernel:
+        monkeypatch.setattr(cpu_attention, "usable", lambda *args: False)
+    seq_lens, qlens = [90, 37, 64, 101], [40, 37, 17, 70]
     backend, q, kc, vc, md, tables = _case(16, kvh, group, seq_lens, qlens, seed=5,
                                            kv_dtype=kv_dtype)
     out = backend.forward(q, kc, vc, md, 0.3)

@@ -8,7 +8,9 @@ a batched matmul over (head, sequence) needs, so the gather is the only copy of 
 (With the token-major layout the gathered K/V had to be transposed into a second copy, which
 cost as much as the gather and the matmuls together.)
 
-Short queries (decode, speculative verification) are batched: one matmul-softmax-matmul over
+With the native kernels (kernels/cpu_attention.c) every sequence of a step, prefill chunks
+included, attends in one call that reads K/V in place through the block tables. Without them:
+short queries (decode, speculative verification) are batched: one matmul-softmax-matmul over
 every sequence, padded to the longest; long queries (prefill chunks) go one sequence at a time
 through PyTorch's fused attention, whose CPU kernel works in tiles (flash attention: no
 [queries, keys] score matrix, which for a 4,000-token prompt was 0.6 GB a layer); a chunk after
@@ -152,19 +154,23 @@ class TorchPagedAttention(AttentionBackend):
         # strides, and the native kernel writes rows of [T, H, D])
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         starts = metadata.query_start_loc.tolist()
-        short = [b for b, n in enumerate(metadata.query_lens_cpu) if n <= _BATCHED_MAX_QUERY_LEN]
         k_store, v_store = k_cache.permute(2, 0, 1, 3), v_cache.permute(2, 0, 1, 3)
-        if (short and cpu_attention.usable(query, k_store) and v_store.is_contiguous()
+        if (cpu_attention.usable(query, k_store) and v_store.is_contiguous()
                 and all(t.dtype == torch.int32 and t.is_contiguous() for t in (
                     metadata.block_tables, metadata.seq_lens, metadata.query_start_loc))):
-            # reads K/V in place through the block tables: no gathered copy, no padding
+            # every sequence, prefill chunks included: reads K/V in place through the block
+            # tables (no gathered copy, no padding, no float32 copy of a bf16 pool), a long
+            # query split over the threads by rows (a 512-token prompt of the default model
+            # prefilled at 2,930 tokens/s against 2,180 through PyTorch's fused attention)
             seqs = metadata.cache.get("native_seqs")
             if seqs is None:
-                seqs = metadata.cache["native_seqs"] = torch.tensor(short, dtype=torch.int32)
+                seqs = metadata.cache["native_seqs"] = torch.arange(metadata.num_seqs,
+                                                                    dtype=torch.int32)
             cpu_attention.paged_attention(
                 query.contiguous(), k_store, v_store, metadata.block_tables, metadata.seq_lens,
                 metadata.query_start_loc, seqs, scale, out)
-            short = []
+            return out
+        short = [b for b, n in enumerate(metadata.query_lens_cpu) if n <= _BATCHED_MAX_QUERY_LEN]
         if short:
             self._batched(query, k_cache, v_cache, metadata, starts, short, scale, out)
         for b, qlen in enumerate(metadata.query_lens_cpu):

@@ -391,6 +391,11 @@ static int attend(const float *q, float *out, const void *kc, const void *vc, in
     return 0;
 }
 
+/* Query rows a task takes: a long query (a prefill chunk) splits into tasks of this many
+ * rows, so that one sequence's prompt keeps every thread busy (its KV heads alone may be
+ * fewer than the threads, or not a multiple of them). */
+#define QUERY_ROWS 32
+
 /* q, out [T, H, D]; kc, vc [KVH, NB, BS, D] float32, or uint16 bf16 values with kv_bf16;
  * tables [S, MB]; seq_lens [S]; qstart [S + 1]; seqs [n_seqs]: the sequences to attend for
  * (the others are left alone in out). Returns 0, or -1 when out of memory. */
@@ -399,18 +404,36 @@ int paged_attention(const float *q, float *out, const void *kc, const void *vc,
                     const int32_t *tables, int64_t MB, const int32_t *seq_lens,
                     const int32_t *qstart, const int32_t *seqs, int64_t n_seqs,
                     float scale, int threads, int kv_bf16) {
+    /* tasks: (sequence, first query row of a chunk), times the KV heads */
+    int64_t n_tasks = 0;
+    for (int64_t i = 0; i < n_seqs; i++) {
+        const int64_t ql = qstart[seqs[i] + 1] - qstart[seqs[i]];
+        n_tasks += ql > QUERY_ROWS ? (ql + QUERY_ROWS - 1) / QUERY_ROWS : 1;
+    }
+    int64_t *task = malloc(sizeof(int64_t) * 2 * (n_tasks > 0 ? n_tasks : 1));
+    if (!task) return -1;
+    for (int64_t i = 0, t = 0; i < n_seqs; i++) {
+        const int64_t ql = qstart[seqs[i] + 1] - qstart[seqs[i]];
+        for (int64_t c = 0; c == 0 || c < ql; c += QUERY_ROWS, t++)
+            task[2 * t] = seqs[i], task[2 * t + 1] = c;
+    }
     int failed = 0;
     #pragma omp parallel for schedule(dynamic) num_threads(threads) if (threads > 1) collapse(2)
-    for (int64_t i = 0; i < n_seqs; i++) {
+    for (int64_t t = 0; t < n_tasks; t++) {
         for (int64_t kvh = 0; kvh < KVH; kvh++) {
-            const int64_t s = seqs[i], q0 = qstart[s];
-            if (attend(q, out, kc, vc, H, KVH, D, NB, BS, tables + s * MB, seq_lens[s], q0,
-                       qstart[s + 1] - q0, kvh, scale, kv_bf16)) {
+            const int64_t s = task[2 * t], c = task[2 * t + 1], q0 = qstart[s];
+            const int64_t ql = qstart[s + 1] - q0;
+            const int64_t n = ql - c < QUERY_ROWS ? ql - c : QUERY_ROWS;
+            /* rows c .. c + n of the query are the last n of the sequence cut after them */
+            const int64_t len = seq_lens[s] - (ql - c - n);
+            if (attend(q, out, kc, vc, H, KVH, D, NB, BS, tables + s * MB, len, q0 + c, n, kvh,
+                       scale, kv_bf16)) {
                 #pragma omp atomic write
                 failed = 1;
             }
         }
     }
+    free(task);
     return failed ? -1 : 0;
 }
 
