@@ -118,22 +118,21 @@ class LlamaForCausalLM(nn.Module):
         """Steps in the packed kernel's few-row regime (up to 40 rows) run each layer as one
         native call where the layer allows it (packed Q4 projections without biases, float32
         activations, one process). Returns the number of layers that do."""
-        n = 0
-        for layer in self.layers:
-            if FusedDecodeLayer.supports(layer):
-                layer.fused = FusedDecodeLayer(layer)
-                n += 1
-        return n
+        return self._give_layers("fused", FusedDecodeLayer)
 
     def enable_wide_layers(self) -> int:
         """Steps of many rows on CPUs with bf16 units run each layer as its four prepacked
         bf16 products with native steps between them (kernels/cpu_wide_layer.py), where the
         layer allows it (float32 activations, prepacked projections, one process). Returns the
         number of layers that do."""
+        return self._give_layers("wide_layer", WideLayer)
+
+    def _give_layers(self, attr: str, kind) -> int:
+        """Each layer that `kind` supports gets kind(layer) as its `attr`; how many did."""
         n = 0
         for layer in self.layers:
-            if WideLayer.supports(layer):
-                layer.wide_layer = WideLayer(layer)
+            if kind.supports(layer):
+                setattr(layer, attr, kind(layer))
                 n += 1
         return n
 
