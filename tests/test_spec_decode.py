@@ -1001,3 +1001,31 @@ def test_a_draft_that_pays_a_little_is_used_at_batch_1():
                          draft_round=0.0106, spec_steps=spec_steps)
     assert per_token < 0.023 / 1.05
     assert sum(k > 0 for k in spec_steps[100:]) > 150
+
+
+def test_one_unlucky_probe_after_a_pause_does_not_veto_k():
+    """A draft's measured tokens/s overrules per-request estimates only once its tokens
+    average two steps in a row: after a pause (tokens restart), one probe whose proposal was
+    rejected does not keep a paying draft off until the next probe. (k = 1 only, so that no
+    other k, unmeasured, stands in for the vetoed one.)"""
+    from pagellm.spec_decode.measure import STALE_AFTER
+
+    ctl = AdaptiveK(max_k=1, draft_cost=True)
+    seq = Sequence(0, "0", 0, [1, 2], SamplingParams(), None)
+    ctl.observe_draft(1, 0.0106)
+    for _ in range(5):
+        ctl.observe_decode_step(1, 0.023, 0, 1)
+    for _ in range(6):  # k = 1 pays: 1.9 tokens in 0.039 s against 1 in 0.023
+        ctl.observe_acceptance(seq, 1, 1)
+        ctl.observe_decode_step(1, 0.039, 1, 1.9)
+    for _ in range(STALE_AFTER + 1):
+        ctl.observe_decode_step(1, 0.023, 0, 1)
+    ctl.observe_acceptance(seq, 1, 0)  # the probe: its proposal rejected
+    ctl.observe_decode_step(1, 0.039, 1, 1)
+    walls = ctl.walls[1]
+    assert walls.tokens[1] == 1 and walls.rate(1) == pytest.approx(1 / 0.039)
+    assert walls.rate(1, 2) is None
+    assert ctl.choose([seq]) == [1]  # still speculating
+    ctl.observe_acceptance(seq, 1, 1)
+    ctl.observe_decode_step(1, 0.039, 1, 2)
+    assert walls.rate(1, 2) == pytest.approx((1 + 0.2 * 1) / 0.039)  # two steps: it counts

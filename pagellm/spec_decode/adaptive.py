@@ -160,8 +160,12 @@ class AdaptiveK:
                 mine, w = pay, self.step_wall(batch, k, sum(pay))
         rate = sum(self.expected(a, j, c) for a, j, c in zip(alphas, mine, kinds)) / w
         if k and (batch > 1 or not self.scores_unverified):
-            # tokens/s measured overrule per-request estimates lagging a change of workload
-            rate = min(rate, self.walls[batch].rate(k) or rate)
+            # tokens/s measured overrule per-request estimates lagging a change of workload;
+            # a draft's, only over two steps in a row: its probes come a hundred or more steps
+            # apart, and one whose first proposal was rejected (1 token of k + 1: 10% of
+            # probes at 0.9 acceptance) would keep a paying draft off until the next one
+            measured = self.walls[batch].rate(k, 2 if self.draft_cost else 1)
+            rate = min(rate, measured or rate)
         return mine, rate, w
 
     def choose(self, seqs: list[Sequence], avail: list[int] | None = None,

@@ -44,6 +44,7 @@ class StepWalls:
         self.steps: dict[int, deque] = {}
         self._median: dict[int, tuple[float, float]] = {}  # k -> (wall, rows) of its window
         self.tokens: dict[int, float] = {}
+        self.token_steps: dict[int, int] = {}  # steps in k's tokens average since it restarted
         self.last: dict[int, int] = {}  # step number of each k's latest measurement
         self.num = 0
         self.speed = 1.0  # the machine's slowness now, relative to the walls kept
@@ -67,6 +68,7 @@ class StepWalls:
         # Tokens follow the workload, a step's time does not: after a pause they start anew.
         old = self.tokens.get(k) if self.since(k) <= STALE_AFTER else None
         self.tokens[k] = tokens if old is None else old + EMA * (tokens - old)
+        self.token_steps[k] = 1 if old is None else self.token_steps[k] + 1
         self.tick(k)
 
     def tick(self, k: int) -> None:
@@ -82,8 +84,12 @@ class StepWalls:
     def rows(self, k: int) -> float:
         return self._median[k][1]
 
-    def rate(self, k: int) -> float | None:  # tokens/s measured, once measured twice
-        return self.tokens[k] / self.wall(k) if len(self.steps.get(k, ())) > 1 else None
+    def rate(self, k: int, in_a_row: int = 1) -> float | None:
+        """Tokens/s measured, once measured twice and its tokens average `in_a_row` steps
+        since they last restarted (after a pause they start from one step)."""
+        if len(self.steps.get(k, ())) < 2 or self.token_steps.get(k, 0) < in_a_row:
+            return None
+        return self.tokens[k] / self.wall(k)
 
     def spread(self, k: int) -> float:
         """Relative standard error of k's median: ~1.25 sigma / sqrt(n), sigma = 1.4826 MAD."""
