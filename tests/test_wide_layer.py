@@ -60,6 +60,9 @@ def test_wide_layer_output_equals_module_output_per_step():
             def usable(self, x, md):
                 return wide.usable(x, md)
 
+            def positions_ok(self, positions, md):
+                return wide.positions_ok(positions, md)
+
             def __call__(self, positions, x, md):
                 before = attn.k_cache.clone(), attn.v_cache.clone()
                 inp = x.clone()

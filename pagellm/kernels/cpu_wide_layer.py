@@ -51,15 +51,27 @@ class WideLayer:
                 and attn.v_cache.permute(2, 0, 1, 3).is_contiguous()
                 and md.slot_mapping.dtype == torch.int64 and md.slot_mapping.is_contiguous())
 
+    def positions_ok(self, positions: torch.Tensor, md: AttentionMetadata) -> bool:
+        """The native rotation indexes its tables by position without bounds checks (decided
+        once per step)."""
+        ok = md.cache.get("wide_positions_ok")
+        if ok is None:
+            ok = md.cache["wide_positions_ok"] = (
+                positions.dtype == torch.int64 and positions.is_contiguous()
+                and positions.device.type == "cpu"
+                and (positions.numel() == 0
+                     or 0 <= int(positions.min()) <= int(positions.max()) < self._tables[0].shape[0]))
+        return ok
+
     def __call__(self, positions: torch.Tensor, x: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
         layer = self.layer
         attn, mlp = layer.self_attn, layer.mlp
         lib, threads = native.library(), torch.get_num_threads()
         T, D = x.shape
-        h = torch.empty(T, D, dtype=torch.bfloat16)
+        h = torch.empty(T, D, dtype=torch.bfloat16, device="cpu")
         self._norm(lib, x, None, layer.input_layernorm, h, threads)
         qkv = attn.qkv_proj.onednn(h)  # [T, (H + 2 KVH) hd] bf16
-        q = torch.empty(T, attn.num_heads, attn.head_dim)
+        q = torch.empty(T, attn.num_heads, attn.head_dim, dtype=torch.float32, device="cpu")
         kvh, nb, bs, _ = attn.k_cache.permute(2, 0, 1, 3).shape
         bias = attn.qkv_proj.bias
         if lib.rope_qkv_bf16(
@@ -76,7 +88,8 @@ class WideLayer:
         return x.add_(d)
 
     def _norm(self, lib, x, add, norm, out, threads) -> None:
-        if lib.rms_norm_bf16(x.data_ptr(), None if add is None else add.contiguous().data_ptr(),
+        add = None if add is None else add.contiguous()  # held until the call returns
+        if lib.rms_norm_bf16(x.data_ptr(), None if add is None else add.data_ptr(),
                              norm.weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1],
                              self.eps, threads) != 0:
             raise MemoryError("rms_norm_bf16: out of memory for its buffers")

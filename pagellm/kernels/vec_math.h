@@ -45,7 +45,7 @@ static inline __m256 load_bf16x8(const uint16_t *src) {
         _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)src)), 16));
 }
 
-/* 8 float32 -> bf16, rounded to nearest even as f32_to_bf16 (NaN stays NaN) */
+/* 8 float32 -> bf16, rounded to nearest even as f32_to_bf16 (NaN stays NaN, as 0x7fc0) */
 static inline void store_bf16x8(uint16_t *dst, __m256 y) {
     /* + 0x7fff + the kept part's lowest bit, then the top half */
     const __m256i bits = _mm256_castps_si256(y);

@@ -72,7 +72,8 @@ class DecoderLayer(nn.Module):
         if positions.dtype == torch.int64:
             if self.fused is not None and self.fused.usable(x, md):
                 return self.fused(positions, x, md)
-            if self.wide_layer is not None and self.wide_layer.usable(x, md):
+            if (self.wide_layer is not None and self.wide_layer.usable(x, md)
+                    and self.wide_layer.positions_ok(positions, md)):
                 return self.wide_layer(positions, x, md)
         x, h = self.post_attention_layernorm.add_forward(
             x, self.self_attn(positions, self.input_layernorm(x), md))
