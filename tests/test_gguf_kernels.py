@@ -135,3 +135,19 @@ def test_long_inputs_sum_in_chunks_the_same_on_any_thread_count(qtype):
         one, two = outputs_on_one_and_two_threads(packed, x)
         assert torch.equal(one, two)
         _check(two, x, blocks)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0], ids=lambda t: t.name)
+def test_32_value_blocks_in_chunks_of_16_on_every_row_count(qtype):
+    """From 3 rows the AVX-512 path scales 32-value blocks 16 at a time (their d * dx and min
+    terms in vectors, gathered from the blocks): 37 blocks are two whole chunks and a tail of
+    5, and the tail's lanes past the row must read nothing (a 1,184-input row ends the
+    weights). Within the bound on every row count, the same on 1 and 2 threads."""
+    blocks = random_blocks(qtype, 24, 37 * 32, seed=11)
+    packed = quant.NativeGGUF(blocks)
+    g = torch.Generator().manual_seed(11)
+    for rows in range(1, 10):
+        x = torch.randn(rows, 37 * 32, generator=g) * 2
+        one, two = outputs_on_one_and_two_threads(packed, x)
+        assert torch.equal(one, two)
+        _check(two, x, blocks)

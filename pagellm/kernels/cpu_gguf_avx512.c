@@ -32,8 +32,6 @@ static inline float f16(const uint8_t *p) {
     return _cvtsh_ss(h);
 }
 
-static inline __m256i load_x(const int16_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
-
 /* x [R, K] -> xq [R, K] int16 (x / step rounded to nearest, ties to even), dx [R, K / A] the
  * steps (max|x| of each A values / 32767), xs [R, K / 32] float sums of 32 values (min terms). */
 static void quantize(const float *x, int64_t R, int64_t K, int A, int16_t *xq, float *dx, float *xs) {
@@ -57,8 +55,9 @@ static void quantize(const float *x, int64_t R, int64_t K, int A, int16_t *xq, f
     }
 }
 
-/* Rows [0, rb) of one output feature over a weight row of 32-value blocks. */
-static inline __attribute__((always_inline)) void row_32(
+/* Rows [0, rb) of one output feature over a weight row of 32-value blocks, one or two rows:
+ * each block scaled on its own (row_32_wide's chunk set-up did not pay at one row). */
+static inline __attribute__((always_inline)) void row_32_narrow(
         int type, int rb, const int16_t *xq, const float *dx, const float *xs, int64_t K,
         const uint8_t *row, float *y, int64_t N) {
     const int64_t G = K / 32;
@@ -94,7 +93,7 @@ static inline __attribute__((always_inline)) void row_32(
         }
         for (int r = 0; r < rb; r++) {
             const int16_t *xr = xq + r * K + g * 32;
-            const __m256i t = _mm256_dpwssd_epi32(_mm256_dpwssd_epi32(_mm256_setzero_si256(), c0, load_x(xr)), c1, load_x(xr + 16));
+            const __m256i t = _mm256_dpwssd_epi32(_mm256_dpwssd_epi32(_mm256_setzero_si256(), c0, _mm256_loadu_si256((const __m256i *)xr)), c1, _mm256_loadu_si256((const __m256i *)(xr + 16)));
             const __m256 sc = _mm256_set1_ps(d * dx[r * G + g]);
             /* one row alternates two accumulators: a single chain would serialise */
             if (rb == 1 && (g & 1)) acc2 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), sc, acc2);
@@ -104,6 +103,83 @@ static inline __attribute__((always_inline)) void row_32(
     }
     if (rb == 1) acc[0] = _mm256_add_ps(acc[0], acc2);
     for (int r = 0; r < rb; r++) y[r * N] = hsum8(acc[r]) + mins[r];
+}
+
+/* Rows [0, rb) of one output feature over a weight row of 32-value blocks, three rows or more. A chunk of up to 16
+ * blocks first gets its scale products d * dx (one 512-bit multiply a row) and its min terms
+ * m * xs (one FMA a row) in vectors; then each block's 32 codes fill one 512-bit register (the
+ * 16 bytes broadcast to both halves, shifted by 0 or 4: values 0-31 in order, Q5's fifth bits
+ * one masked add) for one vpdpwssd, one convert and one FMA per row. Per block and row that is
+ * 3 vector instructions, where a block scaled on its own (two f16 conversions, a scalar
+ * multiply and broadcast, a scalar min term) took ~9: one row of a 0.5B's Q4_1 / Q5_0
+ * projections was compute-bound, not memory-bound. */
+#define CHUNK32 16
+static inline __attribute__((always_inline)) void row_32_wide(
+        int type, int rb, const int16_t *xq, const float *dx, const float *xs, int64_t K,
+        const uint8_t *row, float *y, int64_t N) {
+    const int64_t G = K / 32;
+    const int size = bytes_of(type), has_min = type == T_Q4_1 || type == T_Q5_1;
+    const int five = type == T_Q5_0 || type == T_Q5_1;
+    __m512 acc[ROW_BLOCK], macc[ROW_BLOCK], acc2 = _mm512_setzero_ps();
+    __m512 sc[ROW_BLOCK];
+    for (int r = 0; r < rb; r++) { acc[r] = _mm512_setzero_ps(); macc[r] = _mm512_setzero_ps(); }
+    /* int16 lanes 0-15: the low nibbles (values 0-15), lanes 16-31: the high ones (16-31) */
+    const long long four = 0x0004000400040004LL;
+    const __m512i shift = _mm512_set_epi64(four, four, four, four, 0, 0, 0, 0);
+    const __m512i fifteen = _mm512_set1_epi16(15), sixteen = _mm512_set1_epi16(16);
+    const __m512i off = _mm512_set1_epi16(five ? 16 : 8);
+    for (int64_t g0 = 0; g0 < G; g0 += CHUNK32) {
+        const int n = G - g0 < CHUNK32 ? (int)(G - g0) : CHUNK32;
+        const __mmask16 live = (__mmask16)((1u << n) - 1);
+        /* each block's first 4 bytes: d (f16), then m where it has one */
+        const __m512i head = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, _mm512_mullo_epi32(
+            _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), _mm512_set1_epi32(size)),
+            row + g0 * size, 1);
+        const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(head));
+        for (int r = 0; r < rb; r++)
+            sc[r] = _mm512_mul_ps(d, _mm512_maskz_loadu_ps(live, dx + r * G + g0));
+        if (has_min) {
+            const __m512 m = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(head, 16)));
+            for (int r = 0; r < rb; r++)
+                macc[r] = _mm512_fmadd_ps(m, _mm512_maskz_loadu_ps(live, xs + r * G + g0), macc[r]);
+        }
+        for (int j = 0; j < n; j++) {
+            const uint8_t *b = row + (g0 + j) * size;
+            PREFETCH(b);
+            __m512i c;  /* values 0-31 */
+            if (type == T_Q8_0) {
+                c = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(b + 2)));
+            } else {
+                const __m128i q = _mm_loadu_si128((const __m128i *)(b + 2 + 2 * has_min + 4 * five));
+                c = _mm512_and_si512(_mm512_srlv_epi16(_mm512_cvtepu8_epi16(_mm256_broadcastsi128_si256(q)), shift), fifteen);
+                if (five) {  /* bit j of qh: 16 more for value j */
+                    uint32_t qh;
+                    memcpy(&qh, b + 2 + 2 * has_min, 4);
+                    c = _mm512_mask_add_epi16(c, (__mmask32)qh, c, sixteen);
+                }
+                if (!has_min) c = _mm512_sub_epi16(c, off);
+            }
+            for (int r = 0; r < rb; r++) {
+                const __m512i t = _mm512_dpwssd_epi32(_mm512_setzero_si512(), c,
+                                                      _mm512_loadu_si512(xq + r * K + (g0 + j) * 32));
+                const __m512 s = _mm512_permutexvar_ps(_mm512_set1_epi32(j), sc[r]);
+                /* one row alternates two accumulators: a single chain would serialise */
+                if (rb == 1 && (j & 1)) acc2 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), s, acc2);
+                else acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), s, acc[r]);
+            }
+        }
+    }
+    if (rb == 1) acc[0] = _mm512_add_ps(acc[0], acc2);
+    for (int r = 0; r < rb; r++)
+        y[r * N] = _mm512_reduce_add_ps(acc[r]) + (has_min ? _mm512_reduce_add_ps(macc[r]) : 0.f);
+}
+#undef CHUNK32
+
+static inline __attribute__((always_inline)) void row_32(
+        int type, int rb, const int16_t *xq, const float *dx, const float *xs, int64_t K,
+        const uint8_t *row, float *y, int64_t N) {
+    if (rb <= 2) row_32_narrow(type, rb, xq, dx, xs, K, row, y, N);  /* rb: a constant here */
+    else row_32_wide(type, rb, xq, dx, xs, K, row, y, N);
 }
 
 /* Rows [0, rb) of one output feature over blocks [u0, u1) of a weight row of 256-value K-quant
