@@ -7,7 +7,7 @@ import torch
 from pagellm import LLM, SamplingParams
 from pagellm.sampling.rejection import rejection_sample
 from pagellm.sequence import Sequence
-from pagellm.spec_decode.adaptive import _PRIOR_ROW_COST, AdaptiveK
+from pagellm.spec_decode.adaptive import _PRIOR_BATCH_ROW_COST, _PRIOR_ROW_COST, AdaptiveK
 from pagellm.spec_decode.measure import StepWalls
 from tests.helpers import make_tiny_model
 
@@ -231,13 +231,13 @@ def test_held_back_proposal_is_scored_while_another_is_verified():
 def test_unmeasured_k_costs_what_measured_rows_cost():
     """A k not measured at a batch size is priced per verified row at what the measured k's
     rows cost there (their extra time over a plain step, draft rounds aside), plus its draft
-    rounds; with nothing measured, at the prior row cost. A measured k's extra time scales
-    with the rows verified."""
+    rounds; with nothing measured, at the prior row cost (a draft's at batch > 1: a whole
+    plain-step row). A measured k's extra time scales with the rows verified."""
     ctl = AdaptiveK(max_k=4, draft_cost=True)
     ctl.observe_draft(2, 0.004)  # 2 ms a round
     for _ in range(3):
         ctl.observe_decode_step(4, 0.040, 0, 4, 0)
-    assert ctl.step_wall(4, 2, 8) == pytest.approx(0.040 + _PRIOR_ROW_COST * 8 * 0.010 + 0.004)
+    assert ctl.step_wall(4, 2, 8) == pytest.approx(0.040 + _PRIOR_BATCH_ROW_COST * 8 * 0.010 + 0.004)
     for _ in range(3):
         ctl.observe_decode_step(4, 0.040 + 0.002 + 4 * 0.005, 1, 6, 4)  # 5 ms a row
     assert ctl.step_wall(4, 3, 12) == pytest.approx(0.040 + 12 * 0.005 + 3 * 0.002)
@@ -295,7 +295,7 @@ def test_draft_probe_at_batch_uses_one_sequence():
     ctl = AdaptiveK(max_k=4, draft_cost=True)
     seqs = [Sequence(i, str(i), 0, [1] * (40 - i), SamplingParams(), None) for i in range(8)]
     ctl.observe_decode_step(8, 0.05, 0, 8)
-    for _ in range(20):  # plain steps until the first probe
+    for _ in range(200):  # plain steps until the first probe
         ks = ctl.choose(seqs)
         if any(ks):
             break
@@ -329,13 +329,15 @@ def test_a_draft_that_does_not_pay_probes_less_often_when_resuming_costs_a_catch
 
 
 def test_draft_needs_a_clear_predicted_gain_before_a_whole_batch_step():
-    """Batch 16, draft model, only plain steps measured: a modest predicted gain (the step
-    time of a k is only modelled there) is no reason for a whole-batch draft step; at most
-    one sequence probes."""
+    """Batch 16, draft model, only plain steps measured (at 16 and 12: a row ~0.3 plain-step
+    rows): a modest predicted gain (the step time of a k is only modelled there) is no
+    reason for a whole-batch draft step; at most one sequence probes."""
     ctl = AdaptiveK(max_k=4, draft_cost=True)
     ctl.prior_alpha = ctl.alpha = 0.6
     ctl.observe_draft(1, 0.01)
+    ctl.observe_decode_step(12, 0.0648, 0, 12)
     ctl.observe_decode_step(16, 0.07, 0, 16)
+    assert ctl._row_cost(16, 0.01) == pytest.approx(0.297, abs=1e-3)
     seqs = [Sequence(i, str(i), 0, [1, 2], SamplingParams(), None) for i in range(16)]
     alphas = [ctl.seq_estimate(s) for s in seqs]
     rates = [ctl._plan(16, k, alphas, [4] * 16, [0] * 16)[1] for k in range(5)]
@@ -1029,3 +1031,66 @@ def test_one_unlucky_probe_after_a_pause_does_not_veto_k():
     ctl.observe_acceptance(seq, 1, 1)
     ctl.observe_decode_step(1, 0.039, 1, 2)
     assert walls.rate(1, 2) == pytest.approx((1 + 0.2 * 1) / 0.039)  # two steps: it counts
+
+
+def test_rows_cost_what_plain_rows_cost_between_batch_sizes():
+    """A draft with high acceptance at batch 8, no k measured at any batch size, rows
+    compute-bound (a 1.5B's K-quant kernels: every row 10 ms, decoding or verified). Plain
+    steps at 7 and 8 (a draining batch) say a row costs a whole plain-step row, and the
+    controller never puts proposals on more than the one sequence of a probe. (With the
+    prior's rows at a quarter of that, it verified k = 3 for all 8: measured at 9x a plain
+    step on the real pair.)"""
+    ctl = AdaptiveK(max_k=4, draft_cost=True)
+    ctl.observe_draft(1, 0.02)
+    for _ in range(3):
+        ctl.observe_decode_step(7, 0.07, 0, 7, 0)
+        ctl.observe_decode_step(8, 0.08, 0, 8, 0)
+    assert ctl._row_cost(8, 0.02) == pytest.approx(1.0)
+    assert ctl._row_cost(7, 0.02) == pytest.approx(1.0)  # the size above, where none below
+    seqs = [Sequence(i, str(i), 0, [1, 2], SamplingParams(), None) for i in range(8)]
+    for seq in seqs:
+        for _ in range(5):
+            ctl.observe_acceptance(seq, 4, 4)
+    probes = 0
+    for _ in range(200):
+        ks = ctl.choose(seqs)
+        assert sum(k > 0 for k in ks) <= 1
+        probes += any(ks)
+        ctl.observe_decode_step(8, 0.08 + 0.01 * sum(ks) + 0.02 * max(ks), max(ks), 8 + sum(ks),
+                                sum(ks))
+    assert probes  # it still probes (one sequence)
+
+
+def test_plain_rows_never_price_a_row_below_the_prior():
+    """Batch 1: a second row costs a memory-bound step little (0.2 plain-step rows here); the
+    prior's 0.25 stays the floor, so a draft still gets tried."""
+    ctl = AdaptiveK(max_k=4, draft_cost=True)
+    for _ in range(3):
+        ctl.observe_decode_step(1, 0.025, 0, 1, 0)
+        ctl.observe_decode_step(2, 0.030, 0, 2, 0)
+    assert ctl._plain_row_cost(1) == pytest.approx(0.2)
+    assert ctl._row_cost(1, 0.0) == _PRIOR_ROW_COST
+
+
+def test_a_draft_at_one_batch_size_prices_rows_as_plain_rows():
+    """A batch of 8 that never drained: plain steps measured at 8 only, every proposal
+    accepted. A draft's probes there verify one sequence untimed, so nothing would correct
+    cheap rows: a row is priced as a plain-step row, and no step puts proposals on more than
+    one sequence (with the prior's quarter-row, k = 3 for all 8 came at once). n-gram
+    proposals keep the cheap prior: their probes are timed."""
+    ctl = AdaptiveK(max_k=4, draft_cost=True)
+    ctl.observe_draft(1, 0.011)
+    for _ in range(3):
+        ctl.observe_decode_step(8, 0.08, 0, 8, 0)
+    assert ctl._row_cost(8, 0.011) == _PRIOR_BATCH_ROW_COST
+    seqs = [Sequence(i, str(i), 0, [1, 2], SamplingParams(), None) for i in range(8)]
+    for seq in seqs:
+        for _ in range(5):
+            ctl.observe_acceptance(seq, 4, 4)
+    for _ in range(200):
+        ks = ctl.choose(seqs)
+        assert sum(k > 0 for k in ks) <= 1
+        ctl.observe_decode_step(8, 0.08, max(ks), 8 + sum(ks), sum(ks))
+    ngram = AdaptiveK(max_k=4, scores_unverified=True)
+    ngram.observe_decode_step(8, 0.08, 0, 8, 0)
+    assert ngram._row_cost(8, 0.0) == _PRIOR_ROW_COST

@@ -9,7 +9,9 @@ For the B sequences decoding, k maximises the expected tokens per second
 - W_B(k): a whole engine step's wall time (draft rounds, verification, sampling) at batch size
   B with k proposals: the median of the latest such steps, in units of the machine's current
   speed, scaled to the rows verified now. An unmeasured k costs per row what measured rows
-  cost (at B, else the nearest smaller B, else a prior) plus the draft's rounds.
+  cost (at B, else the nearest smaller B, else what a decoding row costs between plain steps
+  of two batch sizes, at least a prior; a draft's at B > 1: a plain-step row) plus the
+  draft's rounds.
 - A measured k must beat plain decoding by the noise of both medians, an unmeasured one by 25%;
   at B > 1 a sequence gets proposals only where its own acceptance pays for its rows.
 Probes keep both sides fresh: while off, the most promising k (at B > 1 for one sequence);
@@ -26,6 +28,7 @@ _MARGIN = 1.02  # a measured k must beat plain decoding by 2% beyond the noise
 _UNMEASURED_MARGIN = 1.25  # a modelled step time extrapolates: demand a clear gain
 _NOISE = 2.0  # standard errors of the two medians a measured gain must exceed
 _PRIOR_ROW_COST = 0.25  # an unmeasured verified row, in plain-step rows: cheap, so a k gets tried
+_PRIOR_BATCH_ROW_COST = 1.0  # ... a draft's at B > 1 with nothing measured: a plain-step row
 _PAST_LIMIT_ROW_COST = 2.0  # a row past the few-row kernels, in plain-step rows: pessimistic
 _PROBE_LOSS = 0.02  # share of the time probes of the side not in use may cost
 MIN_PROBE_EVERY = 8  # steps between probes at least: a probe's wall is one of several
@@ -140,12 +143,42 @@ class AdaptiveK:
 
     def _row_cost(self, batch: int, draft: float) -> float:
         """A verified row's cost in plain-step rows: measured at this batch size, else at the
-        nearest smaller one (rows get dearer as steps grow and near compute-bound)."""
+        nearest smaller one (rows get dearer as steps grow and near compute-bound), else what
+        a decoding row costs between plain steps of two batch sizes (never below the prior),
+        else the prior (a draft's at B > 1: a plain-step row)."""
         for b in sorted((b for b in self.walls if b <= batch), reverse=True):
             cost = self.walls[b].row_cost(b, draft)
             if cost is not None:
                 return cost
-        return _PRIOR_ROW_COST
+        plain = self._plain_row_cost(batch)
+        if plain is None and batch > 1 and self.draft_cost:
+            # a draft's probes at B > 1 verify one sequence and are not timed (their
+            # catch-up): nothing would correct cheap rows before a whole batch paid for them
+            return _PRIOR_BATCH_ROW_COST
+        return max(_PRIOR_ROW_COST, plain or 0.0)
+
+    def _plain_row_cost(self, batch: int) -> float | None:
+        """A row's cost in plain-step rows at `batch`, from the plain steps of two batch sizes:
+        a verified row runs through the same kernels as a decoding row. A draining batch
+        measures them at no cost. The sizes: `batch` and the smallest one measured down to
+        half of it (else the nearest above). Where the kernels are compute-bound per row (a
+        1.5B's K-quant rows at batch 8: one more row ~1.0 plain-step rows), the prior's cheap
+        rows priced a k = 3 step of all 8 sequences at 2x a plain step; it took 9x. None: not
+        two sizes measured."""
+        def seconds(b: int) -> float | None:  # a plain step now (each size keeps its units)
+            w = self.walls.get(b)
+            return w.wall(0) * w.speed if w is not None and 0 in w.steps else None
+
+        here = seconds(batch)
+        if here is None:
+            return None
+        sizes = sorted(b for b in self.walls if b != batch and seconds(b) is not None)
+        below = [b for b in sizes if batch / 2 <= b < batch] or [b for b in sizes if b < batch][-1:]
+        other = below[0] if below else next((b for b in sizes if b > batch), None)
+        if other is None:
+            return None
+        per_row = (here - seconds(other)) / (batch - other)
+        return per_row / (here / batch)
 
     def _plan(self, batch, k, alphas, avail, kinds) -> tuple[list[int], float, float]:
         """(proposals per sequence, expected tokens/s, step wall) with k: at B > 1 only for
