@@ -1062,14 +1062,26 @@ def test_rows_cost_what_plain_rows_cost_between_batch_sizes():
 
 
 def test_plain_rows_never_price_a_row_below_the_prior():
-    """Batch 1: a second row costs a memory-bound step little (0.2 plain-step rows here); the
-    prior's 0.25 stays the floor, so a draft still gets tried."""
+    """Batch 1 keeps the cheap prior whatever plain steps say (its probes are timed, so a k
+    gets tried, then measured). At batch 3, rows the plain steps call cheap cost the prior,
+    a slope from noise (a larger batch measured faster) prices a draft's rows as plain-step
+    rows, and a slow spell between two medians prices a row at 2 plain-step rows at most."""
     ctl = AdaptiveK(max_k=4, draft_cost=True)
     for _ in range(3):
         ctl.observe_decode_step(1, 0.025, 0, 1, 0)
         ctl.observe_decode_step(2, 0.030, 0, 2, 0)
     assert ctl._plain_row_cost(1) == pytest.approx(0.2)
     assert ctl._row_cost(1, 0.0) == _PRIOR_ROW_COST
+    ctl.observe_decode_step(3, 0.0315, 0, 3, 0)  # 1.5 ms a row: 0.14 plain-step rows at 3
+    assert ctl._row_cost(3, 0.0) == _PRIOR_ROW_COST
+    slow, fast = AdaptiveK(max_k=4, draft_cost=True), AdaptiveK(max_k=4, draft_cost=True)
+    for _ in range(3):
+        slow.observe_decode_step(7, 0.050, 0, 7, 0)
+        slow.observe_decode_step(8, 0.080, 0, 8, 0)  # 30 ms for one row: 3 plain-step rows
+        fast.observe_decode_step(7, 0.085, 0, 7, 0)
+        fast.observe_decode_step(8, 0.080, 0, 8, 0)
+    assert slow._row_cost(8, 0.0) == 2.0
+    assert fast._row_cost(8, 0.0) == _PRIOR_BATCH_ROW_COST
 
 
 def test_a_draft_at_one_batch_size_prices_rows_as_plain_rows():

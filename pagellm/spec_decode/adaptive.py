@@ -143,15 +143,19 @@ class AdaptiveK:
 
     def _row_cost(self, batch: int, draft: float) -> float:
         """A verified row's cost in plain-step rows: measured at this batch size, else at the
-        nearest smaller one (rows get dearer as steps grow and near compute-bound), else what
-        a decoding row costs between plain steps of two batch sizes (never below the prior),
-        else the prior (a draft's at B > 1: a plain-step row)."""
+        nearest smaller one (rows get dearer as steps grow and near compute-bound), else at
+        B > 1 what a decoding row costs between plain steps of two batch sizes (never below the
+        prior), else the prior (a draft's at B > 1: a plain-step row)."""
         for b in sorted((b for b in self.walls if b <= batch), reverse=True):
             cost = self.walls[b].row_cost(b, draft)
             if cost is not None:
                 return cost
+        if batch == 1:  # probes there are timed: the cheap prior gets a k tried, then measured
+            return _PRIOR_ROW_COST
         plain = self._plain_row_cost(batch)
-        if plain is None and batch > 1 and self.draft_cost:
+        if plain is not None and plain <= 0:
+            plain = None  # noise between two medians, not free rows
+        if plain is None and self.draft_cost:
             # a draft's probes at B > 1 verify one sequence and are not timed (their
             # catch-up): nothing would correct cheap rows before a whole batch paid for them
             return _PRIOR_BATCH_ROW_COST
@@ -161,10 +165,10 @@ class AdaptiveK:
         """A row's cost in plain-step rows at `batch`, from the plain steps of two batch sizes:
         a verified row runs through the same kernels as a decoding row. A draining batch
         measures them at no cost. The sizes: `batch` and the smallest one measured down to
-        half of it (else the nearest above). Where the kernels are compute-bound per row (a
-        1.5B's K-quant rows at batch 8: one more row ~1.0 plain-step rows), the prior's cheap
-        rows priced a k = 3 step of all 8 sequences at 2x a plain step; it took 9x. None: not
-        two sizes measured."""
+        half of it, else the nearest below, else the nearest above; at most 2 plain-step rows.
+        Where the kernels are compute-bound per row (a 1.5B's K-quant rows at batch 8: one
+        more row ~1.0 plain-step rows), the prior's cheap rows priced a k = 3 step of all 8
+        sequences at 2x a plain step; it took 9x. None: not two sizes measured."""
         def seconds(b: int) -> float | None:  # a plain step now (each size keeps its units)
             w = self.walls.get(b)
             return w.wall(0) * w.speed if w is not None and 0 in w.steps else None
@@ -178,7 +182,9 @@ class AdaptiveK:
         if other is None:
             return None
         per_row = (here - seconds(other)) / (batch - other)
-        return per_row / (here / batch)
+        # two medians taken at different moments: a slow spell in one must not price rows
+        # past what a row beyond the few-row kernels is assumed to cost
+        return min(per_row / (here / batch), _PAST_LIMIT_ROW_COST)
 
     def _plan(self, batch, k, alphas, avail, kinds) -> tuple[list[int], float, float]:
         """(proposals per sequence, expected tokens/s, step wall) with k: at B > 1 only for
