@@ -23,6 +23,27 @@ def test_default_and_given_sizes(tiny_llama, size, limit):
     assert llm.engine.spec.proposer.model.vocab_limit == limit
 
 
+def test_the_limit_is_in_place_before_the_kv_budget_is_read(tiny_llama, monkeypatch):
+    """A limited head may keep a copy of its first rows (prepacked for oneDNN, bf16 units):
+    memory of the draft's weights, so the limit is set when the draft loads, before the
+    engine splits what is left between the two KV caches."""
+    import pagellm.spec_decode.setup as setup
+
+    path, _ = tiny_llama
+    seen, load = [], setup.load_draft
+
+    def loaded(*args, **kwargs):
+        files, draft, dtype = load(*args, **kwargs)
+        seen.append(draft.vocab_limit)
+        return files, draft, dtype
+
+    monkeypatch.setattr(setup, "load_draft", loaded)
+    LLM(path, dtype="float32", kv_cache_memory=2**20,
+        speculative_config={"method": "draft_model", "model": path, "draft_num_layers": 1,
+                            "draft_vocab_size": 100})
+    assert seen == [100]
+
+
 def test_a_negative_size_is_refused():
     with pytest.raises(ValueError, match="draft_vocab_size"):
         SpeculativeConfig(method="draft_model", draft_vocab_size=-1)

@@ -85,8 +85,11 @@ def test_prepacked_head_gives_the_plain_heads_logits(monkeypatch, tied):
     for h, w in zip(hidden, want):
         got = model.compute_logits(h)
         assert got.dtype == torch.float32 and torch.equal(got, w)
+    before = model.weight_bytes()
     model.limit_vocab(100)
     assert (model._head_sub_onednn is not None) == tied
+    # the prepacked copy of the first 100 rows is memory the weights take
+    assert model.weight_bytes() - before == (100 * 64 * 2 if tied else 0)
     for h, w in zip(hidden, want_limited):
         got = model.compute_logits(h)
         assert torch.equal(got, w) and torch.isinf(got[:, 100:]).all()

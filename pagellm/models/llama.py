@@ -247,6 +247,8 @@ class LlamaForCausalLM(nn.Module):
         packed += sum(m.wide.nbytes for m in self.modules() if getattr(m, "wide", None) is not None)
         packed += self.head_packed.nbytes if self.head_packed is not None else 0
         packed += self.head_onednn.nbytes if self.head_onednn is not None else 0
+        # a limited head's prepacked copy of its first rows (the packed one is a view)
+        packed += self._head_sub_onednn.nbytes if self._head_sub_onednn is not None else 0
         head = getattr(self, "_head_f32", None)
         head = 0 if head is None else head[1].numel() * 4
         return packed + head + sum(p.numel() * p.element_size() for p in self.parameters()

@@ -50,7 +50,10 @@ def load_draft(spec: SpeculativeConfig, target_files, target_dtype: torch.dtype,
     with parallel.single_process():  # the draft runs whole on rank 0
         # "gguf" is the target's demand; the draft (maybe another dtype) packs when it can.
         draft_q = "none" if quantization == "none" else None
-        return files, build_model(files, dtype, device, max_model_len, draft_q), dtype
+        draft = build_model(files, dtype, device, max_model_len, draft_q)
+    # here, before the engine reads the KV budget: a limited head may keep a copy of its rows
+    draft.limit_vocab(spec.draft_vocab_size or None)  # 0 / None: all ids
+    return files, draft, dtype
 
 
 def shares_target(spec: SpeculativeConfig, target_dtype: torch.dtype, device) -> bool:
@@ -90,8 +93,7 @@ def build_spec_decoder(spec: SpeculativeConfig, *, target_files, target_model, t
             spec.num_speculative_tokens, target_model.weight_bytes() / 2**20,
             num_blocks * t_block / 2**20)
     else:
-        files, draft, dtype = draft
-        draft.limit_vocab(spec.draft_vocab_size or None)  # 0 / None: all ids
+        files, draft, dtype = draft  # its vocabulary limit set by load_draft
         d_kv = resolve_kv_dtype(kv_cache_dtype, dtype, device, draft.act_dtype)
         d_block = kv_bytes_per_block(files.config, block_size, d_kv)
         num_blocks = kv_budget // (t_block + d_block)
