@@ -1106,3 +1106,19 @@ def test_a_draft_at_one_batch_size_prices_rows_as_plain_rows():
     ngram = AdaptiveK(max_k=4, scores_unverified=True)
     ngram.observe_decode_step(8, 0.08, 0, 8, 0)
     assert ngram._row_cost(8, 0.0) == _PRIOR_ROW_COST
+
+
+def test_draft_rounds_in_seconds_meet_walls_in_units_of_the_speed():
+    """Walls are kept in units of the machine's speed, a draft round in seconds now. Measured
+    at speed 1: a plain step 50 ms, k = 2 100 ms (two 20 ms rounds, two rows of 5 ms). The
+    machine then runs at half speed (speed 2) and a round takes 40 ms: still 20 ms of the
+    walls' units, so a row still costs 0.1 plain-step rows, and an unmeasured k adds its
+    rounds at 20 ms of units each (seconds taken as units: no row cost left, 40 ms rounds)."""
+    ctl = AdaptiveK(max_k=4, draft_cost=True)
+    for _ in range(3):
+        ctl.observe_decode_step(1, 0.050, 0, 1, 0)
+        ctl.observe_decode_step(1, 0.100, 2, 2, 2)
+    walls = ctl.walls[1]
+    walls.speed, ctl.draft_round_s = 2.0, 0.040
+    assert walls.row_cost(1, 0.040) == pytest.approx(0.1)
+    assert ctl.step_wall(1, 3, 3) == pytest.approx(0.050 + 0.1 * 3 * 0.050 + 3 * 0.020)

@@ -134,14 +134,16 @@ class AdaptiveK:
                                         if j > k and walls.rows(j) >= measured])
             wall = w0 + (wk - w0) * rows / measured
         else:
-            draft = self.draft_round_s or (0.25 * w0 if self.draft_cost else 0.0)
-            wall = w0 + self._row_cost(batch, draft) * rows * w0 / batch + k * draft
+            # a draft round in seconds, and in the walls' units (the machine's speed then)
+            draft_s = self.draft_round_s or (0.25 * w0 * walls.speed if self.draft_cost else 0.0)
+            wall = (w0 + self._row_cost(batch, draft_s) * rows * w0 / batch
+                    + k * draft_s / walls.speed)
         if self.row_limit is not None and batch + rows > self.row_limit and rows > measured:
             # past the few-row kernels nothing measured says what a row costs
             wall = max(wall, _PAST_LIMIT_ROW_COST * w0 * (batch + rows) / batch)
         return wall
 
-    def _row_cost(self, batch: int, draft: float) -> float:
+    def _row_cost(self, batch: int, draft: float) -> float:  # draft: a round's seconds
         """A verified row's cost in plain-step rows: measured at this batch size, else at the
         nearest smaller one (rows get dearer as steps grow and near compute-bound), else at
         B > 1 what a decoding row costs between plain steps of two batch sizes (never below the

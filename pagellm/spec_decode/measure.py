@@ -101,10 +101,11 @@ class StepWalls:
         return 1.25 * 1.4826 * mad / (len(got) ** 0.5 * mid) if mid > 0 else 0.0
 
     def row_cost(self, batch: int, draft_round: float) -> float | None:
-        """A verified row's extra time over the measured k, in rows of a plain step."""
+        """A verified row's extra time over the measured k, in rows of a plain step, less
+        its k draft rounds (draft_round: seconds now; the walls are in units of the speed)."""
         if 0 not in self.steps:
             return None
-        w0 = self.wall(0)
-        costs = [(self.wall(k) - w0 - k * draft_round) / self.rows(k) / (w0 / batch)
+        w0, draft = self.wall(0), draft_round / self.speed
+        costs = [(self.wall(k) - w0 - k * draft) / self.rows(k) / (w0 / batch)
                  for k in self.steps if k and self.rows(k)]
         return max(0.0, statistics.fmean(costs)) if costs else None
