@@ -120,8 +120,7 @@ static inline __attribute__((always_inline)) void row_32_wide(
     const int64_t G = K / 32;
     const int size = bytes_of(type), has_min = type == T_Q4_1 || type == T_Q5_1;
     const int five = type == T_Q5_0 || type == T_Q5_1;
-    __m512 acc[ROW_BLOCK], macc[ROW_BLOCK], acc2 = _mm512_setzero_ps();
-    __m512 sc[ROW_BLOCK];
+    __m512 acc[ROW_BLOCK], macc[ROW_BLOCK], sc[ROW_BLOCK];  /* rb >= 3: rows interleave */
     for (int r = 0; r < rb; r++) { acc[r] = _mm512_setzero_ps(); macc[r] = _mm512_setzero_ps(); }
     /* int16 lanes 0-15: the low nibbles (values 0-15), lanes 16-31: the high ones (16-31) */
     const long long four = 0x0004000400040004LL;
@@ -163,13 +162,10 @@ static inline __attribute__((always_inline)) void row_32_wide(
                 const __m512i t = _mm512_dpwssd_epi32(_mm512_setzero_si512(), c,
                                                       _mm512_loadu_si512(xq + r * K + (g0 + j) * 32));
                 const __m512 s = _mm512_permutexvar_ps(_mm512_set1_epi32(j), sc[r]);
-                /* one row alternates two accumulators: a single chain would serialise */
-                if (rb == 1 && (j & 1)) acc2 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), s, acc2);
-                else acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), s, acc[r]);
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), s, acc[r]);
             }
         }
     }
-    if (rb == 1) acc[0] = _mm512_add_ps(acc[0], acc2);
     for (int r = 0; r < rb; r++)
         y[r * N] = _mm512_reduce_add_ps(acc[r]) + (has_min ? _mm512_reduce_add_ps(macc[r]) : 0.f);
 }

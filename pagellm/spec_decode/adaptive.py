@@ -155,13 +155,11 @@ class AdaptiveK:
         if batch == 1:  # probes there are timed: the cheap prior gets a k tried, then measured
             return _PRIOR_ROW_COST
         plain = self._plain_row_cost(batch)
-        if plain is not None and plain <= 0:
-            plain = None  # noise between two medians, not free rows
         if plain is None and self.draft_cost:
             # a draft's probes at B > 1 verify one sequence and are not timed (their
             # catch-up): nothing would correct cheap rows before a whole batch paid for them
             return _PRIOR_BATCH_ROW_COST
-        return max(_PRIOR_ROW_COST, plain or 0.0)
+        return _PRIOR_ROW_COST if plain is None else max(_PRIOR_ROW_COST, plain)
 
     def _plain_row_cost(self, batch: int) -> float | None:
         """A row's cost in plain-step rows at `batch`, from the plain steps of two batch sizes:
@@ -170,7 +168,8 @@ class AdaptiveK:
         half of it, else the nearest below, else the nearest above; at most 2 plain-step rows.
         Where the kernels are compute-bound per row (a 1.5B's K-quant rows at batch 8: one
         more row ~1.0 plain-step rows), the prior's cheap rows priced a k = 3 step of all 8
-        sequences at 2x a plain step; it took 9x. None: not two sizes measured."""
+        sequences at 2x a plain step; it took 9x. None: not two sizes measured, or a row
+        that costs nothing (noise)."""
         def seconds(b: int) -> float | None:  # a plain step now (each size keeps its units)
             w = self.walls.get(b)
             return w.wall(0) * w.speed if w is not None and 0 in w.steps else None
@@ -184,6 +183,8 @@ class AdaptiveK:
         if other is None:
             return None
         per_row = (here - seconds(other)) / (batch - other)
+        if per_row <= 0:
+            return None  # noise between two medians, not free rows
         # two medians taken at different moments: a slow spell in one must not price rows
         # past what a row beyond the few-row kernels is assumed to cost
         return min(per_row / (here / batch), _PAST_LIMIT_ROW_COST)
