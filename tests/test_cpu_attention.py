@@ -156,3 +156,24 @@ def test_prefill_chunk_after_cached_keys(monkeypatch, kvh, group, kv_dtype, nati
     out = backend.forward(q, kc, vc, md, 0.3)
     ref = _reference(q, kc, vc, tables, seq_lens, qlens, 0.3)
     assert torch.allclose(out.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_every_thread_count_attends_every_task(kv_dtype):
+    """Tasks go to the threads round robin, each prefetching its next task's first block: with
+    fewer tasks than threads, as many, and many more (prefill chunks and decode rows of
+    different lengths), every row is the reference's, and the same bits whatever the count."""
+    seq_lens, qlens = [33, 1, 90, 7, 64, 200, 18], [1, 1, 40, 2, 1, 1, 18]
+    backend, q, kc, vc, md, tables = _case(16, 3, 3, seq_lens, qlens, seed=7, d=64,
+                                           kv_dtype=kv_dtype)
+    ref = _reference(q, kc, vc, tables, seq_lens, qlens, 0.125)
+    before = torch.get_num_threads()
+    outs = []
+    try:
+        for threads in (1, 2, 5, 40):
+            torch.set_num_threads(threads)
+            outs.append(backend.forward(q, kc, vc, md, 0.125))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.allclose(outs[0].double(), ref, atol=1e-5, rtol=1e-5)
+    assert all(torch.equal(o, outs[0]) for o in outs[1:])
