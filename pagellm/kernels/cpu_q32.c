@@ -1,0 +1,165 @@
+/* Many-row products of 32-value block weights (GGUF Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) against int8
+ * activations, on CPUs with AVX-512 VNNI (pagellm/layers/q32.py).
+ *
+ * Every such block is w_j = d * u_j + m with u_j an unsigned byte (Q4: the code; Q5: the 5-bit
+ * code; Q8_0: the code + 128) and d, m floats (Q4_0: m = -8 d, Q5_0: -16 d, Q8_0: -128 d). The
+ * activations are rounded per 32 values of a row to x_j ~ dx * xq_j (xq int8, dx = max|x| /
+ * 127, as llama.cpp's Q8_1), so that for one block of a row and an output
+ *
+ *     sum_j w_j x_j ~ d * dx * sum_j u_j xq_j  +  m * sx        sx = dx * sum_j xq_j
+ *
+ * the first sum exact in int32 (vpdpbusd: 64 byte products an instruction, twice what a bf16
+ * product does per instruction), then scaled in float32. The only rounding beyond float32's
+ * is the activations' (half a step of max|x| / 127 per value).
+ *
+ * Codes are stored in panels of 32 outputs: [N / 32][K / 4][32][4] (each 4-byte lane holds 4
+ * consecutive inputs of one output: vpdpbusd's unit), d and m as [N / 32][K / 32][32]. A tile
+ * is 6 rows x 32 outputs: 12 int32 sums for the block and 12 float32 accumulators stay in
+ * registers; per 4 inputs it loads 2 code registers and broadcasts 6 activation words for
+ * 12 vpdpbusd.
+ */
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#include <immintrin.h>
+
+#define Q32_TILE_R 6
+#define Q32_ROWS 192  /* rows whose activations (192 x K bytes) stay in L2 over every panel */
+
+int q32_available(void) { return 1; }
+
+/* 16 float32 -> bf16, rounded to nearest even (finite values; NaN stays NaN) */
+static inline __m256i to_bf16x16(__m512 v) {
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), odd);
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
+}
+
+static inline __m512 load_f32x16(const void *x, int64_t i, int bf16) {
+    if (bf16)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+            _mm256_loadu_si256((const __m256i *)((const uint16_t *)x + i))), 16));
+    return _mm512_loadu_ps((const float *)x + i);
+}
+
+/* x [R, K] (float32, or bf16 with bf16) -> xq [R, K] int8, dx and sx [R, K / 32] */
+void q32_quantize(const void *x, int bf16, int64_t R, int64_t K, int8_t *xq, float *dx,
+                  float *sx, int threads) {
+    const int64_t G = K / 32;
+    #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && R >= 16)
+    for (int64_t r = 0; r < R; r++)
+        for (int64_t g = 0; g < G; g++) {
+            const int64_t i = r * K + g * 32;
+            const __m512 v0 = load_f32x16(x, i, bf16), v1 = load_f32x16(x, i + 16, bf16);
+            const float mx = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0),
+                                                                _mm512_abs_ps(v1)));
+            const __m512 inv = _mm512_set1_ps(mx > 0.f ? 127.f / mx : 0.f);
+            /* round to nearest (even): |v * inv| <= 127 */
+            const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, inv));
+            const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, inv));
+            _mm_storeu_si128((__m128i *)(xq + i), _mm512_cvtsepi32_epi8(q0));
+            _mm_storeu_si128((__m128i *)(xq + i + 16), _mm512_cvtsepi32_epi8(q1));
+            dx[r * G + g] = mx / 127.f;
+            sx[r * G + g] = mx / 127.f * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+        }
+}
+
+/* Rows [0, RB) x the panel's 32 outputs (RB a literal after inlining) into y (row stride
+ * ldy; the first `cols` of the 32 columns are written). */
+static inline __attribute__((always_inline)) void tile(
+        int RB, const int8_t *xq, const float *dx, const float *sx, int64_t K, const uint8_t *c,
+        const float *d, const float *m, void *y, int64_t ldy, int cols, int out_bf16) {
+    const int64_t G = K / 32;
+    __m512 acc[Q32_TILE_R][2];
+    for (int r = 0; r < RB; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < G; g++) {
+        __m512i s[Q32_TILE_R][2];
+        for (int r = 0; r < RB; r++) s[r][0] = s[r][1] = _mm512_setzero_si512();
+        const uint8_t *cb = c + g * 32 * 32;
+        for (int kq = 0; kq < 8; kq++) {
+            const __m512i w0 = _mm512_loadu_si512(cb + kq * 128);
+            const __m512i w1 = _mm512_loadu_si512(cb + kq * 128 + 64);
+            for (int r = 0; r < RB; r++) {
+                int32_t word;
+                memcpy(&word, xq + r * K + g * 32 + kq * 4, 4);
+                const __m512i xb = _mm512_set1_epi32(word);
+                s[r][0] = _mm512_dpbusd_epi32(s[r][0], w0, xb);
+                s[r][1] = _mm512_dpbusd_epi32(s[r][1], w1, xb);
+            }
+        }
+        const __m512 d0 = _mm512_loadu_ps(d + g * 32), d1 = _mm512_loadu_ps(d + g * 32 + 16);
+        const __m512 m0 = _mm512_loadu_ps(m + g * 32), m1 = _mm512_loadu_ps(m + g * 32 + 16);
+        for (int r = 0; r < RB; r++) {
+            const __m512 a = _mm512_set1_ps(dx[r * G + g]), b = _mm512_set1_ps(sx[r * G + g]);
+            acc[r][0] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(s[r][0]), a), d0,
+                                        acc[r][0]);
+            acc[r][1] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(s[r][1]), a), d1,
+                                        acc[r][1]);
+            acc[r][0] = _mm512_fmadd_ps(m0, b, acc[r][0]);
+            acc[r][1] = _mm512_fmadd_ps(m1, b, acc[r][1]);
+        }
+    }
+    for (int r = 0; r < RB; r++) {
+        if (out_bf16) {
+            uint16_t *yr = (uint16_t *)y + r * ldy, tmp[32];
+            uint16_t *dst = cols == 32 ? yr : tmp;
+            _mm256_storeu_si256((__m256i *)dst, to_bf16x16(acc[r][0]));
+            _mm256_storeu_si256((__m256i *)(dst + 16), to_bf16x16(acc[r][1]));
+            if (cols < 32) memcpy(yr, tmp, sizeof(uint16_t) * cols);
+        } else {
+            float *yr = (float *)y + r * ldy, tmp[32];
+            float *dst = cols == 32 ? yr : tmp;
+            _mm512_storeu_ps(dst, acc[r][0]);
+            _mm512_storeu_ps(dst + 16, acc[r][1]);
+            if (cols < 32) memcpy(yr, tmp, sizeof(float) * cols);
+        }
+    }
+}
+
+#define Q32_TILE(RB) tile(RB, xq + r * K, dx + r * G, sx + r * G, K, cp, dp, mp, \
+                          (char *)y + (r * N + p * 32) * es, N, cols, out_bf16)
+
+/* xq, dx, sx (q32_quantize) of R rows; codes, d, m of N outputs in panels (N rounded up to
+ * 32 in the panels) -> y [R, N] float32, or bf16 with out_bf16. K a multiple of 32. */
+void q32_linear(const int8_t *xq, const float *dx, const float *sx, int64_t R, int64_t K,
+                const uint8_t *c, const float *d, const float *m, int64_t N, void *y,
+                int out_bf16, int threads) {
+    const int64_t P = (N + 31) / 32, G = K / 32, es = out_bf16 ? 2 : 4;
+    for (int64_t r0 = 0; r0 < R; r0 += Q32_ROWS) {
+        const int64_t r1 = r0 + Q32_ROWS < R ? r0 + Q32_ROWS : R;
+        #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+        for (int64_t p = 0; p < P; p++) {
+            const uint8_t *cp = c + p * 32 * K;
+            const float *dp = d + p * G * 32, *mp = m + p * G * 32;
+            const int cols = N - p * 32 < 32 ? (int)(N - p * 32) : 32;
+            int64_t r = r0;
+            for (; r + Q32_TILE_R <= r1; r += Q32_TILE_R) Q32_TILE(Q32_TILE_R);
+            switch (r1 - r) {
+            case 5: Q32_TILE(5); break;
+            case 4: Q32_TILE(4); break;
+            case 3: Q32_TILE(3); break;
+            case 2: Q32_TILE(2); break;
+            case 1: Q32_TILE(1); break;
+            default: break;
+            }
+        }
+    }
+}
+#else
+/* Without AVX-512 VNNI these products are not offered (layers/q32.py asks first). */
+int q32_available(void) { return 0; }
+
+void q32_quantize(const void *x, int bf16, int64_t R, int64_t K, int8_t *xq, float *dx,
+                  float *sx, int threads) {
+    (void)x; (void)bf16; (void)R; (void)K; (void)xq; (void)dx; (void)sx; (void)threads;
+}
+
+void q32_linear(const int8_t *xq, const float *dx, const float *sx, int64_t R, int64_t K,
+                const uint8_t *c, const float *d, const float *m, int64_t N, void *y,
+                int out_bf16, int threads) {
+    (void)xq; (void)dx; (void)sx; (void)R; (void)K; (void)c; (void)d; (void)m; (void)N;
+    (void)y; (void)out_bf16; (void)threads;
+}
+#endif

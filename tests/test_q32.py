@@ -1,0 +1,91 @@
+"""The int8-activation product of 32-value block weights (pagellm/kernels/cpu_q32.c,
+layers/q32.py) against float64 products with gguf's own dequantization: the unsigned codes
+hold every weight of each type exactly, and a product is within the bound int8 activations
+allow (half a step of max|x| / 127 per value, times the coded part of the weight) for row
+counts around the 6-row tiles and past a 192-row chunk, outputs not a multiple of 32, fused
+parts of different types, bf16 and float32 activations, and 1 or 2 threads."""
+from __future__ import annotations
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from pagellm.layers import q32, quant
+from tests.gguf_files import random_blocks
+from tests.helpers import outputs_on_one_and_two_threads
+
+pytestmark = pytest.mark.skipif(not q32.available(),
+                                reason="needs AVX-512 VNNI and bf16 units (and a C compiler)")
+TYPES = sorted(q32.Q32_TYPES, key=lambda t: t.name)
+
+
+def _bound(x: torch.Tensor, product: q32.Q32Linear) -> torch.Tensor:
+    u = product.codes.permute(0, 2, 1, 3).reshape(-1, product.in_features).double()
+    d = product.d.permute(0, 2, 1).reshape(u.shape[0], -1).double()
+    n, k = product.out_features, product.in_features
+    coded = (u.view(-1, k // 32, 32) * d[..., None].abs()).sum(-1)[:n]  # [N, K / 32]
+    step = x.double().abs().view(x.shape[0], k // 32, 32).amax(-1) / 127  # [R, K / 32]
+    w = product.dequantize().double()
+    return 0.5 * step @ coded.t() + 2e-6 * (x.double().abs() @ w.abs().t()) + 1e-9
+
+
+def _check(out: torch.Tensor, x: torch.Tensor, product: q32.Q32Linear, weights) -> None:
+    ref = x.double() @ weights.double().t()
+    err = (out.double() - ref).abs()
+    bound = _bound(x, product)
+    if out.dtype == torch.bfloat16:  # the rounding of the output itself
+        bound = bound + ref.abs() * 2 ** -8
+    assert bool((err <= bound).all()), f"error {(err / bound).max():.2f}x the bound"
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_unsigned_codes_are_the_files_weights_exactly(qtype):
+    blocks = random_blocks(qtype, 7, 96, seed=int(qtype))
+    u, d, m = q32.unsigned_blocks(blocks)
+    assert u.dtype == torch.uint8
+    w = u.double().view(7, 3, 32) * d.double()[..., None] + m.double()[..., None]
+    assert torch.equal(w.view(7, 96).float(), blocks.dequantize())
+    assert torch.equal(q32.Q32Linear([blocks]).dequantize(), blocks.dequantize())
+
+
+def test_the_int4_and_q8_loader_forms_give_their_own_weights():
+    g = torch.Generator().manual_seed(0)
+    int4 = quant.Int4Blocks(torch.randint(0, 16, (5, 64), dtype=torch.uint8, generator=g),
+                            torch.rand(5, 2, generator=g) / 20, torch.randn(5, 2, generator=g) / 20)
+    q8 = quant.Int8Blocks(torch.randint(-128, 128, (5, 64), dtype=torch.int8, generator=g),
+                          torch.rand(5, 2, generator=g) / 20)
+    for blocks in (int4, q8):  # (q + 128) d - 128 d: within a few float32 ulps of 128 d
+        w = q32.Q32Linear([blocks]).dequantize()
+        assert torch.allclose(w, blocks.dequantize(), rtol=0, atol=128 * 0.05 * 2 ** -22)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_every_tile_shape_is_within_the_int8_bound(qtype):
+    blocks = random_blocks(qtype, 45, 160, seed=int(qtype))  # a partial panel; 5 blocks
+    product = q32.Q32Linear([blocks])
+    w = blocks.dequantize()
+    g = torch.Generator().manual_seed(int(qtype))
+    for rows in [1, 2, 3, 5, 6, 7, 11, 12, 13, 197]:
+        x = torch.randn(rows, 160, generator=g) * 3
+        x[0, :32] *= 40  # one block far larger than the rest
+        _check(product(x), x, product, w)
+        xb = x.to(torch.bfloat16)
+        _check(product(xb), xb.float(), product, w)
+
+
+def test_fused_parts_of_different_types_on_one_and_two_threads():
+    parts = [random_blocks(Q.Q4_1, 40, 128, seed=1), random_blocks(Q.Q8_0, 24, 128, seed=2),
+             quant.Int4Blocks(torch.randint(0, 16, (8, 128), dtype=torch.uint8),
+                              torch.rand(8, 4) / 20, torch.randn(8, 4) / 20)]
+    product = q32.Q32Linear(parts)
+    w = torch.cat([p.dequantize() for p in parts])
+    x = torch.randn(70, 128)
+    one, two = outputs_on_one_and_two_threads(product, x)
+    assert one.shape == (70, 72) and torch.equal(one, two)
+    _check(one, x, product, w)
+
+
+def test_other_types_have_no_int8_form():
+    assert q32.unsigned_blocks(random_blocks(Q.Q4_K, 2, 256, seed=0)) is None
+    assert q32.Q32Linear.from_parts([random_blocks(Q.Q4_1, 32, 256, seed=0),
+                                     random_blocks(Q.Q6_K, 32, 256, seed=0)]) is None
