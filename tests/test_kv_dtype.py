@@ -9,7 +9,7 @@ from pagellm import LLM, SamplingParams
 from pagellm.config import CacheConfig
 from pagellm.engine.memory import resolve_kv_dtype
 from pagellm.layers import linear as lin
-from pagellm.layers import onednn
+from pagellm.layers import onednn, q32
 
 CPU = torch.device("cpu")
 PROMPTS = [[5, 9, 17, 33, 2, 40], [7] * 19, list(range(3, 40))]
@@ -119,10 +119,11 @@ def test_packed_model_on_a_cpu_with_bf16_units(monkeypatch):
     assert getattr(model, "_head_f32", None) is None
     assert all(p.dtype != torch.float32 for n, p in model.named_parameters()
                if n.endswith("proj.weight"))
-    # where oneDNN is there, the dense weights live only in its blocked layout (prepacked once)
+    # where oneDNN is there, the dense weights live only in its blocked layout (prepacked once),
+    # or, with AVX-512 VNNI, nowhere: the file's 32-value blocks serve many rows (layers/q32.py)
     projections = [m for m in model.modules() if isinstance(m, lin._Packed)]
-    assert all((m.onednn is not None and m.weight.device.type == "meta")
-               == onednn.available() for m in projections)
+    assert all((m.bf16_wide is not None and m.weight.device.type == "meta")
+               == (onednn.available() or q32.available()) for m in projections)
     calls, products = [], []
     orig_layer = type(model.layers[0].fused).__call__
     orig_linear, orig_onednn = torch.nn.functional.linear, onednn.OneDNNLinear.__call__
@@ -143,6 +144,14 @@ def test_packed_model_on_a_cpu_with_bf16_units(monkeypatch):
     monkeypatch.setattr(type(model.layers[0].fused), "__call__", counting)
     monkeypatch.setattr(torch.nn.functional, "linear", watching)
     monkeypatch.setattr(onednn.OneDNNLinear, "__call__", watching_onednn)
+    orig_q32 = q32.Q32Linear.__call__
+
+    def watching_q32(self, x):
+        y = orig_q32(self, x)
+        products.append((torch.bfloat16, y.dtype))  # rounded to bf16, then int8, bf16 out
+        return y
+
+    monkeypatch.setattr(q32.Q32Linear, "__call__", watching_q32)
     long_prompt = list(range(100, 160))  # a 60-row prefill: dense bf16 products
     sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     out = llm.generate([long_prompt], sp, use_tqdm=False)[0].outputs[0].token_ids

@@ -1,9 +1,9 @@
 """The int8-activation product of 32-value block weights (pagellm/kernels/cpu_q32.c,
 layers/q32.py) against float64 products with gguf's own dequantization: the unsigned codes
 hold every weight of each type exactly, and a product is within the bound int8 activations
-allow (half a step of max|x| / 127 per value, times the coded part of the weight) for row
-counts around the 6-row tiles and past a 192-row chunk, outputs not a multiple of 32, fused
-parts of different types, bf16 and float32 activations, and 1 or 2 threads."""
+allow (half a step of max|x| / 127 per value, times the coded part of the weight, and the
+bf16 output's rounding) for row counts around the 6-row tiles and past a 192-row chunk,
+outputs not a multiple of 32, fused parts of different types, and 1 or 2 threads."""
 from __future__ import annotations
 
 import pytest
@@ -30,11 +30,11 @@ def _bound(x: torch.Tensor, product: q32.Q32Linear) -> torch.Tensor:
 
 
 def _check(out: torch.Tensor, x: torch.Tensor, product: q32.Q32Linear, weights) -> None:
+    """x: the activations as the product sees them (bf16 values)."""
+    assert out.dtype == torch.bfloat16
     ref = x.double() @ weights.double().t()
     err = (out.double() - ref).abs()
-    bound = _bound(x, product)
-    if out.dtype == torch.bfloat16:  # the rounding of the output itself
-        bound = bound + ref.abs() * 2 ** -8
+    bound = _bound(x, product) + ref.abs() * 2 ** -8  # and the bf16 output's rounding
     assert bool((err <= bound).all()), f"error {(err / bound).max():.2f}x the bound"
 
 
@@ -68,9 +68,9 @@ def test_every_tile_shape_is_within_the_int8_bound(qtype):
     for rows in [1, 2, 3, 5, 6, 7, 11, 12, 13, 197]:
         x = torch.randn(rows, 160, generator=g) * 3
         x[0, :32] *= 40  # one block far larger than the rest
-        _check(product(x), x, product, w)
         xb = x.to(torch.bfloat16)
         _check(product(xb), xb.float(), product, w)
+        assert torch.equal(product(x), product(xb))  # float32 inputs are rounded to bf16 first
 
 
 def test_fused_parts_of_different_types_on_one_and_two_threads():
@@ -79,13 +79,39 @@ def test_fused_parts_of_different_types_on_one_and_two_threads():
                               torch.rand(8, 4) / 20, torch.randn(8, 4) / 20)]
     product = q32.Q32Linear(parts)
     w = torch.cat([p.dequantize() for p in parts])
-    x = torch.randn(70, 128)
+    x = torch.randn(70, 128).to(torch.bfloat16)
     one, two = outputs_on_one_and_two_threads(product, x)
     assert one.shape == (70, 72) and torch.equal(one, two)
-    _check(one, x, product, w)
+    _check(one, x.float(), product, w)
 
 
 def test_other_types_have_no_int8_form():
     assert q32.unsigned_blocks(random_blocks(Q.Q4_K, 2, 256, seed=0)) is None
     assert q32.Q32Linear.from_parts([random_blocks(Q.Q4_1, 32, 256, seed=0),
                                      random_blocks(Q.Q6_K, 32, 256, seed=0)]) is None
+
+
+def test_a_projection_with_a_q32_form_keeps_no_dense_weight():
+    """A fused q|k|v of 32-value parts: the dense weight is never made (meta device), few rows
+    take the packed kernel, many the q32 one; a K-quant part keeps the whole weight dense."""
+    from pagellm.layers import linear
+
+    parts = [random_blocks(t, 32, 256, seed=s) for s, t in enumerate((Q.Q4_1, Q.Q4_1, Q.Q8_0))]
+    layer = linear.ColumnParallelLinear(256, ((32, 1), (32, 1), (32, 1)), bias=False)
+    for shard, part in enumerate(parts):
+        layer.load("weight", part, shard)
+    assert layer.weight.device.type == "meta" and layer.q32 is not None
+    assert layer.bf16_wide is layer.q32 and layer.wide is layer.q32
+    dense = torch.cat([p.dequantize() for p in parts])
+    x = torch.randn(50, 256).to(torch.bfloat16).float()
+    _check(layer(x).to(torch.bfloat16), x, layer.q32, dense)  # 50 rows: q32
+    ref = x[:2].double() @ dense.double().t()
+    few = layer(x[:2]).double()  # packed int16 kernel: float32-close
+    assert (few - ref).abs().max() <= 1e-4 * ref.abs().max()
+
+    mixed = linear.ColumnParallelLinear(256, ((32, 1), (32, 1)), bias=False)
+    k4 = random_blocks(Q.Q4_K, 32, 256, seed=9)
+    mixed.load("weight", parts[0], 0)
+    mixed.load("weight", k4, 1)
+    assert mixed.q32 is None and mixed.weight.device.type == "cpu"
+    assert torch.equal(mixed.weight.data, torch.cat([parts[0].dequantize(), k4.dequantize()]))

@@ -37,22 +37,20 @@ static inline __m256i to_bf16x16(__m512 v) {
     return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
 }
 
-static inline __m512 load_f32x16(const void *x, int64_t i, int bf16) {
-    if (bf16)
-        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
-            _mm256_loadu_si256((const __m256i *)((const uint16_t *)x + i))), 16));
-    return _mm512_loadu_ps((const float *)x + i);
+static inline __m512 load_bf16x16(const uint16_t *x) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+        _mm256_loadu_si256((const __m256i *)x)), 16));
 }
 
-/* x [R, K] (float32, or bf16 with bf16) -> xq [R, K] int8, dx and sx [R, K / 32] */
-void q32_quantize(const void *x, int bf16, int64_t R, int64_t K, int8_t *xq, float *dx,
-                  float *sx, int threads) {
+/* x [R, K] bf16 -> xq [R, K] int8, dx and sx [R, K / 32] */
+void q32_quantize(const uint16_t *x, int64_t R, int64_t K, int8_t *xq, float *dx, float *sx,
+                  int threads) {
     const int64_t G = K / 32;
     #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && R >= 16)
     for (int64_t r = 0; r < R; r++)
         for (int64_t g = 0; g < G; g++) {
             const int64_t i = r * K + g * 32;
-            const __m512 v0 = load_f32x16(x, i, bf16), v1 = load_f32x16(x, i + 16, bf16);
+            const __m512 v0 = load_bf16x16(x + i), v1 = load_bf16x16(x + i + 16);
             const float mx = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0),
                                                                 _mm512_abs_ps(v1)));
             const __m512 inv = _mm512_set1_ps(mx > 0.f ? 127.f / mx : 0.f);
@@ -70,7 +68,7 @@ void q32_quantize(const void *x, int bf16, int64_t R, int64_t K, int8_t *xq, flo
  * ldy; the first `cols` of the 32 columns are written). */
 static inline __attribute__((always_inline)) void tile(
         int RB, const int8_t *xq, const float *dx, const float *sx, int64_t K, const uint8_t *c,
-        const float *d, const float *m, void *y, int64_t ldy, int cols, int out_bf16) {
+        const float *d, const float *m, uint16_t *y, int64_t ldy, int cols) {
     const int64_t G = K / 32;
     __m512 acc[Q32_TILE_R][2];
     for (int r = 0; r < RB; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
@@ -102,31 +100,23 @@ static inline __attribute__((always_inline)) void tile(
         }
     }
     for (int r = 0; r < RB; r++) {
-        if (out_bf16) {
-            uint16_t *yr = (uint16_t *)y + r * ldy, tmp[32];
-            uint16_t *dst = cols == 32 ? yr : tmp;
-            _mm256_storeu_si256((__m256i *)dst, to_bf16x16(acc[r][0]));
-            _mm256_storeu_si256((__m256i *)(dst + 16), to_bf16x16(acc[r][1]));
-            if (cols < 32) memcpy(yr, tmp, sizeof(uint16_t) * cols);
-        } else {
-            float *yr = (float *)y + r * ldy, tmp[32];
-            float *dst = cols == 32 ? yr : tmp;
-            _mm512_storeu_ps(dst, acc[r][0]);
-            _mm512_storeu_ps(dst + 16, acc[r][1]);
-            if (cols < 32) memcpy(yr, tmp, sizeof(float) * cols);
-        }
+        uint16_t *yr = y + r * ldy, tmp[32];
+        uint16_t *dst = cols == 32 ? yr : tmp;
+        _mm256_storeu_si256((__m256i *)dst, to_bf16x16(acc[r][0]));
+        _mm256_storeu_si256((__m256i *)(dst + 16), to_bf16x16(acc[r][1]));
+        if (cols < 32) memcpy(yr, tmp, sizeof(uint16_t) * cols);
     }
 }
 
 #define Q32_TILE(RB) tile(RB, xq + r * K, dx + r * G, sx + r * G, K, cp, dp, mp, \
-                          (char *)y + (r * N + p * 32) * es, N, cols, out_bf16)
+                          y + r * N + p * 32, N, cols)
 
 /* xq, dx, sx (q32_quantize) of R rows; codes, d, m of N outputs in panels (N rounded up to
- * 32 in the panels) -> y [R, N] float32, or bf16 with out_bf16. K a multiple of 32. */
+ * 32 in the panels) -> y [R, N] bf16. K a multiple of 32. */
 void q32_linear(const int8_t *xq, const float *dx, const float *sx, int64_t R, int64_t K,
-                const uint8_t *c, const float *d, const float *m, int64_t N, void *y,
-                int out_bf16, int threads) {
-    const int64_t P = (N + 31) / 32, G = K / 32, es = out_bf16 ? 2 : 4;
+                const uint8_t *c, const float *d, const float *m, int64_t N, uint16_t *y,
+                int threads) {
+    const int64_t P = (N + 31) / 32, G = K / 32;
     for (int64_t r0 = 0; r0 < R; r0 += Q32_ROWS) {
         const int64_t r1 = r0 + Q32_ROWS < R ? r0 + Q32_ROWS : R;
         #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
@@ -151,15 +141,15 @@ void q32_linear(const int8_t *xq, const float *dx, const float *sx, int64_t R, i
 /* Without AVX-512 VNNI these products are not offered (layers/q32.py asks first). */
 int q32_available(void) { return 0; }
 
-void q32_quantize(const void *x, int bf16, int64_t R, int64_t K, int8_t *xq, float *dx,
-                  float *sx, int threads) {
-    (void)x; (void)bf16; (void)R; (void)K; (void)xq; (void)dx; (void)sx; (void)threads;
+void q32_quantize(const uint16_t *x, int64_t R, int64_t K, int8_t *xq, float *dx, float *sx,
+                  int threads) {
+    (void)x; (void)R; (void)K; (void)xq; (void)dx; (void)sx; (void)threads;
 }
 
 void q32_linear(const int8_t *xq, const float *dx, const float *sx, int64_t R, int64_t K,
-                const uint8_t *c, const float *d, const float *m, int64_t N, void *y,
-                int out_bf16, int threads) {
+                const uint8_t *c, const float *d, const float *m, int64_t N, uint16_t *y,
+                int threads) {
     (void)xq; (void)dx; (void)sx; (void)R; (void)K; (void)c; (void)d; (void)m; (void)N;
-    (void)y; (void)out_bf16; (void)threads;
+    (void)y; (void)threads;
 }
 #endif

@@ -35,7 +35,7 @@ class WideLayer:
         # the K/V writes go straight into the CPU backend's head-major pool: only there
         return (native.available() and parallel.tp_size() == 1
                 and isinstance(attn.backend, TorchPagedAttention)
-                and all(m.onednn is not None and m.int8 is None for m in (qkv, o, gu, down))
+                and all(m.bf16_wide is not None and m.int8 is None for m in (qkv, o, gu, down))
                 and (qkv.bias is None or qkv.bias.dtype == torch.float32)
                 and o.bias is None and gu.bias is None and down.bias is None
                 and all(n.weight.dtype == torch.float32 for n in (
@@ -70,7 +70,7 @@ class WideLayer:
         T, D = x.shape
         h = torch.empty(T, D, dtype=torch.bfloat16, device="cpu")
         self._norm(lib, x, None, layer.input_layernorm, h, threads)
-        qkv = attn.qkv_proj.onednn(h)  # [T, (H + 2 KVH) hd] bf16
+        qkv = attn.qkv_proj.bf16_wide(h)  # [T, (H + 2 KVH) hd] bf16
         q = torch.empty(T, attn.num_heads, attn.head_dim, dtype=torch.float32, device="cpu")
         kvh, nb, bs, _ = attn.k_cache.permute(2, 0, 1, 3).shape
         bias = attn.qkv_proj.bias
@@ -82,9 +82,9 @@ class WideLayer:
                 attn.k_cache.dtype == torch.bfloat16, threads) != 0:
             raise MemoryError("rope_qkv_bf16: out of memory for its buffers")
         a = attn.backend.forward(q, attn.k_cache, attn.v_cache, md, attn.scale)
-        o = attn.o_proj.onednn(a.view(T, -1))  # [T, D] bf16
+        o = attn.o_proj.bf16_wide(a.view(T, -1))  # [T, D] bf16
         self._norm(lib, x, o, layer.post_attention_layernorm, h, threads)  # x += o
-        d = mlp.down_proj.onednn(silu_mul_bf16(mlp.gate_up_proj.onednn(h)))
+        d = mlp.down_proj.bf16_wide(silu_mul_bf16(mlp.gate_up_proj.bf16_wide(h)))
         return x.add_(d)
 
     def _norm(self, lib, x, add, norm, out, threads) -> None:

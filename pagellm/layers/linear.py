@@ -15,7 +15,7 @@ import os
 
 from pagellm import parallel
 from pagellm.kernels import native
-from pagellm.layers import int8, onednn, quant
+from pagellm.layers import int8, onednn, q32, quant
 
 
 # CPUs without bf16 instructions multiply bf16 matrices several times slower than float32
@@ -40,10 +40,11 @@ USE_INT8 = UPCAST_BF16 and os.environ.get("PAGELLM_INT8", "1") != "0"
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           packed=None, wide: int8.NativeInt8 | onednn.OneDNNLinear | None = None) -> torch.Tensor:
+           packed=None, wide=None) -> torch.Tensor:
     """F.linear; from packed block-quantized weights (quant.NativeQ4, NativeGGUF, ...) for a few
-    rows when the layer has them, from their wide form for more (int8 codes, or a bf16 weight
-    in oneDNN's layout); in float32 for batched bf16 inputs on CPUs without bf16 units."""
+    rows when the layer has them, from their wide form for more (int8 codes against int8
+    activations, or a bf16 weight in oneDNN's layout); in float32 for batched bf16 inputs on
+    CPUs without bf16 units."""
     if packed is not None and quant.few_rows(x.numel() // x.shape[-1], packed.max_rows):
         y = packed(x).to(x.dtype)
         return y if bias is None else y + bias
@@ -112,7 +113,7 @@ def prepack_bf16(model: nn.Module) -> int:
     n = 0
     for m in model.modules():
         w = getattr(m, "weight", None)
-        if (isinstance(m, _Packed) and m.int8 is None and w is not None
+        if (isinstance(m, _Packed) and m.int8 is None and m.q32 is None and w is not None
                 and w.dtype == torch.bfloat16 and w.device.type == "cpu"):
             m.onednn = onednn.OneDNNLinear(w.data)
             m.weight = nn.Parameter(torch.empty(w.shape, dtype=w.dtype, device="meta"),
@@ -122,6 +123,19 @@ def prepack_bf16(model: nn.Module) -> int:
 
 
 _BLOCKS = (quant.Int4Blocks, quant.GGUFBlocks)
+
+
+def _use_q32() -> bool:
+    """CPUs with bf16 units and AVX-512 VNNI: 32-value block projections multiply many rows in
+    int8 (layers/q32.py), faster than the bf16 product of a dense copy, which is not made."""
+    return not UPCAST_BF16 and q32.available()
+
+
+def _integer_form(part) -> bool:
+    """Whether this part will have an integer many-row form (int8 / q32): its dense copy
+    then waits until every part of the projection is known to have one."""
+    return ((USE_INT8 and int8.int8_form(part))
+            or (q32.unsigned_blocks_kind(part) and _use_q32()))
 
 
 class _Packed:
@@ -134,12 +148,19 @@ class _Packed:
 
     packed = None  # quant.NativeQ4 | TorchInt4 | NativeGGUF | PackedParts
     int8 = None  # int8.NativeInt8: the same weights for many-row products (USE_INT8)
+    q32 = None  # q32.Q32Linear: 32-value blocks for many-row products (bf16 units + VNNI)
     onednn = None  # onednn.OneDNNLinear: the dense bf16 weight, prepacked (prepack_bf16)
 
     @property
     def wide(self):
         """The form many-row products use instead of the dense weight, if any."""
-        return self.int8 if self.int8 is not None else self.onednn
+        return next((f for f in (self.int8, self.q32, self.onednn) if f is not None), None)
+
+    @property
+    def bf16_wide(self):
+        """A many-row form that takes bf16 activations and gives bf16 outputs (the wide
+        layer's products), if any."""
+        return self.q32 if self.q32 is not None else self.onednn
 
     def takes_wide(self, x: torch.Tensor) -> bool:
         """Whether linear() multiplies x by the wide form (not the packed few-row kernels)."""
@@ -161,7 +182,7 @@ class _Packed:
             waiting.clear()
             return
         parts[shard] = part
-        if USE_INT8 and int8.int8_form(part):
+        if _integer_form(part):
             waiting.append(write_dense)
         else:
             write_dense()
@@ -171,7 +192,9 @@ class _Packed:
             self.packed = quant.pack_parts(ordered)
             if USE_INT8 and self.packed is not None:
                 self.int8 = int8.NativeInt8.from_blocks(ordered)
-            if self.int8 is not None:
+            elif self.packed is not None and _use_q32():
+                self.q32 = q32.Q32Linear.from_parts(ordered)
+            if self.int8 is not None or self.q32 is not None:
                 self.weight = nn.Parameter(torch.empty(self.weight.shape, device="meta"),
                                            requires_grad=False)
             else:

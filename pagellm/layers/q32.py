@@ -75,8 +75,8 @@ def _decode(raw: np.ndarray, ggml_type: T, cols: int):
 
 
 class Q32Linear:
-    """y = x W^T for W [N, K] from 32-value blocks (one or more fused parts, in order); x
-    float32 or bf16 [..., K], y in bf16 for bf16 x (the wide layer's products), else float32."""
+    """y = x W^T for W [N, K] from 32-value blocks (one or more fused parts, in order): bf16
+    activations in and out, like OneDNNLinear, which it replaces."""
 
     def __init__(self, parts: list):
         decoded = [unsigned_blocks(p) for p in parts]
@@ -108,23 +108,22 @@ class Q32Linear:
         return cls(parts)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., K] -> [..., N] bf16; x is rounded to bf16 first, as OneDNNLinear does, so
+        that the module path and the wide layer (which normalizes into bf16) quantize the same
+        values."""
         lead, k = x.shape[:-1], self.in_features
-        x2 = x.reshape(-1, k)
-        if x2.dtype not in (torch.float32, torch.bfloat16):
-            x2 = x2.float()
-        x2 = x2.contiguous()
+        x2 = x.reshape(-1, k).to(torch.bfloat16).contiguous()
         rows, g = x2.shape[0], k // BLOCK
-        out_bf16 = x2.dtype == torch.bfloat16
         xq = torch.empty(rows, k, dtype=torch.int8)
-        dx = torch.empty(rows, g)
-        sx = torch.empty(rows, g)
-        y = torch.empty(rows, self.out_features, dtype=torch.bfloat16 if out_bf16 else torch.float32)
+        dx = torch.empty(rows, g, dtype=torch.float32)
+        sx = torch.empty(rows, g, dtype=torch.float32)
+        y = torch.empty(rows, self.out_features, dtype=torch.bfloat16)
         lib, threads = native.library(), torch.get_num_threads()
-        lib.q32_quantize(x2.data_ptr(), out_bf16, rows, k, xq.data_ptr(), dx.data_ptr(),
-                         sx.data_ptr(), threads)
+        lib.q32_quantize(x2.data_ptr(), rows, k, xq.data_ptr(), dx.data_ptr(), sx.data_ptr(),
+                         threads)
         lib.q32_linear(xq.data_ptr(), dx.data_ptr(), sx.data_ptr(), rows, k,
                        self.codes.data_ptr(), self.d.data_ptr(), self.m.data_ptr(),
-                       self.out_features, y.data_ptr(), out_bf16, threads)
+                       self.out_features, y.data_ptr(), threads)
         return y.view(*lead, self.out_features)
 
     def dequantize(self) -> torch.Tensor:  # [N, K] float32: the weights these codes hold
