@@ -69,17 +69,12 @@ DEFAULT_PROMPTS = PROMPTS + ["Once upon a time, in a small village by the sea,",
 DEFAULT_LOGIT_TOL = 0.01
 
 
-def test_default_configuration_matches_transformers(hf):
-    """LLM() as users run it (dtype auto: bf16, packed Q4_1 projections, the Q8_0 head, and on
-    CPUs without bf16 units float32 activations and the fused layer) against transformers in
-    float32 on the same file: prefill logits within DEFAULT_LOGIT_TOL of the largest logit, and
-    32 greedy tokens equal, or equal up to a step where the reference's two best tokens are
-    closer than that tolerance (a near-tie bf16 may break either way)."""
+def _against_transformers(hf, llm, logit_tol: float, tie_tol: float, n: int = 32) -> int:
+    """DEFAULT_PROMPTS' prefill logits within logit_tol of the reference's largest, and n
+    greedy tokens equal, or equal up to a step where the reference's two best tokens are
+    closer than tie_tol of its largest logit. Returns how many prompts were equal throughout."""
     tok, model = hf
-    llm = LLM(kv_cache_memory="64MiB")
-    packed, total = llm.engine.model.num_packed()
-    assert llm.engine.dtype == torch.bfloat16 and packed == total and llm.engine.model.head_packed is not None
-    eng, n = llm.engine, 32
+    eng = llm.engine
     outs = llm.generate(DEFAULT_PROMPTS, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True),
                         use_tqdm=False)
     exact = 0
@@ -92,8 +87,8 @@ def test_default_configuration_matches_transformers(hf):
             logits = eng.runner.execute(eng.scheduler.schedule(), list(range(len(ids))))
         finally:
             eng.abort_request("r")
-        tol = DEFAULT_LOGIT_TOL * ref_logits.abs().max()
-        torch.testing.assert_close(logits, ref_logits, atol=tol, rtol=0)
+        torch.testing.assert_close(logits, ref_logits, atol=logit_tol * ref_logits.abs().max(),
+                                   rtol=0)
         ours, ref = out.outputs[0].token_ids, _hf_greedy(hf, prompt, n)
         k = next((i for i in range(n) if ours[i] != ref[i]), n)
         exact += k == n
@@ -101,7 +96,20 @@ def test_default_configuration_matches_transformers(hf):
             with torch.no_grad():
                 last = model(torch.tensor([ids + ref[:k]])).logits[0, -1]
             top2 = last.topk(2).values
-            assert top2[0] - top2[1] < DEFAULT_LOGIT_TOL * last.abs().max(), (prompt, k)
+            assert top2[0] - top2[1] < tie_tol * last.abs().max(), (prompt, k)
+    return exact
+
+
+def test_default_configuration_matches_transformers(hf):
+    """LLM() as users run it (dtype auto: bf16, packed Q4_1 projections, the Q8_0 head, and on
+    CPUs without bf16 units float32 activations and the fused layer) against transformers in
+    float32 on the same file: prefill logits within DEFAULT_LOGIT_TOL of the largest logit, and
+    32 greedy tokens equal, or equal up to a step where the reference's two best tokens are
+    closer than that tolerance (a near-tie bf16 may break either way)."""
+    llm = LLM(kv_cache_memory="64MiB")
+    packed, total = llm.engine.model.num_packed()
+    assert llm.engine.dtype == torch.bfloat16 and packed == total and llm.engine.model.head_packed is not None
+    exact = _against_transformers(hf, llm, DEFAULT_LOGIT_TOL, DEFAULT_LOGIT_TOL)
     assert exact >= len(DEFAULT_PROMPTS) - 1
 
 
@@ -118,29 +126,9 @@ def test_int8_many_row_products_match_transformers_up_to_near_ties(hf):
     the CPU has it): prefill logits within Q32_LOGIT_TOL, and 32 greedy tokens equal up to a
     step where the reference's two best are closer than 1% of its largest logit (measured: 3
     of 5 prompts exact, the others parted at margins of 0.2% and 0.01%)."""
-    tok, model = hf
     llm = LLM(kv_cache_memory="64MiB")
-    eng, n = llm.engine, 32
+    eng = llm.engine
     assert all(m.q32 is not None for m in eng.model.modules() if isinstance(m, lin._Packed))
     eng.runner.packed_rows = None  # no measured per-step choice: the forced path holds
     with quant.dense_from(1):
-        outs = llm.generate(DEFAULT_PROMPTS, SamplingParams(temperature=0, max_tokens=n,
-                                                            ignore_eos=True), use_tqdm=False)
-        for prompt, out in zip(DEFAULT_PROMPTS, outs):
-            ids = tok.encode(prompt)
-            with torch.no_grad():
-                ref_logits = model(torch.tensor([ids])).logits[0]
-            eng.add_request("r", ids, SamplingParams(max_tokens=1))
-            try:
-                logits = eng.runner.execute(eng.scheduler.schedule(), list(range(len(ids))))
-            finally:
-                eng.abort_request("r")
-            tol = Q32_LOGIT_TOL * ref_logits.abs().max()
-            torch.testing.assert_close(logits, ref_logits, atol=tol, rtol=0)
-            ours, ref = out.outputs[0].token_ids, _hf_greedy(hf, prompt, n)
-            k = next((i for i in range(n) if ours[i] != ref[i]), n)
-            if k < n:
-                with torch.no_grad():
-                    last = model(torch.tensor([ids + ref[:k]])).logits[0, -1]
-                top2 = last.topk(2).values
-                assert top2[0] - top2[1] < 0.01 * last.abs().max(), (prompt, k)
+        _against_transformers(hf, llm, Q32_LOGIT_TOL, 0.01)
