@@ -115,3 +115,14 @@ def test_a_projection_with_a_q32_form_keeps_no_dense_weight():
     mixed.load("weight", k4, 1)
     assert mixed.q32 is None and mixed.weight.device.type == "cpu"
     assert torch.equal(mixed.weight.data, torch.cat([parts[0].dequantize(), k4.dequantize()]))
+
+
+def test_a_nan_or_infinite_activation_block_gives_nan_outputs_for_its_row_only():
+    blocks = random_blocks(Q.Q4_1, 40, 96, seed=4)
+    product = q32.Q32Linear([blocks])
+    x = torch.randn(8, 96)
+    x[2, 40], x[5, 3] = float("nan"), float("inf")
+    y = product(x)
+    assert torch.isnan(y[2]).all() and torch.isnan(y[5]).all()
+    rest = [0, 1, 3, 4, 6, 7]
+    assert torch.isfinite(y[rest]).all() and torch.equal(y[rest], product(x[rest]))

@@ -18,6 +18,7 @@
  * registers; per 4 inputs it loads 2 code registers and broadcasts 6 activation words for
  * 12 vpdpbusd.
  */
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -29,7 +30,8 @@
 
 int q32_available(void) { return 1; }
 
-/* 16 float32 -> bf16, rounded to nearest even (finite values; NaN stays NaN) */
+/* 16 float32 -> bf16, rounded to nearest even (finite values; the quiet NaNs arithmetic
+ * makes stay NaN) */
 static inline __m256i to_bf16x16(__m512 v) {
     const __m512i u = _mm512_castps_si512(v);
     const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
@@ -53,6 +55,16 @@ void q32_quantize(const uint16_t *x, int64_t R, int64_t K, int8_t *xq, float *dx
             const __m512 v0 = load_bf16x16(x + i), v1 = load_bf16x16(x + i + 16);
             const float mx = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0),
                                                                 _mm512_abs_ps(v1)));
+            /* v - v is 0 except for a NaN or an infinity (max_ps would drop a NaN): then the
+             * block's outputs are NaN */
+            const __mmask16 bad =
+                _mm512_cmp_ps_mask(_mm512_sub_ps(v0, v0), _mm512_setzero_ps(), _CMP_NEQ_UQ) |
+                _mm512_cmp_ps_mask(_mm512_sub_ps(v1, v1), _mm512_setzero_ps(), _CMP_NEQ_UQ);
+            if (bad) {
+                memset(xq + i, 0, 32);
+                dx[r * G + g] = sx[r * G + g] = NAN;
+                continue;
+            }
             const __m512 inv = _mm512_set1_ps(mx > 0.f ? 127.f / mx : 0.f);
             /* round to nearest (even): |v * inv| <= 127 */
             const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, inv));

@@ -43,7 +43,7 @@ class MLP(nn.Module):
         gu, down = self.gate_up_proj, self.down_proj
         if (gu.bf16_wide is not None and down.bf16_wide is not None and gu.int8 is None
                 and down.int8 is None and gu.bias is None and down.bias is None
-                and gu.takes_wide(x) and down.takes_wide(x)):
+                and not down.reduce and gu.takes_wide(x) and down.takes_wide(x)):
             # prepacked bf16 products (CPUs with bf16 units): the gate|up output stays bf16
             # into one native SiLU-and-product (float32 inside, rounded once, as the down
             # projection's input would be anyway); float32 tensors between them made a
