@@ -73,7 +73,7 @@ static inline __attribute__((always_inline)) void prefetch_kv(const void *base, 
 }
 
 /* The same rows of V into L2 while the scores stream K: the values pass that follows finds
- * them there instead of waiting on DRAM a second time (64 sequences of 128-256 tokens, 3 KV
+ * them there instead of waiting on DRAM a second time (64 sequences of 96-192 tokens, 3 KV
  * heads, 30 layers, bf16 pool, both cores: 11.7 -> 9.0 ms a step's attention). */
 static inline __attribute__((always_inline)) void prefetch_kv_l2(const void *base, int64_t off,
                                                                  int64_t n, int bf16) {
@@ -475,7 +475,7 @@ int paged_attention(const float *q, float *out, const void *kc, const void *vc,
         }
         /* task i of a thread is followed by its task i + threads (static, round robin):
          * its first keys and values start on their way to L2 before this one is attended
-         * (64 sequences of 128-256 tokens, 30 layers, both cores: 9.7 -> 8.6 ms) */
+         * (64 sequences of 96-192 tokens, 30 layers, both cores: 9.7 -> 8.6 ms) */
         const int64_t n_all = n_tasks * KVH, stride = omp_get_num_threads();
         #pragma omp for schedule(static, 1)
         for (int64_t i = 0; i < n_all; i++) {
