@@ -89,6 +89,41 @@ def test_greedy_is_argmax_and_top_k_1_equals_greedy():
         assert top1 == greedy
 
 
+@pytest.mark.parametrize("vocab", [1, 15, 16, 17, 49152])
+def test_native_argmax_is_torchs_with_ties_nans_and_infinities(vocab):
+    """argmax_rows (kernels/cpu_sample.c) gives torch.argmax's index: the first maximum, the
+    first NaN where a row has one, 0 for a row of -inf."""
+    from pagellm.kernels import native
+    from pagellm.sampling.sampler import argmax_rows
+
+    g = torch.Generator().manual_seed(vocab)
+    x = torch.randn(8, vocab, generator=g)
+    x[1] = float("-inf")
+    x[2, vocab // 2:] = x[2].max() + 1  # a tie: the first of the equal maxima
+    x[3, vocab - 1] = float("nan")  # NaN in the scalar tail (or the only value)
+    x[4, vocab // 3] = float("nan")
+    x[4, vocab - 1] = float("nan")  # two NaNs: the first
+    x[5] = 0.0
+    x[5, vocab // 2] = -0.0
+    x[6, vocab - 1] = float("inf")
+    assert native.available()
+    assert argmax_rows(x).tolist() == x.argmax(-1).tolist()
+
+
+def test_greedy_rows_read_the_raw_logits_and_leave_them_alone():
+    """Rows processed_logits does not change get the raw logits back, not a copy; any row
+    that changes (here a penalty) gets a copy, and the raw logits stay as they were."""
+    logits = torch.randn(3, 20)
+    before = logits.clone()
+    plain = [row(SamplingParams(temperature=0))] * 3
+    assert processed_logits(logits, plain) is logits
+    penalized = plain[:2] + [row(SamplingParams(temperature=0, presence_penalty=1.0),
+                                 output=[int(logits[2].argmax())])]
+    proc = processed_logits(logits, penalized)
+    assert proc is not logits and torch.equal(logits, before)
+    assert proc[2, int(logits[2].argmax())] == logits[2].max() - 1.0
+
+
 @pytest.mark.parametrize("kwargs,support", [
     (dict(top_p=0.7), {0, 1}),  # 0.5 < 0.7 <= 0.75: the smallest nucleus is two tokens
     (dict(top_p=0.8), {0, 1, 2}),

@@ -403,7 +403,9 @@ class LLMEngine:
             plain.extend(forks)
             plain_rows.extend([plain_rows[i]] * len(forks))
         if plain:
-            drawn = self._per_request(self._draw_plain, plain, logits[plain_rows])
+            every = plain_rows == list(range(logits.shape[0]))  # then no copy of the rows
+            drawn = self._per_request(self._draw_plain, plain,
+                                      logits if every else logits[plain_rows])
             for seq, d in zip(plain, drawn):
                 if d is not None and not seq.is_finished:
                     self._guarded(seq, self._emit_plain, seq, d, now)

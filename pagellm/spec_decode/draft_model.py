@@ -14,7 +14,7 @@ import torch
 from pagellm.engine.block_manager import BlockManager
 from pagellm.engine.model_runner import ModelRunner
 from pagellm.engine.scheduler import SchedulerOutput
-from pagellm.sampling.sampler import SamplingRow, draw_rows, processed_logits
+from pagellm.sampling.sampler import SamplingRow, argmax_rows, draw_rows, processed_logits
 from pagellm.sequence import Sequence
 from pagellm.spec_decode.base import Proposal, Proposer
 from pagellm.structured import batch_masks
@@ -152,7 +152,7 @@ class DraftModelProposer(Proposer):
         stopped = {batch[constrained[i]][0].seq_id for i in dead}
         live = [i for i, (seq, _, _) in enumerate(batch) if seq.seq_id not in stopped]
         sampled = [i for i in live if not batch[i][0].params.greedy]
-        tokens = proc.argmax(dim=-1)  # greedy rows' proposals
+        tokens = argmax_rows(proc)  # greedy rows' proposals
         if sampled:  # one batched draw; the tokens reach the host in one transfer
             idx = torch.tensor(sampled, device=proc.device)
             q = proc[idx].softmax(dim=-1)
