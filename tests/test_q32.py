@@ -83,6 +83,30 @@ def test_fused_parts_of_different_types_on_one_and_two_threads():
     _check(one, x.float(), product, w)
 
 
+def test_the_gated_product_is_the_product_then_silu_mul_bit_for_bit():
+    """gated(x): gate | up panels gated in the product's tiles give exactly the bits of the
+    product's bf16 output through silu_mul_bf16, for every tile shape, past a 192-row chunk,
+    on 1 and 2 threads; an output count that does not split into 32-wide halves is refused."""
+    from pagellm.kernels.cpu_layer import silu_mul_bf16
+
+    parts = [random_blocks(Q.Q4_1, 64, 96, seed=3), random_blocks(Q.Q5_0, 64, 96, seed=4)]
+    product = q32.Q32Linear(parts)  # gate: Q4_1, up: Q5_0 (two panels each)
+    g = torch.Generator().manual_seed(5)
+    for rows in [1, 5, 6, 7, 13, 197]:
+        x = (torch.randn(rows, 96, generator=g) * 4).to(torch.bfloat16)
+        x[0, :8] = 60.0  # gates deep in SiLU's saturation and its tail
+        x[-1, 40:48] = -60.0
+        want = silu_mul_bf16(product(x))
+        one, two = outputs_on_one_and_two_threads(product.gated, x)
+        assert one.shape == (rows, 64)
+        assert torch.equal(one.view(torch.int16), want.view(torch.int16))
+        assert torch.equal(two.view(torch.int16), want.view(torch.int16))
+    odd = q32.Q32Linear([random_blocks(Q.Q4_0, 96, 64, seed=6)])  # 48 + 48: not 32-wide
+    assert not odd.gates
+    with pytest.raises(ValueError, match="multiple of 32"):
+        odd.gated(torch.zeros(2, 64))
+
+
 def test_other_types_have_no_int8_form():
     assert q32.unsigned_blocks(random_blocks(Q.Q4_K, 2, 256, seed=0)) is None
     assert q32.Q32Linear.from_parts([random_blocks(Q.Q4_1, 32, 256, seed=0),

@@ -84,13 +84,13 @@ static int project(const proj_t *p, const float *x, int64_t T, int64_t K, float 
 /* a[i] = silu(g[i]) * u[i] = g / (1 + exp(-g)) * u */
 static void silu_mul(const float *g, const float *u, float *a, int64_t n) {
     int64_t i = 0;
+#ifdef __AVX512F__
+    for (; i + 16 <= n; i += 16)
+        _mm512_storeu_ps(a + i, silu_mul16(_mm512_loadu_ps(g + i), _mm512_loadu_ps(u + i)));
+#endif
 #ifdef __AVX2__
-    for (; i + 8 <= n; i += 8) {
-        const __m256 gv = _mm256_loadu_ps(g + i);
-        const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv));
-        _mm256_storeu_ps(a + i, _mm256_mul_ps(_mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.f), e)),
-                                              _mm256_loadu_ps(u + i)));
-    }
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(a + i, silu_mul8(_mm256_loadu_ps(g + i), _mm256_loadu_ps(u + i)));
 #endif
     for (; i < n; i++) a[i] = g[i] / (1.f + expf(-g[i])) * u[i];
 }
@@ -104,13 +104,13 @@ void silu_mul_bf16(const uint16_t *gu, uint16_t *a, int64_t T, int64_t I, int th
         const uint16_t *g = gu + t * 2 * I, *u = g + I;
         uint16_t *out = a + t * I;
         int64_t i = 0;
+#ifdef __AVX512F__
+        for (; i + 16 <= I; i += 16)
+            store_bf16x16(out + i, silu_mul16(load_bf16x16(g + i), load_bf16x16(u + i)));
+#endif
 #ifdef __AVX2__
-        for (; i + 8 <= I; i += 8) {
-            const __m256 gv = load_bf16x8(g + i), uv = load_bf16x8(u + i);
-            const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv));
-            store_bf16x8(out + i, _mm256_mul_ps(
-                _mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.f), e)), uv));
-        }
+        for (; i + 8 <= I; i += 8)
+            store_bf16x8(out + i, silu_mul8(load_bf16x8(g + i), load_bf16x8(u + i)));
 #endif
         for (; i < I; i++) {
             const float gf = bf16_to_f32(g[i]);

@@ -118,6 +118,16 @@ def _step_ok(md: AttentionMetadata) -> bool:
     return ok
 
 
+def gate_up_silu_bf16(gate_up_proj, x: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up [..., I] bf16 of x through a gate | up projection's bf16 many-row form:
+    gated inside an int8 product where it has one (q32.Q32Linear.gated, the same bits),
+    else its bf16 output through silu_mul_bf16."""
+    q = gate_up_proj.q32
+    if q is not None and q.gates:
+        return q.gated(x)
+    return silu_mul_bf16(gate_up_proj.bf16_wide(x))
+
+
 def silu_mul_bf16(gu: torch.Tensor) -> torch.Tensor:
     """gu [..., 2I] bf16 (gate | up) -> silu(gate) * up [..., I] bf16, computed in float32 and
     rounded once (cpu_layer.c); PyTorch's bf16 ops without the native kernels."""

@@ -10,7 +10,7 @@ import torch
 
 from pagellm.attention.base import AttentionMetadata
 from pagellm.kernels import native
-from pagellm.kernels.cpu_layer import silu_mul_bf16
+from pagellm.kernels.cpu_layer import gate_up_silu_bf16
 
 
 class WideLayer:
@@ -84,7 +84,7 @@ class WideLayer:
         a = attn.backend.forward(q, attn.k_cache, attn.v_cache, md, attn.scale)
         o = attn.o_proj.bf16_wide(a.view(T, -1))  # [T, D] bf16
         self._norm(lib, x, o, layer.post_attention_layernorm, h, threads)  # x += o
-        d = mlp.down_proj.bf16_wide(silu_mul_bf16(mlp.gate_up_proj.bf16_wide(h)))
+        d = mlp.down_proj.bf16_wide(gate_up_silu_bf16(mlp.gate_up_proj, h))
         return x.add_(d)
 
     def _norm(self, lib, x, add, norm, out, threads) -> None:

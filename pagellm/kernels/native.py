@@ -39,6 +39,7 @@ SIGNATURES = {
     "q32_available": ([], ctypes.c_int),
     "q32_quantize": ([_P, _I64, _I64, _P, _P, _P, _I32], None),
     "q32_linear": ([_P, _P, _P, _I64, _I64, _P, _P, _P, _I64, _P, _I32], None),
+    "q32_linear_gated": ([_P, _P, _P, _I64, _I64, _P, _P, _P, _I64, _P, _I32], None),
     "argmax_rows": ([_P, _I64, _I64, _P, _I32], None),
     "rms_norm": ([_P, _P, _P, _P, _P, _I64, _I64, _F32], None),
     "silu_mul_bf16": ([_P, _P, _I64, _I64, _I32], None),

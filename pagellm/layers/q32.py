@@ -107,20 +107,35 @@ class Q32Linear:
         """x [..., K] -> [..., N] bf16; x is rounded to bf16 first, as OneDNNLinear does, so
         that the module path and the wide layer (which normalizes into bf16) quantize the same
         values."""
+        return self._run(x, self.out_features, "q32_linear")
+
+    @property
+    def gates(self) -> bool:
+        """Whether gated() applies: N = 2I outputs (gate | up) with I a multiple of 32."""
+        return self.out_features % (2 * PANEL) == 0
+
+    def gated(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., K] -> silu(gate) * up [..., N / 2] bf16 for a gate | up projection: the same
+        bits as silu_mul_bf16(self(x)), gated inside the product (kernels/cpu_q32.c)."""
+        if not self.gates:
+            raise ValueError(f"q32: gating needs 2I outputs with I a multiple of {PANEL}")
+        return self._run(x, self.out_features // 2, "q32_linear_gated")
+
+    def _run(self, x: torch.Tensor, width: int, kernel: str) -> torch.Tensor:
         lead, k = x.shape[:-1], self.in_features
         x2 = x.reshape(-1, k).to(torch.bfloat16).contiguous()
         rows, g = x2.shape[0], k // BLOCK
         xq = torch.empty(rows, k, dtype=torch.int8)
         dx = torch.empty(rows, g, dtype=torch.float32)
         sx = torch.empty(rows, g, dtype=torch.float32)
-        y = torch.empty(rows, self.out_features, dtype=torch.bfloat16)
+        y = torch.empty(rows, width, dtype=torch.bfloat16)
         lib, threads = native.library(), torch.get_num_threads()
         lib.q32_quantize(x2.data_ptr(), rows, k, xq.data_ptr(), dx.data_ptr(), sx.data_ptr(),
                          threads)
-        lib.q32_linear(xq.data_ptr(), dx.data_ptr(), sx.data_ptr(), rows, k,
-                       self.codes.data_ptr(), self.d.data_ptr(), self.m.data_ptr(),
-                       self.out_features, y.data_ptr(), threads)
-        return y.view(*lead, self.out_features)
+        getattr(lib, kernel)(xq.data_ptr(), dx.data_ptr(), sx.data_ptr(), rows, k,
+                             self.codes.data_ptr(), self.d.data_ptr(), self.m.data_ptr(),
+                             self.out_features, y.data_ptr(), threads)
+        return y.view(*lead, width)
 
     def dequantize(self) -> torch.Tensor:  # [N, K] float32: the weights these codes hold
         p, kq, _, _ = self.codes.shape
