@@ -1,14 +1,16 @@
 """The portable build (CPUs without AVX2: the scalar code paths of every C source) gives the
 same results as the references: paged attention against a float64 reference, RMSNorm against
-torch, and the fused decoder layer against the module path on the default model. (The
-block-quantized products' portable build is tested in test_cpu_kernels / test_gguf_kernels.)
+torch, and the fused decoder layer against the module path on the default model. An AVX2 build
+(no AVX-512: the 8-wide paths a 16-wide CPU never runs) does the same for the gating and the
+argmax. (The block-quantized products' portable build is tested in test_cpu_kernels /
+test_gguf_kernels.)
 """
 from __future__ import annotations
 
 import pytest
 
 from pagellm.kernels import native
-from tests import test_cpu_attention, test_cpu_layer, test_cpu_norm
+from tests import test_cpu_attention, test_cpu_layer, test_cpu_norm, test_sampling
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="no C compiler on this machine")
 
@@ -28,6 +30,33 @@ def portable(portable_lib, monkeypatch):
     """Every kernel call of this test goes to the portable library."""
     monkeypatch.setattr(native, "library", lambda: portable_lib)
     assert native.library() is portable_lib and native.available()
+
+
+def _has_avx2() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return " avx2" in f.read()
+    except OSError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def avx2_lib(tmp_path_factory):
+    if not _has_avx2():
+        pytest.skip("this CPU has no AVX2")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("PAGELLM_CACHE_DIR", str(tmp_path_factory.mktemp("avx2")))
+    try:
+        flags = [f for f in native.FLAGS if f != "-march=native"] + ["-mavx2", "-mfma", "-mf16c"]
+        return native.load(native.build("cc", flags))
+    finally:
+        mp.undo()
+
+
+@pytest.fixture
+def avx2(avx2_lib, monkeypatch):
+    """Every kernel call of this test goes to the AVX2 library."""
+    monkeypatch.setattr(native, "library", lambda: avx2_lib)
 
 
 KV_DTYPES = test_cpu_attention.KV_DTYPES
@@ -65,3 +94,18 @@ def test_fused_layer(portable, monkeypatch):
 @pytest.mark.parametrize("rows,inter", [(1, 8), (5, 37)])
 def test_silu_mul_bf16(portable, rows, inter):
     test_cpu_layer.test_silu_mul_bf16_is_the_float32_gate_rounded_once(rows, inter)
+
+
+@pytest.mark.parametrize("rows,inter", [(1, 8), (3, 24), (5, 37)])
+def test_silu_mul_bf16_avx2(avx2, rows, inter):
+    test_cpu_layer.test_silu_mul_bf16_is_the_float32_gate_rounded_once(rows, inter)
+
+
+@pytest.mark.parametrize("vocab", [1, 15, 17, 49152])
+def test_argmax(portable, vocab):
+    test_sampling.test_native_argmax_is_torchs_with_ties_nans_and_infinities(vocab)
+
+
+@pytest.mark.parametrize("vocab", [1, 7, 9, 49152])
+def test_argmax_avx2(avx2, vocab):
+    test_sampling.test_native_argmax_is_torchs_with_ties_nans_and_infinities(vocab)

@@ -7,7 +7,7 @@
  * largest value).
  */
 #include <stdint.h>
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -24,6 +24,21 @@ static int64_t argmax_row(const float *x, int64_t V) {
     }
     if (nan) i = 0;  /* the first NaN, found below */
     else mx = _mm512_reduce_max_ps(m);
+#elif defined(__AVX2__)
+    __m256 m = _mm256_set1_ps(-__builtin_inff());
+    int nan = 0;
+    for (; i + 8 <= V; i += 8) {
+        const __m256 v = _mm256_loadu_ps(x + i);
+        nan |= _mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+        m = _mm256_max_ps(m, v);
+    }
+    if (nan) {
+        i = 0;
+    } else {
+        __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+        mx = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+    }
 #endif
     for (int64_t j = i; j < V; j++) {
         if (x[j] != x[j]) {  /* NaN: the first one wins */
@@ -37,6 +52,12 @@ static int64_t argmax_row(const float *x, int64_t V) {
     const __m512 target = _mm512_set1_ps(mx);
     for (; i + 16 <= V; i += 16) {
         const __mmask16 hit = _mm512_cmp_ps_mask(_mm512_loadu_ps(x + i), target, _CMP_EQ_OQ);
+        if (hit) return i + __builtin_ctz(hit);
+    }
+#elif defined(__AVX2__)
+    const __m256 target = _mm256_set1_ps(mx);
+    for (; i + 8 <= V; i += 8) {
+        const int hit = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + i), target, _CMP_EQ_OQ));
         if (hit) return i + __builtin_ctz(hit);
     }
 #endif
