@@ -11,6 +11,7 @@ import torch
 from pagellm.attention.base import AttentionMetadata
 from pagellm.attention.torch_paged import TorchPagedAttention
 from pagellm.kernels import cpu_attention, native
+from tests.helpers import outputs_on_one_and_two_threads
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="no C compiler on this machine")
 
@@ -156,6 +157,29 @@ def test_prefill_chunk_after_cached_keys(monkeypatch, kvh, group, kv_dtype, nati
     out = backend.forward(q, kc, vc, md, 0.3)
     ref = _reference(q, kc, vc, tables, seq_lens, qlens, 0.3)
     assert torch.allclose(out.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("spread", [1.0, 4.0])
+def test_prefill_chunks_by_key_blocks(d, kv_dtype, spread):
+    """Chunks of 24+ query vectors with head_dim 64 or 128 go by blocks of 64 keys (online
+    softmax): chunks after cached keys, a last block cut short, a chunk that ends on a block
+    edge, 1 to 5 tiles' vectors; with scores spread over a few hundred as well (spread 4: a
+    later block's maximum far above an earlier one's, whose sums are then rescaled to almost
+    nothing; float32 exps of such scores carry ~3e-5 of error on any path, a wrong rescale
+    O(1)). The reference's outputs, and the same bits on 1 and 2 threads."""
+    seq_lens, qlens = [300, 129, 64, 9], [100, 129, 30, 9]
+    backend, q, kc, vc, md, tables = _case(16, 3, 3, seq_lens, qlens, seed=d, d=d,
+                                           kv_dtype=kv_dtype)
+    kc.mul_(spread)
+    q = q * spread
+    scale = d ** -0.5 * spread
+    ref = _reference(q, kc, vc, tables, seq_lens, qlens, scale)
+    one, two = outputs_on_one_and_two_threads(backend.forward, q, kc, vc, md, scale)
+    tol = 1e-5 if spread == 1.0 else 2e-4
+    assert torch.allclose(one.double(), ref, atol=tol, rtol=tol)
+    assert torch.equal(one, two)
 
 
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)

@@ -11,7 +11,8 @@
  * values are prefetched a block ahead (values into L2 while the scores read the keys) and
  * a thread's next task's first block before it starts this one.
  * Query row j of sequence s sits at position seq_len - query_len + j and sees keys 0 ..= that position (the causal rule of base.py).
- * Scores are float32 dot products; softmax subtracts the row maximum, as torch's does. On AVX2
+ * Scores are float32 dot products; softmax subtracts the row maximum, as torch's does. Prefill
+ * chunks with head_dim 64 or 128 on AVX-512 go by blocks of 64 keys (attend_flash). On AVX2
  * (head_dim a multiple of 8) the task's query vectors go in tiles of three that stream the
  * visible keys together: scores four keys at a time, a vectorized exp, and the weighted sums
  * of V held in registers (25-37% faster than one vector at a time, 1 to 9 query rows of a
@@ -342,12 +343,183 @@ static void attend_tile_bf16(int m, const float *const *q, float *const *out, co
 }
 #endif
 
+/* Query rows a task takes: a long query (a prefill chunk) splits into tasks of this many
+ * rows, so that one sequence's prompt keeps every thread busy (its KV heads alone may be
+ * fewer than the threads, or not a multiple of them). */
+#define QUERY_ROWS 32
+/* query vectors (rows x heads of the group) from which a task goes by key blocks */
+#define FLASH_MIN_ROWS 24
+
+#ifdef __AVX512F__
+/* Prefill chunks (many query rows a task) with head_dim 64 or 128: blocks of FB keys at a
+ * time, as matrix products. A block's keys are widened once per task into a transposed
+ * float32 copy (KT [D][FB]) and its values into a float32 one; then each tile of FM query
+ * vectors gets its FB scores from broadcast query values times KT rows (no horizontal sums),
+ * a running maximum and sum (the online softmax of flash attention: earlier sums rescaled
+ * when the maximum grows) and its outputs in registers while the block's values stream by;
+ * a tile computes only the keys of a block its last vector sees. Against three vectors at a
+ * time, each dot product summed horizontally (the path of short queries, below): a 2,048-row
+ * chunk over 4,000 / 8,000 keys 1.10-1.16x faster (two Zen 5 cores, bf16 pool); one prompt's
+ * prefill, default model: 1,000 tokens 1.07x, 4,000 1.13x, 8,000 1.14x. (Scores summed
+ * along d in one chain: float32 errors ~2x those of the horizontal sums, ~1e-6 of an output.) */
+#define FB 64
+/* s[i][c] = q_i . (keys kb0 + 16c .. + 15) for the tile's vectors, chunks c < NC */
+static inline __attribute__((always_inline)) void flash_scores(
+        int NC, int FM, int m, const float *const *qs, const float *KT, int64_t D,
+        __m512 s[6][4]) {
+    _Pragma("GCC unroll 6") for (int i = 0; i < FM; i++)
+        _Pragma("GCC unroll 4") for (int c = 0; c < 4; c++) s[i][c] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; d++) {
+        const float *kt = KT + d * FB;
+        __m512 k[4];
+        _Pragma("GCC unroll 4") for (int c = 0; c < NC; c++) {
+            k[c] = _mm512_loadu_ps(kt + 16 * c);
+            /* in registers: folded into each FMA as memory operands, the loads outnumbered
+             * the FMAs */
+            __asm__("" : "+v"(k[c]));
+        }
+        _Pragma("GCC unroll 6") for (int i = 0; i < FM; i++) {
+            if (i >= m) break;
+            const __m512 qv = _mm512_set1_ps(qs[i][d]);
+            _Pragma("GCC unroll 4") for (int c = 0; c < NC; c++)
+                s[i][c] = _mm512_fmadd_ps(qv, k[c], s[i][c]);
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void flash_tile(
+        int D16, int FM, int m, const float *const *qs, const int64_t *vis, const float *KT,
+        const float *Vf, int64_t kb0, int64_t nk, float scale, float *mrow, float *lrow,
+        float *const *o, float *P) {
+    const int64_t D = 16 * D16;
+    /* keys of the block the tile's last (most seeing) vector sees: the rest is not computed */
+    const int64_t seen = vis[m - 1] - kb0 < nk ? vis[m - 1] - kb0 : nk;
+    __m512 s[6][4];
+    switch ((seen + 15) / 16) {
+        case 1: flash_scores(1, FM, m, qs, KT, D, s); break;
+        case 2: flash_scores(2, FM, m, qs, KT, D, s); break;
+        case 3: flash_scores(3, FM, m, qs, KT, D, s); break;
+        default: flash_scores(4, FM, m, qs, KT, D, s); break;
+    }
+    /* masks, the running maximum and sum, probabilities into P */
+    const __m512 lane = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    float alpha[6];
+    _Pragma("GCC unroll 6") for (int i = 0; i < FM; i++) {
+        if (i >= m) break;
+        /* key kb0 + t is seen iff t < nk and kb0 + t < vis[i] */
+        const int64_t lim = (vis[i] - kb0 < nk ? vis[i] - kb0 : nk);
+        __mmask16 k[4];
+        __m512 mx = _mm512_set1_ps(-INFINITY);
+        _Pragma("GCC unroll 4") for (int c = 0; c < 4; c++) {
+            k[c] = _mm512_cmp_ps_mask(lane, _mm512_set1_ps((float)(lim - 16 * c)), _CMP_LT_OQ);
+            s[i][c] = _mm512_mul_ps(s[i][c], _mm512_set1_ps(scale));
+            mx = _mm512_mask_max_ps(mx, k[c], mx, s[i][c]);
+        }
+        const float mnew = fmaxf(mrow[i], _mm512_reduce_max_ps(mx));
+        alpha[i] = mrow[i] == -INFINITY ? 0.f : expf(mrow[i] - mnew);
+        mrow[i] = mnew;
+        __m512 sum = _mm512_setzero_ps();
+        const __m512 mv = _mm512_set1_ps(mnew);
+        _Pragma("GCC unroll 4") for (int c = 0; c < 4; c++) {
+            const __m512 e = _mm512_maskz_mov_ps(k[c], exp16(_mm512_sub_ps(s[i][c], mv)));
+            _mm512_storeu_ps(P + i * FB + 16 * c, e);
+            sum = _mm512_add_ps(sum, e);
+        }
+        lrow[i] = lrow[i] * alpha[i] + _mm512_reduce_add_ps(sum);
+    }
+    /* outputs: o_i = alpha_i o_i + sum_t P[i][t] v_t, held in registers (FM * D16 <= 24) */
+    __m512 acc[6][8];
+    _Pragma("GCC unroll 6") for (int i = 0; i < FM; i++) {
+        if (i >= m) break;
+        const __m512 a = _mm512_set1_ps(alpha[i]);
+        _Pragma("GCC unroll 8") for (int c = 0; c < D16; c++)
+            acc[i][c] = _mm512_mul_ps(_mm512_loadu_ps(o[i] + 16 * c), a);
+    }
+    for (int64_t t = 0; t < seen; t++) {
+        const float *v = Vf + t * D;
+        __m512 vv[8];
+        _Pragma("GCC unroll 8") for (int c = 0; c < D16; c++) {
+            vv[c] = _mm512_loadu_ps(v + 16 * c);
+            __asm__("" : "+v"(vv[c]));
+        }
+        _Pragma("GCC unroll 6") for (int i = 0; i < FM; i++) {
+            if (i >= m) break;
+            const __m512 w = _mm512_set1_ps(P[i * FB + t]);
+            _Pragma("GCC unroll 8") for (int c = 0; c < D16; c++)
+                acc[i][c] = _mm512_fmadd_ps(w, vv[c], acc[i][c]);
+        }
+    }
+    _Pragma("GCC unroll 6") for (int i = 0; i < FM; i++) {
+        if (i >= m) break;
+        _Pragma("GCC unroll 8") for (int c = 0; c < D16; c++)
+            _mm512_storeu_ps(o[i] + 16 * c, acc[i][c]);
+    }
+}
+
+/* One task by key blocks (see flash_tile). buf: FLASH_FLOATS(D, rows) floats. */
+#define FLASH_FLOATS(D, rows) (2 * FB * (D) + (rows) * ((D) + 2) + 6 * FB)
+static void attend_flash(const float *q, float *out, const void *kbase, const void *vbase,
+                         int64_t H, int64_t D, int64_t group, const int64_t *slot, int64_t L,
+                         int64_t q0, int64_t ql, int64_t kvh, float scale, int bf16, float *buf) {
+    const int64_t rows = ql * group, D16 = D / 16, FM = D16 == 4 ? 6 : 3;
+    float *KT = buf, *Vf = KT + FB * D, *O = Vf + FB * D, *mrow = O + rows * D;
+    float *lrow = mrow + rows, *P = lrow + rows;
+    for (int64_t v = 0; v < rows; v++) mrow[v] = -INFINITY, lrow[v] = 0.f;
+    memset(O, 0, sizeof(float) * rows * D);
+    const int64_t first_pos = L - ql;  /* row j sees keys 0 ..= first_pos + j */
+    for (int64_t kb0 = 0; kb0 < L; kb0 += FB) {
+        const int64_t nk = L - kb0 < FB ? L - kb0 : FB;
+        const int64_t j0 = kb0 > first_pos ? kb0 - first_pos : 0;  /* first row seeing kb0 */
+        if (j0 >= ql) break;
+        /* this block's keys, transposed, and values, as float32 (zero past nk) */
+        for (int64_t t = 0; t < FB; t++) {
+            float *vr = Vf + t * D;
+            if (t >= nk) {
+                for (int64_t d = 0; d < D; d++) KT[d * FB + t] = 0.f;
+                memset(vr, 0, sizeof(float) * D);
+                continue;
+            }
+            const int64_t off = slot[kb0 + t] * D;
+            for (int64_t c = 0; c < D; c += 16) {
+                const __m512 kv = load_kv16(kbase, off + c, bf16);
+                float tmp[16];
+                _mm512_storeu_ps(tmp, kv);
+                for (int e = 0; e < 16; e++) KT[(c + e) * FB + t] = tmp[e];
+                _mm512_storeu_ps(vr + c, load_kv16(vbase, off + c, bf16));
+            }
+        }
+        for (int64_t v0 = j0 * group; v0 < rows; v0 += FM) {
+            const float *qs[6];
+            float *os[6];
+            int64_t vis[6];
+            int m = 0;
+            for (int64_t v = v0; v < rows && m < FM; v++, m++) {
+                const int64_t j = v / group;
+                qs[m] = q + ((q0 + j) * H + kvh * group + v % group) * D;
+                os[m] = O + v * D;
+                vis[m] = first_pos + j + 1;
+            }
+            if (D16 == 4) flash_tile(4, 6, m, qs, vis, KT, Vf, kb0, nk, scale, mrow + v0, lrow + v0, os, P);
+            else flash_tile(8, 3, m, qs, vis, KT, Vf, kb0, nk, scale, mrow + v0, lrow + v0, os, P);
+        }
+    }
+    for (int64_t v = 0; v < rows; v++) {
+        const int64_t j = v / group;
+        float *dst = out + ((q0 + j) * H + kvh * group + v % group) * D;
+        if (lrow[v] == 0.f) { memset(dst, 0, sizeof(float) * D); continue; }  /* sees no key */
+        const __m512 inv = _mm512_set1_ps(1.f / lrow[v]);
+        for (int64_t c = 0; c < D; c += 16)
+            _mm512_storeu_ps(dst + c, _mm512_mul_ps(_mm512_loadu_ps(O + v * D + c), inv));
+    }
+}
+#endif
+
 /* One (sequence, KV head) task: the query rows of the `group` heads sharing the KV head, for
  * each of the sequence's ql query rows. kc, vc: float32 or (bf16) uint16 pools. */
 static int attend(const float *q, float *out, const void *kc, const void *vc, int64_t H,
                   int64_t KVH, int64_t D, int64_t NB, int64_t BS, const int32_t *table,
                   int64_t L, int64_t q0, int64_t ql, int64_t kvh, float scale, int bf16,
-                  int64_t *slot, float *scores) {
+                  int64_t *slot, float *scores, float *flash_buf) {
     const int64_t group = H / KVH, rows = ql * group, es = bf16 ? 2 : 4;
     const void *kbase = (const char *)kc + kvh * NB * BS * D * es;
     const void *vbase = (const char *)vc + kvh * NB * BS * D * es;
@@ -359,6 +531,13 @@ static int attend(const float *q, float *out, const void *kc, const void *vc, in
             const int64_t first = (int64_t)table[b] * BS;
             for (int64_t i = 0; i < BS && t < L; i++, t++) slot[t] = first + i;
         }
+#ifdef __AVX512F__
+        if (flash_buf && rows >= FLASH_MIN_ROWS && (D == 64 || D == 128)) {
+            attend_flash(q, out, kbase, vbase, H, D, group, slot, L, q0, ql, kvh, scale, bf16,
+                         flash_buf);
+            return 0;
+        }
+#endif
         float *p = scores;
         /* vectors in order of query row (each sees one key more than the row before), head */
         for (int64_t v0 = 0; v0 < rows; v0 += TILE) {
@@ -381,7 +560,7 @@ static int attend(const float *q, float *out, const void *kc, const void *vc, in
         return 0;
     }
 #endif
-    (void)slot; (void)scores;
+    (void)slot; (void)scores; (void)flash_buf;
     /* scores [rows, L], then probabilities in place */
     float *p = malloc(sizeof(float) * rows * (L > 0 ? L : 1)), *tmp = malloc(sizeof(float) * D);
     if (!p || !tmp) { free(p); free(tmp); return -1; }
@@ -417,10 +596,6 @@ static int attend(const float *q, float *out, const void *kc, const void *vc, in
     return 0;
 }
 
-/* Query rows a task takes: a long query (a prefill chunk) splits into tasks of this many
- * rows, so that one sequence's prompt keeps every thread busy (its KV heads alone may be
- * fewer than the threads, or not a multiple of them). */
-#define QUERY_ROWS 32
 #ifndef TILE
 #define TILE 1  /* rows of a thread's score buffer (the AVX2 tiles' query vectors) */
 #endif
@@ -469,6 +644,11 @@ int paged_attention(const float *q, float *out, const void *kc, const void *vc,
         /* a thread's key slots and TILE rows of scores, once per call (not per task) */
         int64_t *slot = malloc(sizeof(int64_t) * longest);
         float *p = malloc(sizeof(float) * TILE * longest);
+#ifdef __AVX512F__
+        float *fb = malloc(sizeof(float) * FLASH_FLOATS(D, QUERY_ROWS * (H / KVH)));
+#else
+        float *fb = NULL;
+#endif
         if (!slot || !p) {
             #pragma omp atomic write
             failed = 1;
@@ -489,12 +669,12 @@ int paged_attention(const float *q, float *out, const void *kc, const void *vc,
             /* rows c .. c + n of the query are the last n of the sequence cut after them */
             const int64_t len = seq_lens[s] - (ql - c - n);
             if (slot && p && attend(q, out, kc, vc, H, KVH, D, NB, BS, tables + s * MB, len,
-                                    q0 + c, n, kvh, scale, kv_bf16, slot, p)) {
+                                    q0 + c, n, kvh, scale, kv_bf16, slot, p, fb)) {
                 #pragma omp atomic write
                 failed = 1;
             }
         }
-        free(slot); free(p);
+        free(slot); free(p); free(fb);
     }
     free(task);
     return failed ? -1 : 0;
