@@ -387,20 +387,58 @@ static inline __attribute__((always_inline)) void flash_scores(
     }
 }
 
+#ifdef __AVX512BF16__
+/* The same scores from bf16 pairs: KTP [D / 2][FB] holds keys' (d, d + 1) pairs, one key a
+ * 32-bit lane; qb[i] the vector rounded to bf16; vdpbf16ps multiplies 32 pairs an
+ * instruction, twice an FMA's 16 products */
+static inline __attribute__((always_inline)) void flash_scores_bf16(
+        int NC, int FM, int m, const uint32_t *const *qb, const uint32_t *KTP, int64_t D,
+        __m512 s[6][4]) {
+    _Pragma("GCC unroll 6") for (int i = 0; i < FM; i++)
+        _Pragma("GCC unroll 4") for (int c = 0; c < 4; c++) s[i][c] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < D / 2; p++) {
+        const uint32_t *kt = KTP + p * FB;
+        __m512i k[4];
+        _Pragma("GCC unroll 4") for (int c = 0; c < NC; c++) {
+            k[c] = _mm512_loadu_si512(kt + 16 * c);
+            __asm__("" : "+v"(k[c]));
+        }
+        _Pragma("GCC unroll 6") for (int i = 0; i < FM; i++) {
+            if (i >= m) break;
+            const __m512bh qv = (__m512bh)_mm512_set1_epi32((int)qb[i][p]);
+            _Pragma("GCC unroll 4") for (int c = 0; c < NC; c++)
+                s[i][c] = _mm512_dpbf16_ps(s[i][c], qv, (__m512bh)k[c]);
+        }
+    }
+}
+#endif
+
+/* Scores of a tile over one key block, its online softmax, and its outputs. BF: the bf16
+ * products (KT, Vf hold KTP and VP, qs the bf16 vectors, P is followed by PB: the
+ * probabilities rounded to bf16), else float32. */
 static inline __attribute__((always_inline)) void flash_tile(
-        int D16, int FM, int m, const float *const *qs, const int64_t *vis, const float *KT,
-        const float *Vf, int64_t kb0, int64_t nk, float scale, float *mrow, float *lrow,
-        float *const *o, float *P) {
+        int D16, int FM, int BF, int m, const void *const *qs, const int64_t *vis,
+        const void *KT, const void *Vf, int64_t kb0, int64_t nk, float scale, float *mrow,
+        float *lrow, float *const *o, float *P) {
     const int64_t D = 16 * D16;
     /* keys of the block the tile's last (most seeing) vector sees: the rest is not computed */
     const int64_t seen = vis[m - 1] - kb0 < nk ? vis[m - 1] - kb0 : nk;
     __m512 s[6][4];
+#ifdef __AVX512BF16__
+#define SCORES(NC) do { if (BF) flash_scores_bf16(NC, FM, m, (const uint32_t *const *)qs, \
+                            (const uint32_t *)KT, D, s); \
+                        else flash_scores(NC, FM, m, (const float *const *)qs, \
+                            (const float *)KT, D, s); } while (0)
+#else
+#define SCORES(NC) flash_scores(NC, FM, m, (const float *const *)qs, (const float *)KT, D, s)
+#endif
     switch ((seen + 15) / 16) {
-        case 1: flash_scores(1, FM, m, qs, KT, D, s); break;
-        case 2: flash_scores(2, FM, m, qs, KT, D, s); break;
-        case 3: flash_scores(3, FM, m, qs, KT, D, s); break;
-        default: flash_scores(4, FM, m, qs, KT, D, s); break;
+        case 1: SCORES(1); break;
+        case 2: SCORES(2); break;
+        case 3: SCORES(3); break;
+        default: SCORES(4); break;
     }
+#undef SCORES
     /* masks, the running maximum and sum, probabilities into P */
     const __m512 lane = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
     float alpha[6];
@@ -418,13 +456,20 @@ static inline __attribute__((always_inline)) void flash_tile(
         const float mnew = fmaxf(mrow[i], _mm512_reduce_max_ps(mx));
         alpha[i] = mrow[i] == -INFINITY ? 0.f : expf(mrow[i] - mnew);
         mrow[i] = mnew;
-        __m512 sum = _mm512_setzero_ps();
+        __m512 sum = _mm512_setzero_ps(), e[4];
         const __m512 mv = _mm512_set1_ps(mnew);
         _Pragma("GCC unroll 4") for (int c = 0; c < 4; c++) {
-            const __m512 e = _mm512_maskz_mov_ps(k[c], exp16(_mm512_sub_ps(s[i][c], mv)));
-            _mm512_storeu_ps(P + i * FB + 16 * c, e);
-            sum = _mm512_add_ps(sum, e);
+            e[c] = _mm512_maskz_mov_ps(k[c], exp16(_mm512_sub_ps(s[i][c], mv)));
+            _mm512_storeu_ps(P + i * FB + 16 * c, e[c]);
+            sum = _mm512_add_ps(sum, e[c]);
         }
+#ifdef __AVX512BF16__
+        if (BF) {  /* PB [FM][FB] bf16 after P's FM rows */
+            uint16_t *pb = (uint16_t *)(P + FM * FB) + i * FB;
+            _mm512_storeu_si512(pb, (__m512i)_mm512_cvtne2ps_pbh(e[1], e[0]));
+            _mm512_storeu_si512(pb + 32, (__m512i)_mm512_cvtne2ps_pbh(e[3], e[2]));
+        }
+#endif
         lrow[i] = lrow[i] * alpha[i] + _mm512_reduce_add_ps(sum);
     }
     /* outputs: o_i = alpha_i o_i + sum_t P[i][t] v_t, held in registers (FM * D16 <= 24) */
@@ -435,8 +480,31 @@ static inline __attribute__((always_inline)) void flash_tile(
         _Pragma("GCC unroll 8") for (int c = 0; c < D16; c++)
             acc[i][c] = _mm512_mul_ps(_mm512_loadu_ps(o[i] + 16 * c), a);
     }
+#ifdef __AVX512BF16__
+    if (BF) {
+        /* keys in pairs (t, t + 1): VP [FB / 2][2D] bf16 holds each pair's rows interleaved
+         * (unpacklo / unpackhi of the two rows: outputs in that lane order, put back in
+         * order by attend_flash at the end); PB the probabilities' pairs */
+        const uint16_t *VP = (const uint16_t *)Vf;
+        const uint32_t *PB = (const uint32_t *)(P + FM * FB);
+        for (int64_t t2 = 0; t2 < (seen + 1) / 2; t2++) {
+            const uint16_t *v = VP + t2 * 2 * D;
+            __m512i vv[8];
+            _Pragma("GCC unroll 8") for (int c = 0; c < D16; c++) {
+                vv[c] = _mm512_loadu_si512(v + 32 * c);
+                __asm__("" : "+v"(vv[c]));
+            }
+            _Pragma("GCC unroll 6") for (int i = 0; i < FM; i++) {
+                if (i >= m) break;
+                const __m512bh w = (__m512bh)_mm512_set1_epi32((int)PB[i * (FB / 2) + t2]);
+                _Pragma("GCC unroll 8") for (int c = 0; c < D16; c++)
+                    acc[i][c] = _mm512_dpbf16_ps(acc[i][c], w, (__m512bh)vv[c]);
+            }
+        }
+    } else
+#endif
     for (int64_t t = 0; t < seen; t++) {
-        const float *v = Vf + t * D;
+        const float *v = (const float *)Vf + t * D;
         __m512 vv[8];
         _Pragma("GCC unroll 8") for (int c = 0; c < D16; c++) {
             vv[c] = _mm512_loadu_ps(v + 16 * c);
@@ -456,21 +524,62 @@ static inline __attribute__((always_inline)) void flash_tile(
     }
 }
 
-/* One task by key blocks (see flash_tile). buf: FLASH_FLOATS(D, rows) floats. */
-#define FLASH_FLOATS(D, rows) (2 * FB * (D) + (rows) * ((D) + 2) + 6 * FB)
+/* One task by key blocks (see flash_tile). buf: FLASH_FLOATS(D, rows) floats. With a bf16
+ * pool on a CPU with bf16 dot products, the products take the pool's bf16 values as they are
+ * and the query vectors and probabilities rounded to bf16 (as a bf16 model's attention
+ * multiplies them): twice the products an instruction. */
+#define FLASH_FLOATS(D, rows) (2 * FB * (D) + (rows) * ((D) + 2) + (rows) * (D) / 2 + 12 * FB)
 static void attend_flash(const float *q, float *out, const void *kbase, const void *vbase,
                          int64_t H, int64_t D, int64_t group, const int64_t *slot, int64_t L,
                          int64_t q0, int64_t ql, int64_t kvh, float scale, int bf16, float *buf) {
     const int64_t rows = ql * group, D16 = D / 16, FM = D16 == 4 ? 6 : 3;
     float *KT = buf, *Vf = KT + FB * D, *O = Vf + FB * D, *mrow = O + rows * D;
-    float *lrow = mrow + rows, *P = lrow + rows;
+    float *lrow = mrow + rows, *QB = lrow + rows, *P = QB + rows * D / 2;
+#ifdef __AVX512BF16__
+    const int BF = bf16;
+#else
+    const int BF = 0;
+#endif
     for (int64_t v = 0; v < rows; v++) mrow[v] = -INFINITY, lrow[v] = 0.f;
     memset(O, 0, sizeof(float) * rows * D);
+#ifdef __AVX512BF16__
+    if (BF)  /* the query vectors in bf16, once per task */
+        for (int64_t v = 0; v < rows; v++) {
+            const float *qv = q + ((q0 + v / group) * H + kvh * group + v % group) * D;
+            uint16_t *qb = (uint16_t *)QB + v * D;
+            for (int64_t c = 0; c < D; c += 32)
+                _mm512_storeu_si512(qb + c, (__m512i)_mm512_cvtne2ps_pbh(
+                    _mm512_loadu_ps(qv + c + 16), _mm512_loadu_ps(qv + c)));
+        }
+#endif
     const int64_t first_pos = L - ql;  /* row j sees keys 0 ..= first_pos + j */
     for (int64_t kb0 = 0; kb0 < L; kb0 += FB) {
         const int64_t nk = L - kb0 < FB ? L - kb0 : FB;
         const int64_t j0 = kb0 > first_pos ? kb0 - first_pos : 0;  /* first row seeing kb0 */
         if (j0 >= ql) break;
+#ifdef __AVX512BF16__
+        if (BF) {
+            /* keys' (d, d + 1) pairs transposed: KTP [D / 2][FB]; value rows interleaved in
+             * pairs of keys: VP [FB / 2][2D] (zero past nk) */
+            uint32_t *KTP = (uint32_t *)KT;
+            uint16_t *VP = (uint16_t *)Vf;
+            for (int64_t t = 0; t < FB; t++) {
+                const uint32_t *kr = (const uint32_t *)((const uint16_t *)kbase + (t < nk ? slot[kb0 + t] : 0) * D);
+                for (int64_t p = 0; p < D / 2; p++) KTP[p * FB + t] = t < nk ? kr[p] : 0u;
+            }
+            for (int64_t t = 0; t < FB; t += 2) {
+                uint16_t *dst = VP + (t / 2) * 2 * D;
+                const uint16_t *a = (const uint16_t *)vbase + (t < nk ? slot[kb0 + t] : 0) * D;
+                const uint16_t *b = (const uint16_t *)vbase + (t + 1 < nk ? slot[kb0 + t + 1] : 0) * D;
+                for (int64_t c = 0; c < D; c += 32) {
+                    const __m512i va = t < nk ? _mm512_loadu_si512(a + c) : _mm512_setzero_si512();
+                    const __m512i vb = t + 1 < nk ? _mm512_loadu_si512(b + c) : _mm512_setzero_si512();
+                    _mm512_storeu_si512(dst + 2 * c, _mm512_unpacklo_epi16(va, vb));
+                    _mm512_storeu_si512(dst + 2 * c + 32, _mm512_unpackhi_epi16(va, vb));
+                }
+            }
+        } else
+#endif
         /* this block's keys, transposed, and values, as float32 (zero past nk) */
         for (int64_t t = 0; t < FB; t++) {
             float *vr = Vf + t * D;
@@ -489,27 +598,48 @@ static void attend_flash(const float *q, float *out, const void *kbase, const vo
             }
         }
         for (int64_t v0 = j0 * group; v0 < rows; v0 += FM) {
-            const float *qs[6];
+            const void *qs[6];
             float *os[6];
             int64_t vis[6];
             int m = 0;
             for (int64_t v = v0; v < rows && m < FM; v++, m++) {
                 const int64_t j = v / group;
-                qs[m] = q + ((q0 + j) * H + kvh * group + v % group) * D;
+                qs[m] = BF ? (const void *)((const uint16_t *)QB + v * D)
+                           : (const void *)(q + ((q0 + j) * H + kvh * group + v % group) * D);
                 os[m] = O + v * D;
                 vis[m] = first_pos + j + 1;
             }
-            if (D16 == 4) flash_tile(4, 6, m, qs, vis, KT, Vf, kb0, nk, scale, mrow + v0, lrow + v0, os, P);
-            else flash_tile(8, 3, m, qs, vis, KT, Vf, kb0, nk, scale, mrow + v0, lrow + v0, os, P);
+#define TILE_ARGS m, qs, vis, KT, Vf, kb0, nk, scale, mrow + v0, lrow + v0, os, P
+            if (D16 == 4) {
+                if (BF) flash_tile(4, 6, 1, TILE_ARGS);
+                else flash_tile(4, 6, 0, TILE_ARGS);
+            } else {
+                if (BF) flash_tile(8, 3, 1, TILE_ARGS);
+                else flash_tile(8, 3, 0, TILE_ARGS);
+            }
+#undef TILE_ARGS
         }
     }
+    /* bf16 outputs are in unpack order: 16-lane registers c = 2h (lo) and 2h + 1 (hi) hold
+     * dims 32h + {0-3, 8-11, 16-19, 24-27} and 32h + {4-7, 12-15, 20-23, 28-31} */
+    const __m512i first16 = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
+    const __m512i second16 = _mm512_set_epi32(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11, 10, 9, 8);
     for (int64_t v = 0; v < rows; v++) {
         const int64_t j = v / group;
         float *dst = out + ((q0 + j) * H + kvh * group + v % group) * D;
         if (lrow[v] == 0.f) { memset(dst, 0, sizeof(float) * D); continue; }  /* sees no key */
         const __m512 inv = _mm512_set1_ps(1.f / lrow[v]);
-        for (int64_t c = 0; c < D; c += 16)
-            _mm512_storeu_ps(dst + c, _mm512_mul_ps(_mm512_loadu_ps(O + v * D + c), inv));
+        const float *o = O + v * D;
+        if (BF) {
+            for (int64_t c = 0; c < D; c += 32) {
+                const __m512 lo = _mm512_loadu_ps(o + c), hi = _mm512_loadu_ps(o + c + 16);
+                _mm512_storeu_ps(dst + c, _mm512_mul_ps(_mm512_permutex2var_ps(lo, first16, hi), inv));
+                _mm512_storeu_ps(dst + c + 16, _mm512_mul_ps(_mm512_permutex2var_ps(lo, second16, hi), inv));
+            }
+        } else {
+            for (int64_t c = 0; c < D; c += 16)
+                _mm512_storeu_ps(dst + c, _mm512_mul_ps(_mm512_loadu_ps(o + c), inv));
+        }
     }
 }
 #endif
