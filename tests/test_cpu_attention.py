@@ -16,6 +16,23 @@ from tests.helpers import outputs_on_one_and_two_threads
 pytestmark = pytest.mark.skipif(not native.available(), reason="no C compiler on this machine")
 
 
+def _bf16_dot_products() -> bool:
+    """Whether prefill chunks over a bf16 pool multiply bf16 pairs here (AVX-512 bf16)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return "avx512_bf16" in f.read()
+    except OSError:
+        return False
+
+
+def _bf16_bound(vc: torch.Tensor) -> float:
+    """bf16 probabilities: each weight off by at most 2^-9 of itself, so each output by at most
+    2^-8 of the largest |value| (0 where the products are float32)."""
+    if vc.dtype != torch.bfloat16 or not _bf16_dot_products():
+        return 0.0
+    return 2 ** -8 * float(vc.float().abs().max())
+
+
 def _reference(q, k_cache, v_cache, tables, seq_lens, qlens, scale):
     """q [T, H, D]; caches [NB, BS, KVH, D] -> [T, H, D] float64."""
     out = torch.zeros(q.shape, dtype=torch.float64)
@@ -160,21 +177,20 @@ def test_prefill_chunk_after_cached_keys(monkeypatch, kvh, group, kv_dtype, nati
 
 
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d,kvh,group", [(64, 3, 3), (128, 3, 3), (128, 2, 6)])
 @pytest.mark.parametrize("spread", [1.0, 4.0])
-def test_prefill_chunks_by_key_blocks(d, kv_dtype, spread):
-    """Chunks of 24+ query vectors with head_dim 64 or 128 go by blocks of 64 keys (online
+def test_prefill_chunks_by_key_blocks(d, kvh, group, kv_dtype, spread):
+    """Chunks of 16+ query rows with head_dim 64 or 128 go by blocks of 64 keys (online
     softmax): chunks after cached keys, a last block cut short, a chunk that ends on a block
-    edge, 1 to 5 tiles' vectors; with scores spread over a few hundred as well (spread 4: a
+    edge, tiles partly filled; with scores spread over a few hundred as well (spread 4: a
     later block's maximum far above an earlier one's, whose sums are then rescaled to almost
     nothing; float32 exps of such scores carry ~3e-5 of error on any path, a wrong rescale
     O(1)). The same bits on 1 and 2 threads.
     A bf16 pool on a CPU with bf16 dot products multiplies bf16 query values (given here
-    already rounded, as a bf16 model's are) and probabilities rounded to bf16: each weight off
-    by at most 2^-9 of itself, so each output by at most 2^-8 of the largest |value|."""
-    seq_lens, qlens = [300, 129, 64, 9], [100, 129, 30, 9]
-    backend, q, kc, vc, md, tables = _case(16, 3, 3, seq_lens, qlens, seed=d, d=d,
-                                           kv_dtype=kv_dtype)
+    already rounded, as a bf16 model's are) and probabilities rounded to bf16 (_bf16_bound)."""
+    seq_lens, qlens = [300, 129, 64, 40], [100, 129, 30, 17]
+    backend, q, kc, vc, md, tables = _case(16, kvh, group, seq_lens, qlens, seed=d + group,
+                                           d=d, kv_dtype=kv_dtype)
     kc.mul_(spread)
     q = q * spread
     if kv_dtype == torch.bfloat16:
@@ -182,11 +198,22 @@ def test_prefill_chunks_by_key_blocks(d, kv_dtype, spread):
     scale = d ** -0.5 * spread
     ref = _reference(q, kc, vc, tables, seq_lens, qlens, scale)
     one, two = outputs_on_one_and_two_threads(backend.forward, q, kc, vc, md, scale)
-    tol = 1e-5 if spread == 1.0 else 2e-4
-    if kv_dtype == torch.bfloat16:
-        tol += 2 ** -8 * float(vc.float().abs().max())
+    tol = (1e-5 if spread == 1.0 else 2e-4) + _bf16_bound(vc)
     assert torch.allclose(one.double(), ref, atol=tol, rtol=1e-5)
     assert torch.equal(one, two)
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_verification_rows_keep_float32_products(kv_dtype):
+    """Fewer than 16 query rows a sequence (speculative verification: k + 1 rows) never take
+    the prefill chunks' bf16 products, even with as many query vectors (15 rows x 6 heads):
+    float32 scores and weights over either pool, as plain decoding computes them."""
+    seq_lens, qlens = [300, 70, 33], [9, 15, 1]
+    backend, q, kc, vc, md, tables = _case(16, 2, 6, seq_lens, qlens, seed=11, d=128,
+                                           kv_dtype=kv_dtype)
+    out = backend.forward(q, kc, vc, md, 128 ** -0.5)
+    ref = _reference(q, kc, vc, tables, seq_lens, qlens, 128 ** -0.5)
+    assert torch.allclose(out.double(), ref, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
@@ -197,10 +224,9 @@ def test_every_thread_count_attends_every_task(kv_dtype):
     seq_lens, qlens = [33, 1, 90, 7, 64, 200, 18], [1, 1, 40, 2, 1, 1, 18]
     backend, q, kc, vc, md, tables = _case(16, 3, 3, seq_lens, qlens, seed=7, d=64,
                                            kv_dtype=kv_dtype)
-    tol = 1e-5
-    if kv_dtype == torch.bfloat16:  # the prefill chunks' bf16 products: see the test above
+    if kv_dtype == torch.bfloat16:  # the prefill chunk's bf16 products: see the tests above
         q = q.to(torch.bfloat16).float()
-        tol += 2 ** -8 * float(vc.float().abs().max())
+    tol = 1e-5 + _bf16_bound(vc)
     ref = _reference(q, kc, vc, tables, seq_lens, qlens, 0.125)
     before = torch.get_num_threads()
     outs = []

@@ -1,7 +1,9 @@
-/* Paged attention for short queries (decode, speculative verification) over a KV pool stored
- * head-major, [kv_heads, num_blocks, block_size, head_dim] (pagellm/attention/torch_paged.py),
- * of float32 or bf16 values (bf16: half the bytes a step streams; each value widened to float32
- * as it is loaded, a 16-bit shift). Queries, scores and outputs are float32.
+/* Paged attention for every query of a step (decode, speculative verification, prefill
+ * chunks) over a KV pool stored head-major, [kv_heads, num_blocks, block_size, head_dim]
+ * (pagellm/attention/torch_paged.py), of float32 or bf16 values (bf16: half the bytes a step
+ * streams; each value widened to float32 as it is loaded, a 16-bit shift). Queries, scores and
+ * outputs are float32, except in a prefill chunk's products over a bf16 pool on a CPU with
+ * bf16 dot products (attend_flash: bf16 pairs).
  *
  * Reads each sequence's K/V in place through its block table: no gathered copy of the context
  * and no padding to the longest sequence of the batch. One task per (sequence, KV head) takes
@@ -11,8 +13,10 @@
  * values are prefetched a block ahead (values into L2 while the scores read the keys) and
  * a thread's next task's first block before it starts this one.
  * Query row j of sequence s sits at position seq_len - query_len + j and sees keys 0 ..= that position (the causal rule of base.py).
- * Scores are float32 dot products; softmax subtracts the row maximum, as torch's does. Prefill
- * chunks with head_dim 64 or 128 on AVX-512 go by blocks of 64 keys (attend_flash). On AVX2
+ * Softmax subtracts the row maximum, as torch's does. Prefill chunks (16+ query rows a task)
+ * with head_dim 64 or 128 on AVX-512 go by blocks of 64 keys (attend_flash); decode and
+ * verification rows keep float32 products, so speculation's verification computes what plain
+ * decoding does. On AVX2
  * (head_dim a multiple of 8) the task's query vectors go in tiles of three that stream the
  * visible keys together: scores four keys at a time, a vectorized exp, and the weighted sums
  * of V held in registers (25-37% faster than one vector at a time, 1 to 9 query rows of a
@@ -347,8 +351,9 @@ static void attend_tile_bf16(int m, const float *const *q, float *const *out, co
  * rows, so that one sequence's prompt keeps every thread busy (its KV heads alone may be
  * fewer than the threads, or not a multiple of them). */
 #define QUERY_ROWS 32
-/* query vectors (rows x heads of the group) from which a task goes by key blocks */
-#define FLASH_MIN_ROWS 24
+/* query rows from which a task goes by key blocks: prefill chunks, not decode or
+ * verification rows (k + 1 of them) */
+#define FLASH_MIN_QUERY_ROWS 16
 
 #ifdef __AVX512F__
 /* Prefill chunks (many query rows a task) with head_dim 64 or 128: blocks of FB keys at a
@@ -387,7 +392,7 @@ static inline __attribute__((always_inline)) void flash_scores(
     }
 }
 
-#ifdef __AVX512BF16__
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
 /* The same scores from bf16 pairs: KTP [D / 2][FB] holds keys' (d, d + 1) pairs, one key a
  * 32-bit lane; qb[i] the vector rounded to bf16; vdpbf16ps multiplies 32 pairs an
  * instruction, twice an FMA's 16 products */
@@ -424,7 +429,7 @@ static inline __attribute__((always_inline)) void flash_tile(
     /* keys of the block the tile's last (most seeing) vector sees: the rest is not computed */
     const int64_t seen = vis[m - 1] - kb0 < nk ? vis[m - 1] - kb0 : nk;
     __m512 s[6][4];
-#ifdef __AVX512BF16__
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #define SCORES(NC) do { if (BF) flash_scores_bf16(NC, FM, m, (const uint32_t *const *)qs, \
                             (const uint32_t *)KT, D, s); \
                         else flash_scores(NC, FM, m, (const float *const *)qs, \
@@ -463,7 +468,7 @@ static inline __attribute__((always_inline)) void flash_tile(
             _mm512_storeu_ps(P + i * FB + 16 * c, e[c]);
             sum = _mm512_add_ps(sum, e[c]);
         }
-#ifdef __AVX512BF16__
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
         if (BF) {  /* PB [FM][FB] bf16 after P's FM rows */
             uint16_t *pb = (uint16_t *)(P + FM * FB) + i * FB;
             _mm512_storeu_si512(pb, (__m512i)_mm512_cvtne2ps_pbh(e[1], e[0]));
@@ -480,7 +485,7 @@ static inline __attribute__((always_inline)) void flash_tile(
         _Pragma("GCC unroll 8") for (int c = 0; c < D16; c++)
             acc[i][c] = _mm512_mul_ps(_mm512_loadu_ps(o[i] + 16 * c), a);
     }
-#ifdef __AVX512BF16__
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
     if (BF) {
         /* keys in pairs (t, t + 1): VP [FB / 2][2D] bf16 holds each pair's rows interleaved
          * (unpacklo / unpackhi of the two rows: outputs in that lane order, put back in
@@ -535,14 +540,14 @@ static void attend_flash(const float *q, float *out, const void *kbase, const vo
     const int64_t rows = ql * group, D16 = D / 16, FM = D16 == 4 ? 6 : 3;
     float *KT = buf, *Vf = KT + FB * D, *O = Vf + FB * D, *mrow = O + rows * D;
     float *lrow = mrow + rows, *QB = lrow + rows, *P = QB + rows * D / 2;
-#ifdef __AVX512BF16__
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
     const int BF = bf16;
 #else
     const int BF = 0;
 #endif
     for (int64_t v = 0; v < rows; v++) mrow[v] = -INFINITY, lrow[v] = 0.f;
     memset(O, 0, sizeof(float) * rows * D);
-#ifdef __AVX512BF16__
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
     if (BF)  /* the query vectors in bf16, once per task */
         for (int64_t v = 0; v < rows; v++) {
             const float *qv = q + ((q0 + v / group) * H + kvh * group + v % group) * D;
@@ -557,7 +562,7 @@ static void attend_flash(const float *q, float *out, const void *kbase, const vo
         const int64_t nk = L - kb0 < FB ? L - kb0 : FB;
         const int64_t j0 = kb0 > first_pos ? kb0 - first_pos : 0;  /* first row seeing kb0 */
         if (j0 >= ql) break;
-#ifdef __AVX512BF16__
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
         if (BF) {
             /* keys' (d, d + 1) pairs transposed: KTP [D / 2][FB]; value rows interleaved in
              * pairs of keys: VP [FB / 2][2D] (zero past nk) */
@@ -662,7 +667,7 @@ static int attend(const float *q, float *out, const void *kc, const void *vc, in
             for (int64_t i = 0; i < BS && t < L; i++, t++) slot[t] = first + i;
         }
 #ifdef __AVX512F__
-        if (flash_buf && rows >= FLASH_MIN_ROWS && (D == 64 || D == 128)) {
+        if (flash_buf && ql >= FLASH_MIN_QUERY_ROWS && (D == 64 || D == 128)) {
             attend_flash(q, out, kbase, vbase, H, D, group, slot, L, q0, ql, kvh, scale, bf16,
                          flash_buf);
             return 0;
