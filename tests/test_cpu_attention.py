@@ -18,11 +18,7 @@ pytestmark = pytest.mark.skipif(not native.available(), reason="no C compiler on
 
 def _bf16_dot_products() -> bool:
     """Whether prefill chunks over a bf16 pool multiply bf16 pairs here (AVX-512 bf16)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return "avx512_bf16" in f.read()
-    except OSError:
-        return False
+    return "avx512_bf16" in native.cpu_flags()
 
 
 def _bf16_bound(vc: torch.Tensor) -> float:

@@ -32,17 +32,9 @@ def portable(portable_lib, monkeypatch):
     assert native.library() is portable_lib and native.available()
 
 
-def _has_avx2() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return " avx2" in f.read()
-    except OSError:
-        return False
-
-
 @pytest.fixture(scope="module")
 def avx2_lib(tmp_path_factory):
-    if not _has_avx2():
+    if "avx2" not in native.cpu_flags():
         pytest.skip("this CPU has no AVX2")
     mp = pytest.MonkeyPatch()
     mp.setenv("PAGELLM_CACHE_DIR", str(tmp_path_factory.mktemp("avx2")))

@@ -759,9 +759,11 @@ int paged_attention(const float *q, float *out, const void *kc, const void *vc,
                     float scale, int threads, int kv_bf16) {
     /* tasks: (sequence, first query row of a chunk), times the KV heads */
     int64_t n_tasks = 0;
+    int chunks = 0;  /* a prefill chunk among the sequences: the key-block buffers are needed */
     for (int64_t i = 0; i < n_seqs; i++) {
         const int64_t ql = qstart[seqs[i] + 1] - qstart[seqs[i]];
         n_tasks += ql > QUERY_ROWS ? (ql + QUERY_ROWS - 1) / QUERY_ROWS : 1;
+        chunks |= ql >= FLASH_MIN_QUERY_ROWS;
     }
     int64_t *task = malloc(sizeof(int64_t) * 2 * (n_tasks > 0 ? n_tasks : 1));
     if (!task) return -1;
@@ -780,9 +782,10 @@ int paged_attention(const float *q, float *out, const void *kc, const void *vc,
         int64_t *slot = malloc(sizeof(int64_t) * longest);
         float *p = malloc(sizeof(float) * TILE * longest);
 #ifdef __AVX512F__
-        float *fb = malloc(sizeof(float) * FLASH_FLOATS(D, QUERY_ROWS * (H / KVH)));
+        float *fb = chunks ? malloc(sizeof(float) * FLASH_FLOATS(D, QUERY_ROWS * (H / KVH))) : NULL;
 #else
         float *fb = NULL;
+        (void)chunks;
 #endif
         if (!slot || !p) {
             #pragma omp atomic write

@@ -57,15 +57,20 @@ def enabled() -> bool:
 
 
 @functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (/proc/cpuinfo; empty where there is none)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            line = next((ln for ln in f if ln.startswith("flags")), "")
+    except OSError:
+        return frozenset()
+    return frozenset(line.partition(":")[2].split())
+
+
 def cpu_has_bf16_units() -> bool:
     """AVX-512 bf16 or AMX: bf16 matrix products run natively (oneDNN), many times faster per
     row than float32 ones or block-quantized kernels once a product has more than a few rows."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
 
 
 def _cpu_id() -> str:
