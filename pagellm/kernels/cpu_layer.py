@@ -10,6 +10,7 @@ from pagellm.kernels import native
 from pagellm.layers.quant import NativeGGUF, NativeQ4, PackedParts, few_rows
 
 _MAX_PARTS = 3  # cpu_layer.c MAX_PARTS
+_Q4_PANELS = 1000  # cpu_layer.c PART_Q4_PANELS
 
 
 class _Part(ctypes.Structure):  # cpu_layer.c part_t
@@ -28,7 +29,9 @@ def _parts(packed) -> list | None:
         return None
     parts = []
     for f in forms:
-        if isinstance(f, NativeQ4):
+        if isinstance(f, NativeQ4) and f.panels is not None:
+            parts.append(_Part(f.out_features, _Q4_PANELS, f.panels.data_ptr(), None, 0))
+        elif isinstance(f, NativeQ4):
             parts.append(_Part(f.codes.shape[0], 0, f.codes.data_ptr(), f.scale_min.data_ptr(), 0))
         elif isinstance(f, NativeGGUF):
             parts.append(_Part(f.raw.shape[0], f.ggml_type, f.raw.data_ptr(), None, f.raw.shape[1]))
