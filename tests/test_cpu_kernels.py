@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagellm.kernels import cpu_quant, native
-from pagellm.layers import quant
+from pagellm.kernels import native
+from pagellm.layers import panels, quant
 from tests.helpers import outputs_on_one_and_two_threads
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="no C compiler on this machine")
@@ -77,34 +77,6 @@ def test_q8_head_matches_dequantized_product():
         _close(out, x.bfloat16(), w)
 
 
-def test_avx512_vnni_cpus_take_the_panel_layout():
-    """Where the panel kernel is built (AVX-512 BW and VNNI) NativeQ4 uses it, and the panels
-    hold the row layout's products (the same integer block sums; the float32 part per block
-    and 16 outputs instead of per 8 partial sums); elsewhere the row layout stays."""
-    flags = native.cpu_flags()
-    has = {"avx512bw", "avx512_vnni"} <= flags
-    assert cpu_quant.q4_panels_available() == has
-    w = _q4(37, 160, seed=9)  # 37 outputs: two panels and a partial third
-    packed = quant.NativeQ4(w)
-    assert (packed.panels is not None) == has
-    if not has:
-        return
-    assert packed.panels.shape == (3, 5, 384)
-    codes, sm = quant.NativeQ4.row_form(w)
-    g = torch.Generator().manual_seed(9)
-    for rows in (1, 2, 5, 6, 7, 12, 13, 40):  # tiles of up to 6 rows, split evenly
-        x = torch.randn(rows, 160, generator=g)
-        x[0, 40] = 300.0  # one block far above the rest of its row: scaled per block
-        y = packed(x)
-        _close(y, x, w, per_block=True)
-        rows_layout = cpu_quant.q4_linear(x, codes, sm)
-        assert torch.allclose(y, rows_layout, rtol=1e-5, atol=1e-5 * rows_layout.abs().max().item())
-    x = torch.randn(3, 160)
-    x[1, 7] = float("nan")
-    y = packed(x)
-    assert bool(y[1].isnan().all()) and bool(y[[0, 2]].isfinite().all())
-
-
 def test_threads_split_outputs_without_changing_them():
     w = _q4(64, 128, seed=3)
     one, two = outputs_on_one_and_two_threads(quant.NativeQ4(w), torch.randn(3, 128))
@@ -127,10 +99,12 @@ def test_portable_build_gives_the_same_products(tmp_path, monkeypatch):
             assert fn(x.data_ptr(), rows, 96, codes.data_ptr(), scales.data_ptr(), 16, y.data_ptr(), 1) == 0
             _close(y, x, blocks)
     # no panel kernel there: NativeQ4 keeps the row layout on such a build
-    assert lib.q4p_available() == 0
-    panels = cpu_quant.q4_panels(w.q, w.scale, w.zero - 8 * w.scale)
+    assert lib.panels_available() == 0
+    packed = panels.pack(panels.Q4_F32, w.q.numpy(), scale=w.scale.numpy(),
+                         low=(w.zero - 8 * w.scale).numpy())
     y = torch.empty(1, 16)
-    assert lib.q4p_linear(x.data_ptr(), 1, 96, panels.data_ptr(), 16, y.data_ptr(), 1) == -2
+    assert lib.panel_linear(x.data_ptr(), 1, 96, packed.data_ptr(), panels.Q4_F32, 16,
+                            y.data_ptr(), 1) == -2
 
 
 def test_disabled_kernels_fall_back(monkeypatch):

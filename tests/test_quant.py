@@ -85,7 +85,8 @@ def test_linears_keep_packed_weights_beside_dense_ones():
     # .to(dtype) leaves the packed form alone; its bytes are codes plus block scales
     assert col.packed.nbytes > 48 * 64 // 2
     if isinstance(col.packed, quant.NativeQ4) and col.packed.panels is not None:
-        assert col.packed.panels.dtype == torch.uint8 and col.packed.panels.shape == (3, 2, 384)
+        # a GGUF file's f16 scales and mins: the f16 panels (320 bytes a panel and block)
+        assert col.packed.panels.dtype == torch.uint8 and col.packed.panels.shape == (3, 2, 320)
     elif isinstance(col.packed, quant.NativeQ4):
         assert col.packed.codes.dtype == torch.uint8 and col.packed.scale_min.dtype == torch.float32
     dense = torch.cat([a.dequantize(), b.dequantize()])

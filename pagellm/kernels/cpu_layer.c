@@ -17,8 +17,8 @@
 
 int q4_linear(const float *x, int64_t R, int64_t K, const uint8_t *codes, const float *sm,
               int64_t N, float *y, int threads);
-int q4p_linear(const float *x, int64_t R, int64_t K, const uint8_t *panels, int64_t N, float *y,
-               int threads);
+int panel_linear(const float *x, int64_t R, int64_t K, const uint8_t *panels, int fmt, int64_t N,
+                 float *y, int threads);
 int gguf_linear(const float *x, int64_t R, int64_t K, const uint8_t *w, int64_t row_bytes,
                 int type, int64_t N, float *y, int threads);
 int paged_attention(const float *q, float *out, const void *kc, const void *vc,
@@ -46,10 +46,10 @@ static void rotate(float *x, int64_t heads, int64_t hd, const float *cos, const 
 
 /* A packed projection: up to three parts of output rows side by side (a Q4_K_M file's
  * Q4_K q|k beside a Q6_K v), each in pagellm's Q4 form (type 0: codes, scale_min; type
- * PART_Q4_PANELS: cpu_q4_panels.c's panels) or in its GGUF blocks (a ggml type: raw rows of
+ * PART_PANELS + f: cpu_panels.c's panels of format f) or in its GGUF blocks (a ggml type: raw rows of
  * row_bytes), and an optional float32 bias. Mirrors kernels/cpu_layer.py's Projection. */
 #define MAX_PARTS 3
-#define PART_Q4_PANELS 1000
+#define PART_PANELS 1000
 typedef struct {
     int64_t rows, type;
     const void *w, *sm;
@@ -63,7 +63,8 @@ typedef struct {
 
 static int part_linear(const part_t *p, const float *x, int64_t T, int64_t K, float *y, int threads) {
     if (p->type == 0) return q4_linear(x, T, K, p->w, p->sm, p->rows, y, threads);
-    if (p->type == PART_Q4_PANELS) return q4p_linear(x, T, K, p->w, p->rows, y, threads);
+    if (p->type >= PART_PANELS)
+        return panel_linear(x, T, K, p->w, (int)(p->type - PART_PANELS), p->rows, y, threads);
     return gguf_linear(x, T, K, p->w, p->row_bytes, (int)p->type, p->rows, y, threads);
 }
 

@@ -7,10 +7,10 @@ import torch
 
 from pagellm.attention.base import AttentionMetadata
 from pagellm.kernels import native
-from pagellm.layers.quant import NativeGGUF, NativeQ4, PackedParts, few_rows
+from pagellm.layers.quant import NativeGGUF, NativePanels, NativeQ4, PackedParts, few_rows
 
 _MAX_PARTS = 3  # cpu_layer.c MAX_PARTS
-_Q4_PANELS = 1000  # cpu_layer.c PART_Q4_PANELS
+_PANELS = 1000  # cpu_layer.c PART_PANELS: + the panel format
 
 
 class _Part(ctypes.Structure):  # cpu_layer.c part_t
@@ -29,8 +29,8 @@ def _parts(packed) -> list | None:
         return None
     parts = []
     for f in forms:
-        if isinstance(f, NativeQ4) and f.panels is not None:
-            parts.append(_Part(f.out_features, _Q4_PANELS, f.panels.data_ptr(), None, 0))
+        if isinstance(f, (NativeQ4, NativePanels)) and f.panels is not None:
+            parts.append(_Part(f.out_features, _PANELS + f.fmt, f.panels.data_ptr(), None, 0))
         elif isinstance(f, NativeQ4):
             parts.append(_Part(f.codes.shape[0], 0, f.codes.data_ptr(), f.scale_min.data_ptr(), 0))
         elif isinstance(f, NativeGGUF):

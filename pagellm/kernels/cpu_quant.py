@@ -26,42 +26,6 @@ def q4_linear(x: torch.Tensor, codes: torch.Tensor, scale_min: torch.Tensor) -> 
     return _run("q4_linear", x, codes, scale_min)
 
 
-def q4_panels_available() -> bool:
-    """Whether NativeQ4 keeps its codes in panels (cpu_q4_panels.c: AVX-512 BW and VNNI)."""
-    lib = native.library()
-    return lib is not None and bool(lib.q4p_available())
-
-
-Q4P_OUT, Q4P_BYTES = 16, 384  # cpu_q4_panels.c: outputs a panel, bytes a panel and block
-
-
-def q4_panels(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
-    """q [N, K] codes 0..15, scale and low [N, K / 32] float32 (w = scale * q + low) ->
-    [ceil(N / 16), K / 32, 384] uint8 in cpu_q4_panels.c's layout (outputs past N zero)."""
-    n, k = q.shape
-    g, pad = k // 32, -n % Q4P_OUT
-    if pad:
-        q = torch.cat([q, q.new_zeros(pad, k)])
-        scale, low = (torch.cat([t, t.new_zeros(pad, g)]) for t in (scale, low))
-    p = (n + pad) // Q4P_OUT
-    u = q.to(torch.uint8).view(p, Q4P_OUT, g, 8, 2, 2)  # [P, o, g, c, half, t]: input 4c + 2 half + t
-    codes = (u[..., 0, :] | (u[..., 1, :] << 4)).permute(0, 2, 3, 1, 4)  # [P, g, c, o, t]
-    sm = torch.stack([scale.float(), low.float()]).view(2, p, Q4P_OUT, g).permute(1, 3, 0, 2)
-    return torch.cat([codes.reshape(p, g, 256),
-                      sm.contiguous().view(torch.uint8).reshape(p, g, 128)], dim=2).contiguous()
-
-
-def q4p_linear(x: torch.Tensor, panels: torch.Tensor, n: int) -> torch.Tensor:
-    """x [..., K] (any float dtype), panels (q4_panels) of N outputs -> x W^T in float32."""
-    k = panels.shape[1] * 32
-    x2 = x.reshape(-1, k).to(torch.float32).contiguous()
-    y = torch.empty(x2.shape[0], n, dtype=torch.float32)
-    if native.library().q4p_linear(x2.data_ptr(), x2.shape[0], k, panels.data_ptr(), n,
-                                   y.data_ptr(), torch.get_num_threads()) != 0:
-        raise MemoryError("q4p_linear: out of memory for activation buffers")
-    return y.view(*x.shape[:-1], n)
-
-
 def q8_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """codes [N, K] int8, scale [N, K / 32] float32 (w = scale * q) -> x W^T in float32."""
     return _run("q8_linear", x, codes, scale)

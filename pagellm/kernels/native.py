@@ -28,8 +28,8 @@ _P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_f
 # C function -> (argument types, return type)
 SIGNATURES = {
     "q4_linear": ([_P, _I64, _I64, _P, _P, _I64, _P, _I32], ctypes.c_int),
-    "q4p_available": ([], ctypes.c_int),
-    "q4p_linear": ([_P, _I64, _I64, _P, _I64, _P, _I32], ctypes.c_int),
+    "panels_available": ([], ctypes.c_int),
+    "panel_linear": ([_P, _I64, _I64, _P, _I32, _I64, _P, _I32], ctypes.c_int),
     "q8_linear": ([_P, _I64, _I64, _P, _P, _I64, _P, _I32], ctypes.c_int),
     "gguf_linear": ([_P, _I64, _I64, _P, _I64, _I32, _I64, _P, _I32], ctypes.c_int),
     "gguf_act_group": ([_I32, _I64], ctypes.c_int),

@@ -1,0 +1,236 @@
+/* Few-row products of 4- and 5-bit block weights with the codes in panels of 16 outputs, on CPUs
+ * with AVX-512 BW and VNNI (pagellm/layers/quant.py: NativeQ4 and NativePanels; elsewhere the
+ * row layouts of cpu_quant.c and cpu_gguf.c stay).
+ *
+ * Every format is, per 32-value block of an output, w = scale * q + min with an integer code
+ * q. Each 32-value block of x is
+ * scaled to int16 (x ~ dx * xq, quantize_rows), the integer block sums are exact, then
+ *
+ *     sum_j w_j x_j ~ scale * dx * sum_j q_j xq_j + min * sum_j x_j
+ *
+ * Why panels: with one output's codes in a row, each block of each output costs a widening,
+ * multiply-adds, a horizontal sum, scalar scale products and broadcasts (~14 instructions per
+ * 20 bytes of Q4 weights): a one-row product ran at ~22 GB/s of weights, about half of what
+ * memory gives two cores, and 5-8 rows were compute-bound. Here a 512-bit register holds 16
+ * outputs' codes for 2 inputs each (one int32 lane an output), so a block of 16 outputs is 8
+ * widenings, 16 vpdpwssd a row with the activations broadcast, and one vector of scales and of
+ * mins for all 16: ~4x fewer instructions per byte, and a lane's block sum is already whole
+ * (no horizontal sum; the float part once per block and 16 outputs).
+ *
+ * Codes, panel p (outputs 16p .. 16p + 15, zero past N), block g (inputs 32g .. +31): 8 groups
+ * of 32 bytes; in group c, byte 2o + t (output o, t = 0, 1) holds the low 4 bits of input
+ * 4c + t in its low nibble and of input 4c + 2 + t in its high one: widened to int16, lane o
+ * holds inputs (4c, 4c + 1) after a nibble mask and (4c + 2, 4c + 3) after a shift by 4.
+ * Formats (bytes per panel and block unless said):
+ *   PF_Q4_F32 (0): codes 256, scales float32 [16], mins float32 [16]                  = 384
+ *   PF_Q4_F16 (1): codes 256, scales fp16 [16], mins fp16 [16]                          = 320
+ *   PF_Q5_F16 (2): codes 256, fifth bits 64 (per group: a 32-bit mask for the nibble-mask
+ *                  register, one for the shifted one; bit 2o + t), scales, mins fp16    = 384
+ *   PF_Q4_K   (3): per 256 inputs d [16], dmin [16] fp16 (64), the file's 12 bytes of 6-bit
+ *                  scales and mins as three words [3][16] (192), then 8 blocks of codes
+ *                  (256 each): scale = d * sc, min = -dmin * m; the file's size    = 2304
+ * (Q6_K stays in cpu_gguf_avx512.c's rows: in panels, its 2-bit planes made it 0.8-0.9x that
+ * kernel at 1-5 rows.)
+ * Panels are consecutive, each its blocks in order: a thread streams its panels' bytes.
+ *
+ * Integer ranges: a lane sums 32 products of q <= 31 and |xq| <= 32767 (< 2^25).
+ * Each output is computed by one thread: the same result on any thread count.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include "quant_rows.h"
+
+enum { PF_Q4_F32 = 0, PF_Q4_F16 = 1, PF_Q5_F16 = 2, PF_Q4_K = 3 };
+#define P_OUT 16
+#define P_TILE 6  /* rows a pass over a panel's codes takes */
+#ifndef P_PF
+#define P_PF 4096  /* bytes ahead the weights are asked for */
+#endif
+
+/* bytes of a panel per unit (32 inputs; 256 for the K formats), and inputs per unit */
+static inline int64_t unit_bytes(int fmt) {
+    switch (fmt) {
+    case PF_Q4_F32: return 384; case PF_Q4_F16: return 320; case PF_Q5_F16: return 384;
+    case PF_Q4_K: return 2304; default: return 0;
+    }
+}
+static inline int64_t unit_inputs(int fmt) { return fmt >= PF_Q4_K ? 256 : 32; }
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#include <immintrin.h>
+#include <string.h>
+
+int panels_available(void) { return 1; }
+
+/* two int16 activations in every lane: a broadcast straight from memory (a load, where a
+ * copy through a general register first costs a shuffle on the vector ports as well) */
+typedef int32_t __attribute__((may_alias, aligned(2))) pair_t;
+static inline __m512i word(const int16_t *p) { return _mm512_set1_epi32(*(const pair_t *)p); }
+
+static inline __m512 f16x16(const uint8_t *p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+}
+
+/* One 32-input block of a panel for rows [0, RB): integer sums of the first and second 16
+ * inputs (groups 0-3, 4-7: two chains of 8 vpdpwssd a row, not one of 16) into sa, sb.
+ * codes: the block's 256 code bytes; hi: Q5's fifth-bit masks. */
+static inline __attribute__((always_inline)) void block_sums(
+        int FMT, int RB, const uint8_t *codes, const uint8_t *hi, const int16_t *xq, int64_t K,
+        __m512i *sa, __m512i *sb) {
+    const __m512i nib = _mm512_set1_epi16(0x0F);
+    for (int r = 0; r < RB; r++) sa[r] = sb[r] = _mm512_setzero_si512();
+    for (int c = 0; c < 8; c++) {
+        const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(codes + 32 * c)));
+        __m512i lo = _mm512_and_si512(v, nib), up = _mm512_srli_epi16(v, 4);
+        if (FMT == PF_Q5_F16) {
+            uint32_t ml, mu;
+            memcpy(&ml, hi + 8 * c, 4);
+            memcpy(&mu, hi + 8 * c + 4, 4);
+            const __m512i sixteen = _mm512_set1_epi16(16);
+            lo = _mm512_mask_add_epi16(lo, (__mmask32)ml, lo, sixteen);
+            up = _mm512_mask_add_epi16(up, (__mmask32)mu, up, sixteen);
+        }
+        for (int r = 0; r < RB; r++) {
+            const int16_t *xr = xq + r * K + 4 * c;
+            __m512i s = c < 4 ? sa[r] : sb[r];
+            s = _mm512_dpwssd_epi32(s, lo, word(xr));
+            s = _mm512_dpwssd_epi32(s, up, word(xr + 2));
+            if (c < 4) sa[r] = s; else sb[r] = s;
+        }
+    }
+}
+
+/* Rows [0, RB) of x (row stride K; dx, xs per 32 inputs, row stride G) over one panel; y row
+ * stride N, the first `cols` outputs written. */
+static inline __attribute__((always_inline)) void panel_tile(
+        int FMT, int RB, const int16_t *xq, const float *dx, const float *xs, int64_t K,
+        const uint8_t *panel, float *y, int64_t N, int cols) {
+    const int64_t G = K / GROUP, U = K / unit_inputs(FMT), UB = unit_bytes(FMT);
+    const int inner = FMT >= PF_Q4_K ? 8 : 1;
+    __m512 acc[P_TILE];
+    for (int r = 0; r < RB; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t u = 0; u < U; u++) {
+        const uint8_t *ub = panel + u * UB;
+        for (int l = 0; l < UB; l += 64) _mm_prefetch((const char *)ub + P_PF + l, _MM_HINT_T1);
+        __m512 d = _mm512_setzero_ps(), dmin = _mm512_setzero_ps();
+        __m512i sc03 = _mm512_setzero_si512(), sc47 = sc03, m03 = sc03, m47 = sc03;
+        if (FMT == PF_Q4_K) {
+            d = f16x16(ub);
+            dmin = f16x16(ub + 32);
+            /* the 6-bit scales and mins of 16 outputs, a byte each in 4 vectors (as
+             * k4_scales_mins in gguf_types.h does for one output) */
+            const __m512i A = _mm512_loadu_si512(ub + 64), B = _mm512_loadu_si512(ub + 128);
+            const __m512i C = _mm512_loadu_si512(ub + 192);
+            const __m512i lo6 = _mm512_set1_epi32(0x3f3f3f3f), lo4 = _mm512_set1_epi32(0x0f0f0f0f);
+            const __m512i lo2 = _mm512_set1_epi32(0x03030303);
+            sc03 = _mm512_and_si512(A, lo6);
+            m03 = _mm512_and_si512(B, lo6);
+            sc47 = _mm512_or_si512(_mm512_and_si512(C, lo4),
+                                   _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(A, 6), lo2), 4));
+            m47 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(C, 4), lo4),
+                                  _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(B, 6), lo2), 4));
+        }
+        for (int i = 0; i < inner; i++) {
+            const int64_t g = u * inner + i;
+            const uint8_t *b = FMT == PF_Q4_K ? ub + 256 + 256 * i : ub;
+            __m512i sa[P_TILE], sb[P_TILE];
+            block_sums(FMT, RB, b, b + 256, xq + g * GROUP, K, sa, sb);
+            __m512 sc, mn;
+            if (FMT == PF_Q4_F32) {
+                sc = _mm512_loadu_ps((const float *)(b + 256));
+                mn = _mm512_loadu_ps((const float *)(b + 320));
+            } else if (FMT == PF_Q4_F16) {
+                sc = f16x16(b + 256);
+                mn = f16x16(b + 288);
+            } else if (FMT == PF_Q5_F16) {
+                sc = f16x16(b + 320);
+                mn = f16x16(b + 352);
+            } else {  /* Q4_K: byte i % 4 of each output's word */
+                const __m512i byte = _mm512_set1_epi32(0xFF);
+                const int sh = 8 * (i & 3);
+                sc = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_and_si512(
+                    _mm512_srli_epi32(i < 4 ? sc03 : sc47, sh), byte)));
+                mn = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(_mm512_and_si512(
+                    _mm512_srli_epi32(i < 4 ? m03 : m47, sh), byte)));
+                mn = _mm512_sub_ps(_mm512_setzero_ps(), mn);
+            }
+            for (int r = 0; r < RB; r++) {
+                const __m512 f = _mm512_cvtepi32_ps(_mm512_add_epi32(sa[r], sb[r]));
+                acc[r] = _mm512_fmadd_ps(f, _mm512_mul_ps(sc, _mm512_set1_ps(dx[r * G + g])),
+                                         _mm512_fmadd_ps(mn, _mm512_set1_ps(xs[r * G + g]), acc[r]));
+            }
+        }
+    }
+    const __mmask16 keep = (__mmask16)((1u << cols) - 1);
+    for (int r = 0; r < RB; r++) _mm512_mask_storeu_ps(y + r * N, keep, acc[r]);
+}
+
+#define TILES(FMT) do { \
+        for (int64_t t = 0, r0 = 0, rb; t < tiles; t++, r0 += rb) { \
+            rb = R / tiles + (t < R % tiles); \
+            const int16_t *xt = xq + r0 * K; \
+            const float *dt = dx + r0 * G, *st = xs + r0 * G; \
+            float *yt = y + r0 * N + p * P_OUT; \
+            switch (rb) { \
+            case 1: panel_tile(FMT, 1, xt, dt, st, K, panel, yt, N, cols); break; \
+            case 2: panel_tile(FMT, 2, xt, dt, st, K, panel, yt, N, cols); break; \
+            case 3: panel_tile(FMT, 3, xt, dt, st, K, panel, yt, N, cols); break; \
+            case 4: panel_tile(FMT, 4, xt, dt, st, K, panel, yt, N, cols); break; \
+            case 5: panel_tile(FMT, 5, xt, dt, st, K, panel, yt, N, cols); break; \
+            default: panel_tile(FMT, 6, xt, dt, st, K, panel, yt, N, cols); break; \
+            } \
+        } } while (0)
+
+/* One function per format, so that each panel_tile has its format as a literal. */
+#define PANEL_PRODUCT(NAME, FMT) \
+static void NAME(const int16_t *xq, const float *dx, const float *xs, int64_t R, int64_t K, \
+                 const uint8_t *panels, int64_t N, float *y, int threads) { \
+    const int64_t G = K / GROUP, P = (N + P_OUT - 1) / P_OUT; \
+    const int64_t bytes = K / unit_inputs(FMT) * unit_bytes(FMT); \
+    const int64_t tiles = (R + P_TILE - 1) / P_TILE; \
+    _Pragma("omp parallel for schedule(static) num_threads(threads) if (threads > 1)") \
+    for (int64_t p = 0; p < P; p++) { \
+        const uint8_t *panel = panels + p * bytes; \
+        const int cols = N - p * P_OUT < P_OUT ? (int)(N - p * P_OUT) : P_OUT; \
+        TILES(FMT); \
+    } \
+}
+PANEL_PRODUCT(product_q4_f32, PF_Q4_F32)
+PANEL_PRODUCT(product_q4_f16, PF_Q4_F16)
+PANEL_PRODUCT(product_q5_f16, PF_Q5_F16)
+PANEL_PRODUCT(product_q4_k, PF_Q4_K)
+
+/* x [R, K] float32 (K a multiple of the format's unit), panels of N outputs in format fmt
+ * -> y [R, N] float32. Returns 0, -1 when out of memory, -2 for an unknown format or K. */
+int panel_linear(const float *x, int64_t R, int64_t K, const uint8_t *panels, int fmt, int64_t N,
+                 float *y, int threads) {
+    if (fmt < PF_Q4_F32 || fmt > PF_Q4_K || K % unit_inputs(fmt)) return -2;
+    const int64_t G = K / GROUP;
+    int16_t *xq = malloc(sizeof(int16_t) * R * K);
+    float *dx = malloc(sizeof(float) * R * G), *xs8 = malloc(sizeof(float) * R * G * 8);
+    float *xs = malloc(sizeof(float) * R * G);
+    if (!xq || !dx || !xs8 || !xs) { free(xq); free(dx); free(xs8); free(xs); return -1; }
+    quantize_rows(x, R, K, xq, dx, xs8);
+    for (int64_t i = 0; i < R * G; i++) {  /* block sums for the min terms */
+        const float *s = xs8 + i * 8;
+        xs[i] = ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
+    }
+    switch (fmt) {
+    case PF_Q4_F32: product_q4_f32(xq, dx, xs, R, K, panels, N, y, threads); break;
+    case PF_Q4_F16: product_q4_f16(xq, dx, xs, R, K, panels, N, y, threads); break;
+    case PF_Q5_F16: product_q5_f16(xq, dx, xs, R, K, panels, N, y, threads); break;
+    default: product_q4_k(xq, dx, xs, R, K, panels, N, y, threads); break;
+    }
+    free(xq); free(dx); free(xs8); free(xs);
+    return 0;
+}
+
+#else
+int panels_available(void) { return 0; }
+
+int panel_linear(const float *x, int64_t R, int64_t K, const uint8_t *panels, int fmt, int64_t N,
+                 float *y, int threads) {
+    (void)x; (void)R; (void)K; (void)panels; (void)fmt; (void)N; (void)y; (void)threads;
+    return -2;
+}
+#endif

@@ -1,0 +1,151 @@
+"""Block weights laid out in panels of 16 outputs for kernels/cpu_panels.c (AVX-512 BW + VNNI):
+the GGUF blocks decoded into integer codes and per-block parameters, exactly (the kernel's
+values are the file's), then interleaved as the kernel reads them. See cpu_panels.c for the
+layout and why.
+
+    fmt                 from                         bytes a weight (file's)
+    Q4_F32 (0)          Int4Blocks (float32 scales)  0.75
+    Q4_F16 (1)          Q4_0, Q4_1 (fp16 d, m)       0.625  (0.5625, 0.625)
+    Q5_F16 (2)          Q5_0, Q5_1                   0.75   (0.6875, 0.75)
+    Q4_K   (3)          Q4_K                         0.5625 (0.5625)
+
+Q6_K stays in its rows (NativeGGUF): in panels its 2-bit planes made it slower at 1-5 rows.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType as T
+
+from pagellm.kernels import native
+
+OUT = 16  # outputs a panel
+Q4_F32, Q4_F16, Q5_F16, Q4_K = range(4)
+FORMAT_OF = {T.Q4_0: Q4_F16, T.Q4_1: Q4_F16, T.Q5_0: Q5_F16, T.Q5_1: Q5_F16, T.Q4_K: Q4_K}
+
+
+def available() -> bool:
+    """Whether the panel kernels are built here (AVX-512 BW and VNNI); PAGELLM_PANELS=0 turns
+    them off (weights loaded after that keep the row layouts)."""
+    lib = native.library()
+    return (os.environ.get("PAGELLM_PANELS", "1") != "0" and lib is not None
+            and bool(lib.panels_available()))
+
+
+def linear(x: torch.Tensor, panels: torch.Tensor, fmt: int, n: int, k: int) -> torch.Tensor:
+    """x [..., K] (any float dtype) times N outputs' panels -> [..., N] float32."""
+    x2 = x.reshape(-1, k).to(torch.float32).contiguous()
+    y = torch.empty(x2.shape[0], n, dtype=torch.float32)
+    rc = native.library().panel_linear(x2.data_ptr(), x2.shape[0], k, panels.data_ptr(), fmt, n,
+                                       y.data_ptr(), torch.get_num_threads())
+    if rc == -1:
+        raise MemoryError("panel_linear: out of memory for activation buffers")
+    if rc != 0:
+        raise ValueError(f"panel_linear: format {fmt} with {k} inputs is not one the kernel takes")
+    return y.view(*x.shape[:-1], n)
+
+
+# ---- layout ---------------------------------------------------------------------------------
+
+def _pad(a: np.ndarray, p: int) -> np.ndarray:
+    """[N, ...] -> [P * 16, ...] with zero rows past N."""
+    pad = p * OUT - a.shape[0]
+    return np.concatenate([a, np.zeros((pad, *a.shape[1:]), a.dtype)]) if pad else a
+
+
+def _groups(u: np.ndarray, p: int) -> np.ndarray:
+    """codes [N, K] -> [P, G, 8 (group c), 2 (half), 16 (o), 2 (t)]: input 4c + 2 half + t."""
+    g = u.shape[1] // 32
+    return _pad(u, p).reshape(p, OUT, g, 8, 2, 2).transpose(0, 2, 3, 4, 1, 5)
+
+
+def _nibbles(u: np.ndarray, p: int) -> np.ndarray:
+    """The 4-bit plane: [P, G, 256] (group c: byte 2o + t = input 4c + t | input 4c + 2 + t << 4)."""
+    q = _groups(u & 15, p)
+    return (q[:, :, :, 0] | (q[:, :, :, 1] << 4)).reshape(p, q.shape[1], 256)
+
+
+def _per_block(a: np.ndarray, p: int) -> np.ndarray:
+    """[N, B] values per block -> [P, B, 16 * itemsize] bytes (16 outputs' values a block)."""
+    a = _pad(a, p)
+    return np.ascontiguousarray(a.reshape(p, OUT, a.shape[1]).transpose(0, 2, 1)).view(np.uint8)
+
+
+def pack(fmt: int, u: np.ndarray, **params: np.ndarray) -> torch.Tensor:
+    """codes u [N, K] uint8 and the format's per-block parameters -> the panels, uint8
+    [P, K / unit, unit bytes]:
+      Q4_F32: scale, low float32 [N, K / 32]; Q4_F16 / Q5_F16: the same as float16;
+      Q4_K: d, dmin float16 [N, K / 256], scales12 uint8 [N, K / 256, 12] (the file's bytes;
+            sc, m [N, K / 32], their values, are for dequantize);
+"""
+    n, k = u.shape
+    p, g = -(-n // OUT), k // 32
+    codes = _nibbles(u, p)  # [P, G, 256]
+    if fmt in (Q4_F32, Q4_F16, Q5_F16):
+        parts = [codes]
+        if fmt == Q5_F16:  # fifth bits: per group a mask for each half, bit 2o + t
+            bits = ((_groups(u, p) >> 4) & 1).astype(np.uint8)  # [P, G, 8, 2, 16, 2]
+            parts.append(np.packbits(bits.reshape(p, g, 8, 2, 32), axis=-1, bitorder="little")
+                         .reshape(p, g, 64))
+        parts += [_per_block(params["scale"], p), _per_block(params["low"], p)]
+        return torch.from_numpy(np.ascontiguousarray(np.concatenate(parts, axis=2)))
+    s = k // 256
+    if fmt == Q4_K:
+        blocks = codes  # [P, G, 256]
+        words = _pad(params["scales12"], p).reshape(p, OUT, s, 3, 4).transpose(0, 2, 3, 1, 4)
+        head = np.concatenate([_per_block(params["d"], p), _per_block(params["dmin"], p),
+                               words.reshape(p, s, 192)], axis=2)  # [P, S, 256]
+    else:
+        raise ValueError(f"unknown panel format {fmt}")
+    out = np.concatenate([head, blocks.reshape(p, s, -1)], axis=2)
+    return torch.from_numpy(np.ascontiguousarray(out))
+
+
+# ---- GGUF blocks -> codes and parameters ------------------------------------------------------
+
+def _f16(b: np.ndarray, at: int) -> np.ndarray:
+    return b[:, at:at + 2].copy().view(np.float16)[:, 0]
+
+
+def decode(raw: np.ndarray, ggml_type: T, k: int) -> tuple[int, np.ndarray, dict]:
+    """A GGUF weight's rows of blocks [N, row_bytes] -> (fmt, codes [N, K] uint8, parameters for
+    pack), the same values as the file's."""
+    from pagellm.layers import q32  # the 32-value types' decoding
+
+    n = raw.shape[0]
+    fmt = FORMAT_OF[ggml_type]
+    if fmt in (Q4_F16, Q5_F16):
+        u, d, m = (t.numpy() for t in q32._decode(raw, ggml_type, k))
+        return fmt, u, {"scale": d.astype(np.float16), "low": m.astype(np.float16)}
+    if ggml_type == T.Q4_K:
+        b = np.ascontiguousarray(raw).reshape(-1, 144)  # [N * S, 144]
+        sb = b[:, 4:16].astype(np.uint8)
+        sc = np.empty((b.shape[0], 8), np.uint8)
+        m = np.empty((b.shape[0], 8), np.uint8)
+        sc[:, :4], m[:, :4] = sb[:, 0:4] & 63, sb[:, 4:8] & 63
+        sc[:, 4:] = (sb[:, 8:12] & 0xF) | ((sb[:, 0:4] >> 6) << 4)
+        m[:, 4:] = (sb[:, 8:12] >> 4) | ((sb[:, 4:8] >> 6) << 4)
+        qs = b[:, 16:].reshape(-1, 4, 32)  # 4 chunks of 64 values: low nibbles, then high
+        u = np.stack([qs & 0xF, qs >> 4], axis=2).reshape(n, k)
+        return fmt, u, {"d": _f16(b, 0).reshape(n, -1), "dmin": _f16(b, 2).reshape(n, -1),
+                        "scales12": np.ascontiguousarray(sb).reshape(n, -1, 12),
+                        "sc": sc.reshape(n, -1), "m": m.reshape(n, -1)}
+    raise ValueError(f"no panel format for {ggml_type.name}")
+
+
+def dequantize(fmt: int, u: np.ndarray, params: dict) -> np.ndarray:
+    """[N, K] float32 of the codes and parameters (what the panels hold; tests compare it
+    with the file's dequantized values)."""
+    n, k = u.shape
+    q = u.astype(np.float32)
+    if fmt in (Q4_F32, Q4_F16, Q5_F16):
+        w = q.reshape(n, -1, 32) * params["scale"].astype(np.float32)[..., None] \
+            + params["low"].astype(np.float32)[..., None]
+    else:  # Q4_K
+        d = np.repeat(params["d"].astype(np.float32), 8, axis=1)
+        dmin = np.repeat(params["dmin"].astype(np.float32), 8, axis=1)
+        w = (d * params["sc"])[..., None] * q.reshape(n, -1, 32) \
+            - (dmin * params["m"])[..., None]
+    return w.reshape(n, k).astype(np.float32)

@@ -1,0 +1,119 @@
+"""Panels of 16 outputs (pagellm/layers/panels.py, kernels/cpu_panels.c; AVX-512 BW + VNNI):
+each GGUF type's blocks decode to exactly the file's values (gguf's reference dequantizer),
+the products match float64 products with those values within the int16-activation bound on
+every row count the engine sends (1..40: passes of up to 6 rows), partial panels, one and two
+threads give the same bits, a NaN stays in its row, and the packed forms and the fused decode
+layer take panels where the kernel is built."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import dequantize
+
+from pagellm.kernels import native
+from pagellm.layers import panels, quant
+from tests.gguf_files import random_blocks
+from tests.helpers import outputs_on_one_and_two_threads
+
+TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K]
+needs_kernel = pytest.mark.skipif(not panels.available(),
+                                  reason="panel kernels need AVX-512 BW and VNNI")
+
+
+def _shape(t):  # K a multiple of the type's unit; 37 outputs: two panels and a partial third
+    return 37, (512 if t == Q.Q4_K else 160)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_blocks_decode_to_the_files_values(qtype):
+    """Runs on every machine: the decoding and the layout are Python."""
+    n, k = _shape(qtype)
+    b = random_blocks(qtype, n, k, seed=3, amplitude=0.2)
+    fmt, u, params = panels.decode(b.raw.numpy(), qtype, k)
+    ref = dequantize(b.raw.numpy(), qtype).astype(np.float32)
+    assert np.array_equal(panels.dequantize(fmt, u, params), ref)
+    packed = panels.pack(fmt, u, **params)
+    unit = 256 if qtype == Q.Q4_K else 32
+    assert packed.shape[:2] == (3, k // unit)
+    # as many bytes as the file's blocks, or within 20% (Q4_0 / Q5_0 also store their min)
+    assert b.raw.numel() * 3 * 16 / n <= packed.numel() <= b.raw.numel() * 3 * 16 / n * 1.2
+
+
+def _bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Half an int16 step of each 32-value block of x (max|x| / 32767) times |w| summed, plus
+    float32 rounding of the terms."""
+    r, k = x.shape
+    step = x.abs().view(r, k // 32, 32).amax(-1) / 32767  # [R, G]
+    wsum = w.abs().view(w.shape[0], k // 32, 32).sum(-1)  # [N, G]
+    return 0.5 * step @ wsum.t() + 1e-6 * (x.abs() @ w.abs().t()) + 1e-9
+
+
+@needs_kernel
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_products_match_the_files_values_on_every_row_count(qtype):
+    n, k = _shape(qtype)
+    b = random_blocks(qtype, n, k, seed=4, amplitude=0.2)
+    packed = quant.NativePanels(b)
+    w = torch.from_numpy(dequantize(b.raw.numpy(), qtype).astype(np.float64))
+    g = torch.Generator().manual_seed(4)
+    for rows in [*range(1, 14), 18, 24, 33, 40]:
+        x = torch.randn(rows, k, generator=g, dtype=torch.float64) * 2
+        x[0, 40] = 700.0  # a block far above the rest of its row: blocks scale on their own
+        out = packed(x.float())
+        assert out.shape == (rows, n) and out.dtype == torch.float32
+        x = x.float().double()
+        err = (out.double() - x @ w.t()).abs()
+        assert bool((err <= _bound(x, w)).all()), (rows, (err / _bound(x, w)).max().item())
+
+
+@needs_kernel
+def test_q4_blocks_take_fp16_panels_only_where_exact():
+    g = torch.Generator().manual_seed(5)
+    q = torch.randint(0, 16, (20, 64), generator=g, dtype=torch.uint8)
+    scale = torch.rand(20, 2, generator=g).half().float()  # a GGUF file's f16 values
+    exact = quant.NativeQ4(quant.Int4Blocks(q, scale, 8 * scale - 0.5))
+    assert exact.fmt == panels.Q4_F16 and exact.nbytes == 2 * 320 * 2
+    rough = quant.NativeQ4(quant.Int4Blocks(q, scale + 1e-5, 8 * scale))  # not f16 values
+    assert rough.fmt == panels.Q4_F32
+    x = torch.randn(3, 64)
+    for packed, blocks in ((exact, quant.Int4Blocks(q, scale, 8 * scale - 0.5)),
+                           (rough, quant.Int4Blocks(q, scale + 1e-5, 8 * scale))):
+        w = blocks.dequantize().double()
+        err = (packed(x).double() - x.double() @ w.t()).abs()
+        assert bool((err <= _bound(x.double(), w)).all())
+
+
+@needs_kernel
+def test_threads_split_panels_without_changing_them_and_nan_stays_in_its_row():
+    b = random_blocks(Q.Q4_K, 70, 512, seed=6, amplitude=0.2)
+    packed = quant.NativePanels(b)
+    one, two = outputs_on_one_and_two_threads(packed, torch.randn(7, 512))
+    assert torch.equal(one, two)
+    x = torch.randn(3, 512)
+    x[1, 300] = float("nan")
+    y = packed(x)
+    assert bool(y[1].isnan().all()) and bool(y[[0, 2]].isfinite().all())
+
+
+def test_gguf_projections_take_panels_where_the_kernel_is_built():
+    """pack_parts: Q4_K / Q5_0 runs become panels; Q6_K and Q8_0 keep the file's rows."""
+    if not native.available():
+        pytest.skip("no C compiler on this machine")
+    parts = [random_blocks(t, 32, 256, seed=s) for s, t in enumerate((Q.Q4_K, Q.Q4_K, Q.Q6_K))]
+    form = quant.pack_parts(parts)
+    kinds = [type(p) for p in form.parts]
+    want = quant.NativePanels if panels.available() else quant.NativeGGUF
+    assert kinds == [want, quant.NativeGGUF]
+    assert isinstance(quant.pack_parts([random_blocks(Q.Q8_0, 32, 64, seed=9)]), quant.NativeGGUF)
+    x = torch.randn(2, 256)
+    ref = x.double() @ torch.cat([p.dequantize() for p in parts]).double().t()
+    assert torch.allclose(form(x).double(), ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
+
+
+@needs_kernel
+def test_panels_can_be_turned_off(monkeypatch):
+    monkeypatch.setenv("PAGELLM_PANELS", "0")
+    assert not panels.available()
+    assert isinstance(quant.pack_parts([random_blocks(Q.Q4_K, 16, 256, seed=1)]), quant.NativeGGUF)
