@@ -15,6 +15,16 @@ from tests.helpers import outputs_on_one_and_two_threads
 pytestmark = pytest.mark.skipif(not native.available(), reason="no C compiler on this machine")
 
 
+@pytest.fixture(params=["panels", "rows"])
+def layout(request, monkeypatch):
+    """NativeQ4's two layouts: panels of 16 outputs (cpu_panels.c, AVX-512 BW + VNNI) and rows
+    (cpu_quant.c, every CPU; PAGELLM_PANELS=0)."""
+    if request.param == "panels" and not panels.available():
+        pytest.skip("panel kernels need AVX-512 BW and VNNI")
+    monkeypatch.setenv("PAGELLM_PANELS", "1" if request.param == "panels" else "0")
+    return request.param
+
+
 def _q4(n, k, seed, with_min=True):
     g = torch.Generator().manual_seed(seed)
     q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
@@ -46,16 +56,17 @@ def _close(out, x, blocks, per_block=False):
 
 
 @pytest.mark.parametrize("k", [32, 96, 576])
-def test_q4_matches_dequantized_product_for_every_row_count(k):
+def test_q4_matches_dequantized_product_for_every_row_count(k, layout):
     w = _q4(40, k, seed=k)
     packed = quant.NativeQ4(w)
+    assert (packed.panels is not None) == (layout == "panels")
     g = torch.Generator().manual_seed(k)
     for rows in [*range(1, 21), 24, 33, 40]:  # the engine sends up to 40 rows (max_rows 41)
         x = torch.randn(rows, k, generator=g) * 3
         _close(packed(x), x, w)
 
 
-def test_q4_without_mins_and_with_outliers():
+def test_q4_without_mins_and_with_outliers(layout):
     w = _q4(24, 64, seed=1, with_min=False)  # Q4_0: min = -8 * scale
     x = torch.randn(5, 64)
     x[:, 3] = 5000.0  # an outlier 1000x the rest: the other block gets a scale of its own
@@ -77,7 +88,7 @@ def test_q8_head_matches_dequantized_product():
         _close(out, x.bfloat16(), w)
 
 
-def test_threads_split_outputs_without_changing_them():
+def test_threads_split_outputs_without_changing_them(layout):
     w = _q4(64, 128, seed=3)
     one, two = outputs_on_one_and_two_threads(quant.NativeQ4(w), torch.randn(3, 128))
     assert torch.equal(one, two)  # each output is summed by one thread in a fixed order

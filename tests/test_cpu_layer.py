@@ -75,17 +75,27 @@ def test_fused_layer_matches_module_path():
                 assert tok in a and abs(a[tok] - lp) < 3e-2, (tok, a, b)
 
 
-def test_fused_layer_output_equals_module_output_per_step():
+@pytest.mark.parametrize("panels_on", [True, False], ids=["panels", "rows"])
+def test_fused_layer_output_equals_module_output_per_step(panels_on, monkeypatch):
     """Each fused call against the module path on a copy of the same input and step: equal
     up to float32 rounding (relative to the residual stream's largest value). A rounding
     difference (vectorized exp, summation order) can move an activation across one int16
     quantization step, 1/32767 of its row's largest value, hence 1e-4; a wrong formula is
     off by more than 1e-2. The fused call runs first, on the cache as the step found it, and
     the K/V it writes are compared with the module path's from the same starting cache (run
-    second, the module path's own writes would hide a fused layer that wrote none)."""
+    second, the module path's own writes would hide a fused layer that wrote none). Both Q4
+    layouts: panels (cpu_panels.c, where built) and rows (cpu_quant.c)."""
+    from pagellm.kernels import cpu_layer
+    from pagellm.layers import panels
+
+    if panels_on and not panels.available():
+        pytest.skip("panel kernels need AVX-512 BW and VNNI")
+    monkeypatch.setenv("PAGELLM_PANELS", "1" if panels_on else "0")
     llm = LLM(dtype="bfloat16", kv_cache_memory="32MiB", block_size=4)
     try:
         layer = llm.engine.model.layers[7]
+        types = {p.type for proj in layer.fused._projs for p in proj.parts[:proj.nparts]}
+        assert all((t >= cpu_layer._PANELS) == panels_on for t in types), types
         attn = layer.self_attn
         fused = layer.fused
         diffs, kv_diffs = [], []

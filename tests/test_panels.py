@@ -39,6 +39,53 @@ def test_blocks_decode_to_the_files_values(qtype):
     assert packed.shape[:2] == (3, k // unit)
     # as many bytes as the file's blocks, or within 20% (Q4_0 / Q5_0 also store their min)
     assert b.raw.numel() * 3 * 16 / n <= packed.numel() <= b.raw.numel() * 3 * 16 / n * 1.2
+    # the bytes read back as cpu_panels.c reads them give the same weights
+    assert np.array_equal(_read_back(packed.numpy(), fmt, n, k), ref)
+
+
+def _read_back(buf: np.ndarray, fmt: int, n: int, k: int) -> np.ndarray:
+    """The weights [n, k] that cpu_panels.c's layout (its header comment) holds, read with
+    plain loops over the bytes: a check of panels.pack that runs on every machine."""
+    p = buf.shape[0]
+    w = np.zeros((p * 16, k), np.float32)
+    for pi in range(p):
+        for unit in range(buf.shape[1]):
+            ub = buf[pi, unit]
+            blocks = [(ub, unit)] if fmt != panels.Q4_K else [
+                (ub[256 + 256 * i:], unit * 8 + i) for i in range(8)]
+            if fmt == panels.Q4_K:
+                d = ub[0:32].view(np.float16).astype(np.float32)
+                dmin = ub[32:64].view(np.float16).astype(np.float32)
+                words = ub[64:256].view(np.uint32).reshape(3, 16)  # A, B, C per output
+            for i, (b, g) in enumerate(blocks):
+                for o in range(16):
+                    if fmt == panels.Q4_F32:
+                        sc, mn = b[256:320].view(np.float32)[o], b[320:384].view(np.float32)[o]
+                    elif fmt == panels.Q4_F16:
+                        sc = b[256:288].view(np.float16)[o]
+                        mn = b[288:320].view(np.float16)[o]
+                    elif fmt == panels.Q5_F16:
+                        sc = b[320:352].view(np.float16)[o]
+                        mn = b[352:384].view(np.float16)[o]
+                    else:
+                        a_, b_, c_ = (int(x) for x in words[:, o])
+                        byte = lambda v, j: (v >> (8 * j)) & 0xFF  # noqa: E731
+                        if i < 4:
+                            s6, m6 = byte(a_, i) & 63, byte(b_, i) & 63
+                        else:
+                            s6 = (byte(c_, i - 4) & 15) | ((byte(a_, i - 4) >> 6) << 4)
+                            m6 = (byte(c_, i - 4) >> 4) | ((byte(b_, i - 4) >> 6) << 4)
+                        sc, mn = d[o] * np.float32(s6), -(dmin[o] * np.float32(m6))
+                    for c in range(8):
+                        for t in range(2):
+                            v = int(b[32 * c + 2 * o + t])
+                            for half, q in ((0, v & 15), (1, v >> 4)):
+                                if fmt == panels.Q5_F16:
+                                    mask = int(b[256 + 8 * c + 4 * half:][:4].view(np.uint32)[0])
+                                    q += 16 * ((mask >> (2 * o + t)) & 1)
+                                j = 32 * g + 4 * c + 2 * half + t
+                                w[pi * 16 + o, j] = np.float32(sc) * np.float32(q) + np.float32(mn)
+    return w[:n]
 
 
 def _bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -97,6 +144,34 @@ def test_threads_split_panels_without_changing_them_and_nan_stays_in_its_row():
     assert bool(y[1].isnan().all()) and bool(y[[0, 2]].isfinite().all())
 
 
+def test_a_min_past_fp16s_range_keeps_exact_values():
+    """Q4_0's min is -8 d: past fp16's range for d > 8188 it is kept in float32 (Q4_F32);
+    Q5_0's (-16 d) has no such form: those weights keep the file's rows."""
+    b4 = random_blocks(Q.Q4_0, 16, 64, seed=7)
+    raw = b4.raw.numpy().reshape(16, 2, 18).copy()
+    raw[3, 1, 0:2] = np.array([10000.0], np.float16).view(np.uint8)
+    b4 = quant.GGUFBlocks(torch.from_numpy(raw.reshape(16, -1)), Q.Q4_0, 64)
+    fmt, u, params = panels.decode(b4.raw.numpy(), Q.Q4_0, 64)
+    assert fmt == panels.Q4_F32
+    assert np.array_equal(panels.dequantize(fmt, u, params),
+                          dequantize(b4.raw.numpy(), Q.Q4_0).astype(np.float32))
+    b5 = random_blocks(Q.Q5_0, 16, 64, seed=8)
+    raw = b5.raw.numpy().reshape(16, 2, 22).copy()
+    raw[0, 0, 0:2] = np.array([5000.0], np.float16).view(np.uint8)
+    b5 = quant.GGUFBlocks(torch.from_numpy(raw.reshape(16, -1)), Q.Q5_0, 64)
+    with pytest.raises(ValueError, match="fp16"):
+        panels.decode(b5.raw.numpy(), Q.Q5_0, 64)
+    assert quant.NativePanels.of(b5) is None
+    if native.available():
+        assert isinstance(quant.pack_parts([b5]), quant.NativeGGUF)
+    if panels.available():
+        x = torch.randn(2, 64)
+        ref = x.double() @ b4.dequantize().double().t()
+        out = quant.NativePanels(b4)(x).double()
+        assert torch.isfinite(out).all()
+        assert torch.allclose(out, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
+
+
 def test_gguf_projections_take_panels_where_the_kernel_is_built():
     """pack_parts: Q4_K / Q5_0 runs become panels; Q6_K and Q8_0 keep the file's rows."""
     if not native.available():
@@ -110,6 +185,11 @@ def test_gguf_projections_take_panels_where_the_kernel_is_built():
     x = torch.randn(2, 256)
     ref = x.double() @ torch.cat([p.dequantize() for p in parts]).double().t()
     assert torch.allclose(form(x).double(), ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
+    if panels.available():  # the fused decode layer takes the panel part as its own type
+        from pagellm.kernels import cpu_layer
+
+        parts = cpu_layer._parts(form)
+        assert [p.type for p in parts] == [cpu_layer._PANELS + panels.Q4_K, int(Q.Q6_K)]
 
 
 @needs_kernel

@@ -42,7 +42,7 @@ def _parts(packed) -> list | None:
 
 class FusedDecodeLayer:
     """Holds one DecoderLayer's weights as the C function wants them. Built only for layers
-    whose projections are all packed natively (NativeQ4, NativeGGUF, or parts of those), with
+    whose projections are all packed natively (NativeQ4, NativePanels, NativeGGUF, or parts of those), with
     float32 norms and biases, on one process."""
 
     def __init__(self, layer):

@@ -33,7 +33,8 @@
  * kernel at 1-5 rows.)
  * Panels are consecutive, each its blocks in order: a thread streams its panels' bytes.
  *
- * Integer ranges: a lane sums 32 products of q <= 31 and |xq| <= 32767 (< 2^25).
+ * Integer ranges: a lane sums 32 products of q <= 31 and |xq| <= 32767 (< 2^25; converted to
+ * float32 exactly below 2^24, Q5's largest sums rounded by at most one unit in 2^24).
  * Each output is computed by one thread: the same result on any thread count.
  */
 #include <stdint.h>

@@ -147,7 +147,7 @@ class _Packed:
     until all parts are there, and the weight goes to the meta device (its shape stays; any use
     would fail loudly)."""
 
-    packed = None  # quant.NativeQ4 | TorchInt4 | NativeGGUF | PackedParts
+    packed = None  # quant.NativeQ4 | TorchInt4 | NativePanels | NativeGGUF | PackedParts
     int8 = None  # int8.NativeInt8: the same weights for many-row products (USE_INT8)
     q32 = None  # q32.Q32Linear: 32-value blocks for many-row products (bf16 units + VNNI)
     onednn = None  # onednn.OneDNNLinear: the dense bf16 weight, prepacked (prepack_bf16)

@@ -111,14 +111,20 @@ def _f16(b: np.ndarray, at: int) -> np.ndarray:
 
 def decode(raw: np.ndarray, ggml_type: T, k: int) -> tuple[int, np.ndarray, dict]:
     """A GGUF weight's rows of blocks [N, row_bytes] -> (fmt, codes [N, K] uint8, parameters for
-    pack), the same values as the file's."""
+    pack), the same values as the file's. ValueError where no format holds them exactly."""
     from pagellm.layers import q32  # the 32-value types' decoding
 
     n = raw.shape[0]
     fmt = FORMAT_OF[ggml_type]
     if fmt in (Q4_F16, Q5_F16):
         u, d, m = (t.numpy() for t in q32._decode(raw, ggml_type, k))
-        return fmt, u, {"scale": d.astype(np.float16), "low": m.astype(np.float16)}
+        with np.errstate(over="ignore"):
+            d16, m16 = d.astype(np.float16), m.astype(np.float16)
+        if not np.isfinite(m16).all():  # Q4_0 / Q5_0: -8 d, -16 d past fp16's range (d > 4094)
+            if fmt == Q5_F16:
+                raise ValueError("no exact panel form: a Q5 block's min is past fp16's range")
+            return Q4_F32, u, {"scale": d, "low": m}
+        return fmt, u, {"scale": d16, "low": m16}
     if ggml_type == T.Q4_K:
         b = np.ascontiguousarray(raw).reshape(-1, 144)  # [N * S, 144]
         sb = b[:, 4:16].astype(np.uint8)

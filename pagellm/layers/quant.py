@@ -16,7 +16,8 @@ keeps both its dense weight and, when available, the packed one. Q8_0 (w = d * q
 
 Every other packable type (GGUFBlocks: the file's own bytes, one row of blocks per output
 feature) is multiplied by pagellm/kernels/cpu_gguf.c (NativeGGUF), which decodes the blocks
-itself; a fused projection whose parts have different types (a Q4_K_M file's Q4_K q/k beside a
+itself; on CPUs with AVX-512 BW and VNNI, Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q4_K projections (and
+NativeQ4) go in panels of 16 outputs instead (NativePanels, layers/panels.py); a fused projection whose parts have different types (a Q4_K_M file's Q4_K q/k beside a
 Q6_K v) keeps one packed form per run of parts (PackedParts).
 """
 from __future__ import annotations
@@ -109,8 +110,8 @@ class NativeQ4:
     """Codes with float32 (scale, min) per block, multiplied by pagellm/kernels/cpu_quant.c:
     float32 activations (int16 per block inside), 1.5-2x faster than PyTorch's packed kernel
     for 1-5 rows on AVX2 (benchmarks: `latency`). On CPUs with AVX-512 BW and VNNI the codes
-    go in panels of 16 outputs instead (cpu_q4_panels.c: the same integer block sums, ~4x
-    fewer instructions per byte of weights)."""
+    go in panels of 16 outputs instead (layers/panels.py, kernels/cpu_panels.c: the same
+    integer block sums, ~4x fewer instructions per byte of weights)."""
 
     # Measured on AVX2 (ms, 3072 x 576): rows 1: 0.12 / torch packed 0.25; 5: 0.32 / 0.60;
     # 16: 0.99 / dense float32 1.11 (weights hot in cache); 24: 1.63 / 1.55. A whole step
@@ -287,10 +288,11 @@ class NativeGGUF:
 
 
 class NativePanels:
-    """A GGUF projection (Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q4_K / Q6_K) in panels of 16 outputs for
-    kernels/cpu_panels.c, on CPUs with AVX-512 BW and VNNI: the file's values, as many bytes
-    within 3%, and 1.4-2x the speed of the row kernel from 1 to 40 rows (it replaces
-    NativeGGUF there; an LM head stays NativeGGUF: its vocabulary limit slices rows)."""
+    """A GGUF projection (Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q4_K) in panels of 16 outputs for
+    kernels/cpu_panels.c, on CPUs with AVX-512 BW and VNNI: the file's values, the file's bytes
+    (Q4_0 / Q5_0: +11% / +9%, their min stored), 1.0-2x the speed of the row kernels from 1 to
+    40 rows (1.0-1.1x: the 1.5B's Q4_K at one row). It replaces NativeGGUF there; an LM head
+    stays NativeGGUF (its vocabulary limit slices rows)."""
 
     max_rows = NativeQ4.max_rows
 
@@ -299,10 +301,16 @@ class NativePanels:
         self.fmt, u, params = panels.decode(w.raw.numpy(), w.ggml_type, w.cols)
         self.panels = panels.pack(self.fmt, u, **params)
 
-    @staticmethod
-    def takes(w: GGUFBlocks) -> bool:
-        return (w.ggml_type in panels.FORMAT_OF and panels.available()
-                and w.cols % w.unit[0] == 0)
+    @classmethod
+    def of(cls, w: GGUFBlocks) -> NativePanels | None:
+        """The panel form of w, or None where there is none (no kernel here, another type,
+        or values no format holds exactly)."""
+        if not (w.ggml_type in panels.FORMAT_OF and panels.available() and w.cols % w.unit[0] == 0):
+            return None
+        try:
+            return cls(w)
+        except ValueError:
+            return None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # -> float32
         return panels.linear(x, self.panels, self.fmt, self.out_features, self.in_features)
@@ -362,5 +370,5 @@ def pack_parts(parts: list[Int4Blocks | GGUFBlocks]):
             blocks = GGUFBlocks(torch.cat([p.raw for p in run]), run[0].ggml_type, run[0].cols)
             if not gguf_packable(blocks):
                 return None
-            forms.append(NativePanels(blocks) if NativePanels.takes(blocks) else NativeGGUF(blocks))
+            forms.append(NativePanels.of(blocks) or NativeGGUF(blocks))
     return forms[0] if len(forms) == 1 else PackedParts(forms)
