@@ -28,12 +28,12 @@ def _shape(t):  # K a multiple of the type's unit; 37 outputs: two panels and a 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_blocks_decode_to_the_files_values(qtype):
-    """Runs on every machine: the decoding and the layout are Python."""
+    """Runs on every machine: the decoding and the layout are Python, read back here byte by
+    byte (_read_back) as the kernel reads them."""
     n, k = _shape(qtype)
     b = random_blocks(qtype, n, k, seed=3, amplitude=0.2)
     fmt, u, params = panels.decode(b.raw.numpy(), qtype, k)
     ref = dequantize(b.raw.numpy(), qtype).astype(np.float32)
-    assert np.array_equal(panels.dequantize(fmt, u, params), ref)
     packed = panels.pack(fmt, u, **params)
     unit = 256 if qtype == Q.Q4_K else 32
     assert packed.shape[:2] == (3, k // unit)
@@ -153,7 +153,7 @@ def test_a_min_past_fp16s_range_keeps_exact_values():
     b4 = quant.GGUFBlocks(torch.from_numpy(raw.reshape(16, -1)), Q.Q4_0, 64)
     fmt, u, params = panels.decode(b4.raw.numpy(), Q.Q4_0, 64)
     assert fmt == panels.Q4_F32
-    assert np.array_equal(panels.dequantize(fmt, u, params),
+    assert np.array_equal(_read_back(panels.pack(fmt, u, **params).numpy(), fmt, 16, 64),
                           dequantize(b4.raw.numpy(), Q.Q4_0).astype(np.float32))
     b5 = random_blocks(Q.Q5_0, 16, 64, seed=8)
     raw = b5.raw.numpy().reshape(16, 2, 22).copy()
@@ -165,11 +165,11 @@ def test_a_min_past_fp16s_range_keeps_exact_values():
     if native.available():
         assert isinstance(quant.pack_parts([b5]), quant.NativeGGUF)
     if panels.available():
-        x = torch.randn(2, 64)
-        ref = x.double() @ b4.dequantize().double().t()
-        out = quant.NativePanels(b4)(x).double()
+        x = torch.randn(2, 64, generator=torch.Generator().manual_seed(7)).double()
+        w = b4.dequantize().double()
+        out = quant.NativePanels(b4)(x.float()).double()
         assert torch.isfinite(out).all()
-        assert torch.allclose(out, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
+        assert bool(((out - x @ w.t()).abs() <= _bound(x, w)).all())
 
 
 def test_gguf_projections_take_panels_where_the_kernel_is_built():
@@ -182,7 +182,7 @@ def test_gguf_projections_take_panels_where_the_kernel_is_built():
     want = quant.NativePanels if panels.available() else quant.NativeGGUF
     assert kinds == [want, quant.NativeGGUF]
     assert isinstance(quant.pack_parts([random_blocks(Q.Q8_0, 32, 64, seed=9)]), quant.NativeGGUF)
-    x = torch.randn(2, 256)
+    x = torch.randn(2, 256, generator=torch.Generator().manual_seed(2))
     ref = x.double() @ torch.cat([p.dequantize() for p in parts]).double().t()
     assert torch.allclose(form(x).double(), ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
     if panels.available():  # the fused decode layer takes the panel part as its own type

@@ -77,8 +77,7 @@ def pack(fmt: int, u: np.ndarray, **params: np.ndarray) -> torch.Tensor:
     """codes u [N, K] uint8 and the format's per-block parameters -> the panels, uint8
     [P, K / unit, unit bytes]:
       Q4_F32: scale, low float32 [N, K / 32]; Q4_F16 / Q5_F16: the same as float16;
-      Q4_K: d, dmin float16 [N, K / 256], scales12 uint8 [N, K / 256, 12] (the file's bytes;
-            sc, m [N, K / 32], their values, are for dequantize);
+      Q4_K: d, dmin float16 [N, K / 256], scales12 uint8 [N, K / 256, 12] (the file's bytes);
 """
     n, k = u.shape
     p, g = -(-n // OUT), k // 32
@@ -120,38 +119,16 @@ def decode(raw: np.ndarray, ggml_type: T, k: int) -> tuple[int, np.ndarray, dict
         u, d, m = (t.numpy() for t in q32._decode(raw, ggml_type, k))
         with np.errstate(over="ignore"):
             d16, m16 = d.astype(np.float16), m.astype(np.float16)
-        if not np.isfinite(m16).all():  # Q4_0 / Q5_0: -8 d, -16 d past fp16's range (d > 4094)
+        if not np.isfinite(m16).all():  # Q4_0 / Q5_0: -8 d, -16 d past fp16's range (d > 8188 / 4094)
             if fmt == Q5_F16:
                 raise ValueError("no exact panel form: a Q5 block's min is past fp16's range")
             return Q4_F32, u, {"scale": d, "low": m}
         return fmt, u, {"scale": d16, "low": m16}
     if ggml_type == T.Q4_K:
         b = np.ascontiguousarray(raw).reshape(-1, 144)  # [N * S, 144]
-        sb = b[:, 4:16].astype(np.uint8)
-        sc = np.empty((b.shape[0], 8), np.uint8)
-        m = np.empty((b.shape[0], 8), np.uint8)
-        sc[:, :4], m[:, :4] = sb[:, 0:4] & 63, sb[:, 4:8] & 63
-        sc[:, 4:] = (sb[:, 8:12] & 0xF) | ((sb[:, 0:4] >> 6) << 4)
-        m[:, 4:] = (sb[:, 8:12] >> 4) | ((sb[:, 4:8] >> 6) << 4)
         qs = b[:, 16:].reshape(-1, 4, 32)  # 4 chunks of 64 values: low nibbles, then high
         u = np.stack([qs & 0xF, qs >> 4], axis=2).reshape(n, k)
+        # the 6-bit scales and mins stay the file's 12 bytes: the kernel decodes them
         return fmt, u, {"d": _f16(b, 0).reshape(n, -1), "dmin": _f16(b, 2).reshape(n, -1),
-                        "scales12": np.ascontiguousarray(sb).reshape(n, -1, 12),
-                        "sc": sc.reshape(n, -1), "m": m.reshape(n, -1)}
+                        "scales12": np.ascontiguousarray(b[:, 4:16]).reshape(n, -1, 12)}
     raise ValueError(f"no panel format for {ggml_type.name}")
-
-
-def dequantize(fmt: int, u: np.ndarray, params: dict) -> np.ndarray:
-    """[N, K] float32 of the codes and parameters (what the panels hold; tests compare it
-    with the file's dequantized values)."""
-    n, k = u.shape
-    q = u.astype(np.float32)
-    if fmt in (Q4_F32, Q4_F16, Q5_F16):
-        w = q.reshape(n, -1, 32) * params["scale"].astype(np.float32)[..., None] \
-            + params["low"].astype(np.float32)[..., None]
-    else:  # Q4_K
-        d = np.repeat(params["d"].astype(np.float32), 8, axis=1)
-        dmin = np.repeat(params["dmin"].astype(np.float32), 8, axis=1)
-        w = (d * params["sc"])[..., None] * q.reshape(n, -1, 32) \
-            - (dmin * params["m"])[..., None]
-    return w.reshape(n, k).astype(np.float32)
