@@ -1,6 +1,6 @@
-"""A separate draft model: one that scores only its first N token ids
-(SpeculativeConfig.draft_vocab_size: the logits it gives, the proposals it makes, greedy output
-unchanged; the sampled law with such a draft is checked in test_sampled_distribution.py,
+"""A separate draft model: one that scores only its first N token ids and the ids of each
+request's own text (SpeculativeConfig.draft_vocab_size: the logits it gives, the proposals it
+makes, greedy output unchanged; the sampled law with such a draft is checked in test_sampled_distribution.py,
 draft_sub_vocab), and its catch-up on context kept out of what the controller learns."""
 from __future__ import annotations
 
@@ -69,7 +69,39 @@ def test_limited_head_scores_the_first_ids_only(dtype):
         assert bool((part[:, 1000:] == float("-inf")).all())
 
 
-def test_greedy_output_unchanged_and_proposals_within_the_limit(tiny_llama):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_limited_head_also_scores_the_ids_it_is_given(dtype):
+    """also_score: ids past the limit get the full head's logits (bit for bit where the head is
+    packed: the same kernel over the same rows), the others past the limit stay -inf."""
+    llm = LLM(dtype=dtype, kv_cache_memory="16MiB")
+    model = llm.engine.model
+    hidden = torch.randn(3, model.config.hidden_size,
+                         generator=torch.Generator().manual_seed(0))
+    hidden = hidden.to(model.act_dtype or model.norm.weight.dtype)
+    ids = torch.tensor([1000, 1733, 20000, model.config.vocab_size - 1])
+    for rows in (1, 3):
+        full = model.compute_logits(hidden[:rows])
+        model.limit_vocab(1000)
+        model.also_score(ids)
+        try:
+            part = model.compute_logits(hidden[:rows])
+        finally:
+            model.limit_vocab(None)
+        assert model.extra_ids is None  # a new limit starts without extra ids
+        assert torch.equal(part[:, :1000], full[:, :1000])
+        if model.head_packed is not None:
+            assert torch.equal(part[:, ids], full[:, ids])
+        else:
+            torch.testing.assert_close(part[:, ids], full[:, ids], rtol=1e-5, atol=1e-4)
+        rest = torch.ones(full.shape[1], dtype=torch.bool)
+        rest[:1000] = False
+        rest[ids] = False
+        assert bool((part[:, rest] == float("-inf")).all())
+
+
+def test_greedy_output_unchanged_and_proposals_within_the_limit_or_the_requests_text(tiny_llama):
+    """A draft scoring its first 100 ids proposes ids past them only where the texts of the
+    requests in its step hold them (and the output is the target's alone)."""
     path, _ = tiny_llama
     sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     want = [o.outputs[0].token_ids for o in
@@ -79,19 +111,48 @@ def test_greedy_output_unchanged_and_proposals_within_the_limit(tiny_llama):
                                   "draft_vocab_size": 100, "adaptive": False})
     proposer = llm.engine.spec.proposer
     assert proposer.model.vocab_limit == 100
-    proposed = []
+    proposed, past_limit = [], []
     orig = proposer.propose
 
     def recording(seqs, ks):
+        # the ids of the texts of the requests in the step (a batch scores their union)
+        text = {t for seq in seqs for t in seq.prompt_token_ids + seq.output_token_ids}
         out = orig(seqs, ks)
-        proposed.extend(t for p in out for t in p.token_ids)
+        for prop in out:
+            proposed.extend(prop.token_ids)
+            past_limit.extend((t, t in text) for t in prop.token_ids if t >= 100)
         return out
 
     proposer.propose = recording
     got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, sp, use_tqdm=False)]
     assert got == want
-    assert proposed and max(proposed) < 100
+    assert proposed and past_limit and all(mine for _, mine in past_limit), past_limit
     assert any(t >= 100 for ids in want for t in ids)  # the target still emits the others
+    assert not proposer._past_limit  # released with their requests
+
+
+def test_the_ids_past_the_limit_are_read_once_per_request(tiny_llama):
+    """The proposer reads each request's new tokens only, keeps them per request, and scores
+    the union of the batch's (plus the end-of-sequence id past the limit)."""
+    from pagellm.sequence import Sequence
+
+    path, _ = tiny_llama
+    llm = LLM(path, dtype="float32", kv_cache_memory=2**20,
+              speculative_config={"method": "draft_model", "model": path,
+                                  "draft_vocab_size": 100})
+    proposer = llm.engine.spec.proposer
+    proposer.eos_token_id = {3, 250}
+    a = Sequence(0, "a", 0, [5, 120, 7, 120], SamplingParams(), None)
+    b = Sequence(1, "b", 0, [130], SamplingParams(), None)
+    proposer._score_own_text([a, b])
+    assert proposer.model.extra_ids.tolist() == [120, 130, 250]
+    a.output_token_ids += [9, 140]
+    proposer._score_own_text([a])
+    assert proposer.model.extra_ids.tolist() == [120, 140, 250]
+    assert proposer._past_limit[0] == (6, {120, 140})
+    proposer.eos_token_id = 3
+    proposer._score_own_text([Sequence(2, "c", 0, [4], SamplingParams(), None)])
+    assert proposer.model.extra_ids is None
 
 
 def test_the_controller_never_sees_a_draft_catch_up(tiny_llama):

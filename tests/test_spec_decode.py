@@ -843,6 +843,10 @@ def test_cli_flags_build_the_early_exit_draft(tiny_pair):
                          "--speculative-draft-num-layers", "1", "--speculative-fixed-k"])
     kw = engine_kwargs(args)
     assert kw["speculative_config"]["draft_num_layers"] == 1
+    assert kw["speculative_config"]["draft_vocab_size"] is None
+    sub = p.parse_args(["--model", path, "--speculative-method", "draft_model",
+                        "--speculative-model", path, "--speculative-draft-vocab-size", "100"])
+    assert engine_kwargs(sub)["speculative_config"]["draft_vocab_size"] == 100
     assert kw["speculative_config"]["adaptive"] is False
     kw["model"] = path
     llm = LLM(**kw)

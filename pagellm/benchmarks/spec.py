@@ -121,6 +121,10 @@ def parse_args(argv):
     p.add_argument("--draft", default=None,
                    help="a draft model (GGUF file or HF folder with the target's tokenizer) "
                         "to pre-test; 'target' = the target's own files")
+    p.add_argument("--draft-vocab-size", type=int, default=0,
+                   help="N > 0 adds \"draft q4_1 vN\" (a GGUF draft) or \"draft vN\": the draft "
+                        "scoring its first N token ids and the ids of each request's own text "
+                        "(SpeculativeConfig.draft_vocab_size)")
     p.add_argument("--prompts", default=None,
                    help="your prompts: a JSONL file, one {\"prompt\": text}, {\"messages\": "
                         "[...]} (chat template) or {\"prompt_token_ids\": [...]} per line; "
@@ -229,6 +233,10 @@ def configs(args) -> dict[str, dict | None]:
         if args.draft.endswith(".gguf"):  # the same draft requantized: a cheaper step
             methods.append(("draft q4_1", {"method": "draft_model", "model": args.draft,
                                            "draft_quantization": "q4_1"}))
+        if args.draft_vocab_size > 0:  # the cheapest draft form, with a sub-vocabulary head
+            name, cfg = methods[-1]
+            methods.append((f"{name} v{args.draft_vocab_size}",
+                            {**cfg, "draft_vocab_size": args.draft_vocab_size}))
         # n-gram lookup first, the draft where it finds nothing
         methods.append(("draft+lookup", {"method": "draft_model", "model": args.draft,
                                          "prompt_lookup_first": True}))

@@ -222,6 +222,12 @@ class NativeQ8:
         sub.codes, sub.scale = self.codes[:n], self.scale[:n]
         return sub
 
+    def rows(self, ids: torch.Tensor) -> NativeQ8:
+        """The same head over outputs `ids` (a copy of those rows)."""
+        sub = object.__new__(NativeQ8)
+        sub.codes, sub.scale = self.codes.index_select(0, ids), self.scale.index_select(0, ids)
+        return sub
+
     @property
     def nbytes(self) -> int:
         return self.codes.numel() + self.scale.numel() * 4
@@ -280,6 +286,12 @@ class NativeGGUF:
         """The same weights over their first n outputs (a view: no copy)."""
         sub = object.__new__(NativeGGUF)
         sub.raw, sub.ggml_type, sub.cols = self.raw[:n], self.ggml_type, self.cols
+        return sub
+
+    def rows(self, ids: torch.Tensor) -> NativeGGUF:
+        """The same weights over outputs `ids` (a copy of those rows' blocks)."""
+        sub = object.__new__(NativeGGUF)
+        sub.raw, sub.ggml_type, sub.cols = self.raw.index_select(0, ids), self.ggml_type, self.cols
         return sub
 
     @property

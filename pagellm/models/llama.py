@@ -161,6 +161,7 @@ class LlamaForCausalLM(nn.Module):
         vocab = self._head().shape[0]
         self.vocab_limit = None if n is None or n >= vocab else n
         self._head_sub = self._head_sub_onednn = None
+        self.extra_ids = None
         if self.vocab_limit is not None and self.head_packed is not None:
             self._head_sub = self.head_packed.first_rows(self.vocab_limit)
         if self.vocab_limit is not None and self.head_onednn is not None:
@@ -170,7 +171,15 @@ class LlamaForCausalLM(nn.Module):
             if dense.device.type != "meta":
                 self._head_sub_onednn = onednn.OneDNNLinear(dense.data[: self.vocab_limit])
 
+    def also_score(self, ids: torch.Tensor | None) -> None:
+        """With a vocabulary limit: score these ids too (int64, sorted, unique, all past the
+        limit; None: none). A draft's proposer passes the ids of its requests' own text: an
+        identifier of the code being edited, or a word of the question, is often past the
+        first n ids, and the draft could never propose it otherwise."""
+        self.extra_ids = ids if ids is not None and ids.numel() else None
+
     vocab_limit: int | None = None
+    extra_ids: torch.Tensor | None = None
     _head_sub = None
     _head_sub_onednn = None
     # The dense bf16 head reordered once into oneDNN's layout (prepack_head): bf16 units only.
@@ -208,6 +217,9 @@ class LlamaForCausalLM(nn.Module):
                 out[:, :n] = self.head_onednn(hidden)[:, :n].float()
             else:
                 out[:, :n] = linear(hidden, self._head()[:n]).float()
+            if self.extra_ids is not None:
+                ids = self.extra_ids.to(hidden.device)
+                out[:, ids] = self._head_rows(hidden, ids)
             return out
         if self.head_packed is not None and hidden.shape[0] < head_max_rows(self.head_packed):
             return self.head_packed(hidden)
@@ -217,6 +229,18 @@ class LlamaForCausalLM(nn.Module):
                               and hidden.dtype != self._head().dtype):
             return F.linear(hidden.float(), self.head_float32())
         return linear(hidden, self._head()).float()
+
+    def _head_rows(self, hidden: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Logits [rows, len(ids)] float32 of the head's rows `ids`: a few hundred rows
+        gathered each call (the packed forms' kernels give each output the bits the whole
+        head gives it)."""
+        packed = self.head_packed
+        if packed is not None and hidden.shape[0] < head_max_rows(packed) and hasattr(packed, "rows"):
+            return packed.rows(ids)(hidden)
+        head = self._head()
+        if head.device.type == "meta":  # an untied head held only prepacked (prepack_head)
+            return self.head_onednn(hidden)[:, ids].float()
+        return linear(hidden, head.index_select(0, ids)).float()
 
     def _head(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

@@ -47,6 +47,9 @@ class DraftModelProposer(Proposer):
         self.last_rounds = 0  # proposal rounds of the latest propose() call
         self.last_seconds = 0.0
         self.last_catchup_seconds = 0.0  # its rounds that caught a shadow up on context
+        # A head limited to its first ids also scores the ids past the limit that a request's
+        # own text holds: seq -> (its tokens read so far, those ids)
+        self._past_limit: dict[int, tuple[int, set[int]]] = {}
 
     @property
     def has_cost(self) -> bool:
@@ -103,6 +106,7 @@ class DraftModelProposer(Proposer):
                 break
             out = SchedulerOutput([b[1] for b in batch], counts)
             rows = list(torch.tensor(counts).cumsum(0) - 1)
+            self._score_own_text([b[0] for b in batch])
             try:
                 logits = self.runner.execute(out, [int(r) for r in rows])
             except BaseException:
@@ -132,6 +136,27 @@ class DraftModelProposer(Proposer):
         self.last_seconds = time.perf_counter() - start - catchup
         self.last_catchup_seconds = catchup
         return [proposals[s.seq_id] for s in seqs]
+
+    def _score_own_text(self, seqs: list[Sequence]) -> None:
+        """A draft head limited to its first n ids (draft_vocab_size) also scores every id
+        past n that these requests' prompts and outputs hold, and the end-of-sequence ids:
+        the names in code being edited, the words of a question. Read incrementally: each
+        token once per request."""
+        limit = getattr(self.model, "vocab_limit", None)
+        if limit is None:
+            return
+        eos = self.eos_token_id
+        ids = {e for e in ((eos,) if isinstance(eos, int) else eos or ()) if e >= limit}
+        for seq in seqs:
+            read, past = self._past_limit.get(seq.seq_id, (0, set()))
+            n_prompt = len(seq.prompt_token_ids)
+            if read < n_prompt:
+                past.update(t for t in seq.prompt_token_ids[read:] if t >= limit)
+                read = n_prompt
+            past.update(t for t in seq.output_token_ids[read - n_prompt:] if t >= limit)
+            self._past_limit[seq.seq_id] = (seq.num_tokens, past)
+            ids |= past
+        self.model.also_score(torch.tensor(sorted(ids), dtype=torch.int64) if ids else None)
 
     def _sample_round(self, batch, logits: torch.Tensor, probs) -> set[int]:
         """Draws this round's proposals; returns the sequences that stop proposing."""
@@ -173,6 +198,7 @@ class DraftModelProposer(Proposer):
         self.block_manager.truncate(shadow, shadow.num_computed_tokens)
 
     def release(self, seq: Sequence) -> None:
+        self._past_limit.pop(seq.seq_id, None)
         shadow = self.shadows.pop(seq.seq_id, None)
         if shadow is not None:
             self.block_manager.forget(shadow)
