@@ -139,6 +139,22 @@ def test_long_inputs_sum_in_chunks_the_same_on_any_thread_count(qtype):
         _check(two, x, blocks)
 
 
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q5_K, Q.Q6_K], ids=lambda t: t.name)
+def test_a_rows_k_quant_outputs_do_not_depend_on_the_rows_beside_it(qtype):
+    """Each row of an R-row K-quant product has the bits of that row alone, whatever pass,
+    chunking of K (a down projection's 35 blocks: chunks of 8 from 3 rows) or split into
+    passes (8, 9 rows) takes it: a target's verification rows score a token as plain decoding
+    of the request alone does, so its greedy output with speculation is its own. (32-value
+    types are not so yet: one row sums its blocks in two alternating chains, 3+ rows 16 blocks
+    at a time; on AVX-512 their projections take panels, which are.)"""
+    k = 35 * 256
+    packed = quant.NativeGGUF(random_blocks(qtype, 40, k, seed=12))
+    x = torch.randn(9, k, generator=torch.Generator().manual_seed(12))
+    alone = torch.cat([packed(x[i:i + 1]) for i in range(9)])
+    for rows in range(2, 10):
+        assert torch.equal(packed(x[:rows]), alone[:rows]), rows
+
+
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0], ids=lambda t: t.name)
 def test_32_value_blocks_in_chunks_of_16_on_every_row_count(qtype):
     """From 3 rows the AVX-512 path scales 32-value blocks 16 at a time (their d * dx and min

@@ -99,6 +99,19 @@ def _bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 @needs_kernel
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_a_rows_outputs_do_not_depend_on_the_rows_beside_it(qtype):
+    """Each row of an R-row product (tiles of up to 6 rows: 7 and 13 split) has the bits of
+    that row alone: speculation's verification rows score as plain decoding does."""
+    n, k = _shape(qtype)
+    packed = quant.NativePanels(random_blocks(qtype, n, k, seed=13, amplitude=0.2))
+    x = torch.randn(13, k, generator=torch.Generator().manual_seed(13))
+    alone = torch.cat([packed(x[i:i + 1]) for i in range(13)])
+    for rows in range(2, 14):
+        assert torch.equal(packed(x[:rows]), alone[:rows]), rows
+
+
+@needs_kernel
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_products_match_the_files_values_on_every_row_count(qtype):
     n, k = _shape(qtype)
     b = random_blocks(qtype, n, k, seed=4, amplitude=0.2)

@@ -185,7 +185,7 @@ static inline __attribute__((always_inline)) void row_32(
  * block is 8 vpdpwssd per row (16 with 256-bit ones: 5-row products 9% slower); chains per
  * row: 4 for one row (a dot's latency would otherwise serialise a block's 8), 2 for more rows
  * (the rows interleave). */
-static inline __attribute__((always_inline)) void row_k(
+static inline __attribute__((always_inline)) void row_k_chunk(
         int type, int rb, const int16_t *xq, const float *dx, const float *xs, int64_t K,
         int64_t u0, int64_t u1, int64_t pf, const uint8_t *row, float *y, int64_t N) {
     const int64_t U = K / 256, G = K / 32;
@@ -263,6 +263,22 @@ static inline __attribute__((always_inline)) void row_k(
         y[r * N] = (u0 ? y[r * N] : 0.f) + _mm512_reduce_add_ps(acc[r]) + (has_min ? hsum8(macc[r]) : 0.f);
 }
 
+/* A pass over K in chunks of K_CHUNK_BLOCKS (below) takes one chunk of every output at a
+ * time; a pass over the whole K takes every chunk of one output. Both sum each output chunk
+ * by chunk, in order, so that a row's outputs have the same bits whichever pass takes it:
+ * otherwise the 1.5B's down projections differed between 1 row and 3 (1,216 of 1,536
+ * outputs in their last bits), and greedy output with speculation or in a batch of 3+
+ * drifted from the same request alone. */
+#define K_CHUNK_BLOCKS 8
+static inline __attribute__((always_inline)) void row_k(
+        int type, int rb, const int16_t *xq, const float *dx, const float *xs, int64_t K,
+        int64_t u0, int64_t u1, int64_t pf, const uint8_t *row, float *y, int64_t N) {
+    for (int64_t c0 = u0, c1; c0 < u1; c0 = c1) {
+        c1 = (c0 / K_CHUNK_BLOCKS + 1) * K_CHUNK_BLOCKS;
+        row_k_chunk(type, rb, xq, dx, xs, K, c0, c1 < u1 ? c1 : u1, pf, row, y, N);
+    }
+}
+
 /* 32-value types: GGUF_PRODUCT's passes through row_32. */
 #define gguf_row row_32
 #define GGUF_DX_ROW(T, K) ((K) / 32)
@@ -279,7 +295,6 @@ GGUF_PRODUCTS_32
  * at most 7 rows: 8 rows' accumulators spill out of the 32 vector registers (one pass of 8
  * rows 1.4x slower than 4 + 4). */
 #define L1_WHOLE_K 40960
-#define K_CHUNK_BLOCKS 8
 #define K_PASS_ROWS 7
 #define ROWS_K(T, RB) row_k(T, RB, xq + r0 * K, dx + r0 * (K / 256), xs + r0 * (K / 32), K, u0, u1, \
                             pf, w + n * row_bytes, y + r0 * N + n, N)
