@@ -128,3 +128,30 @@ def test_without_native_kernels_k_quants_are_not_counted_packable(real, monkeypa
     finally:
         monkeypatch.delenv("PAGELLM_NATIVE_KERNELS")
         native.library.cache_clear()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_real_pair_gives_the_targets_greedy_tokens_with_the_draft_on(dtype):
+    """Qwen2.5-Coder-1.5B with the 0.5B drafting (requantized to Q4_1, a 32768-id head plus the
+    requests' own ids, k = 2 on every step): the target's verification rows score as its plain
+    decoding does (every few-row kernel gives a row the bits it has alone), so the greedy
+    tokens are those of the target alone, token for token, on completion, edit and chat. One
+    request at a time: from 6 rows a step may take dense products where they measured faster
+    (kernels/packed_rows.py), other numerics in bfloat16."""
+    target = str(fetch.fetch("qwen2.5-coder-1.5b-instruct-q4_k_m", progress=False))
+    draft = str(fetch.fetch("qwen2.5-coder-0.5b-instruct-q4_k_m", progress=False))
+    plain = LLM(target, dtype=dtype, kv_cache_memory="64MiB")
+    ids = _prompt_ids(plain.get_tokenizer())
+
+    def one_by_one(llm):
+        return {key: _greedy(llm, {key: prompt})[key] for key, prompt in ids.items()}
+
+    off = one_by_one(plain)
+    del plain
+    llm = LLM(target, dtype=dtype, kv_cache_memory="64MiB",
+              speculative_config={"method": "draft_model", "model": draft, "num_speculative_tokens": 2,
+                                  "adaptive": False, "draft_quantization": "q4_1",
+                                  "draft_vocab_size": 32768})
+    assert one_by_one(llm) == off
+    stats = llm.engine.spec.stats
+    assert stats.num_drafts >= 10 and stats.acceptance_rate > 0.3, stats.as_dict()
