@@ -146,6 +146,7 @@ def test_the_ids_past_the_limit_are_read_once_per_request(tiny_llama):
     b = Sequence(1, "b", 0, [130], SamplingParams(), None)
     proposer._score_own_text([a, b])
     assert proposer.model.extra_ids.tolist() == [120, 130, 250]
+    a.prompt_token_ids[0] = 199  # read already: not read again
     a.output_token_ids += [9, 140]
     proposer._score_own_text([a])
     assert proposer.model.extra_ids.tolist() == [120, 140, 250]

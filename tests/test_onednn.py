@@ -93,3 +93,11 @@ def test_prepacked_head_gives_the_plain_heads_logits(monkeypatch, tied):
     for h, w in zip(hidden, want_limited):
         got = model.compute_logits(h)
         assert torch.equal(got, w) and torch.isinf(got[:, 100:]).all()
+    # extra ids past the limit (a draft's requests' own ids): the full head's logits there,
+    # from the prepacked head (an untied one has no dense rows left to gather)
+    ids = torch.tensor([150, 299])
+    model.also_score(ids)
+    for h, w in zip(hidden, want):
+        got = model.compute_logits(h)
+        torch.testing.assert_close(got[:, ids], w[:, ids], rtol=1e-2, atol=1e-2)
+        assert torch.isinf(got[:, 100:150]).all() and torch.isinf(got[:, 151:299]).all()

@@ -24,8 +24,9 @@ SPECS = {
     # one layer of the target as the draft: q far from p, so rejections are frequent
     "draft": {"method": "draft_model", "num_speculative_tokens": 2, "draft_num_layers": 1,
               "adaptive": False},
-    # a separate draft (the target's files, one layer) that scores only ids 0..127 of 256: q is
-    # zero on half the vocabulary, which the residual distribution must make up for
+    # a separate draft (the target's files, one layer) that scores only ids 0..127 of 256 and
+    # the ids of its requests' own text: q is zero on the rest (most of the target's mass
+    # past 127 at the first position), which the residual distribution must make up for
     "draft_sub_vocab": {"method": "draft_model", "model": "<target>", "num_speculative_tokens": 2,
                         "draft_num_layers": 1, "draft_vocab_size": 128, "adaptive": False},
     # n-gram lookup first (one-hot q), the separate draft (its own q) where it finds nothing

@@ -263,7 +263,7 @@ static inline __attribute__((always_inline)) void row_k_chunk(
         y[r * N] = (u0 ? y[r * N] : 0.f) + _mm512_reduce_add_ps(acc[r]) + (has_min ? hsum8(macc[r]) : 0.f);
 }
 
-/* A pass over K in chunks of K_CHUNK_BLOCKS (below) takes one chunk of every output at a
+/* A pass over K in chunks of K_CHUNK_BLOCKS takes one chunk of every output at a
  * time; a pass over the whole K takes every chunk of one output. Both sum each output chunk
  * by chunk, in order, so that a row's outputs have the same bits whichever pass takes it:
  * otherwise the 1.5B's down projections differed between 1 row and 3 (1,216 of 1,536

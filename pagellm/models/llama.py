@@ -213,8 +213,13 @@ class LlamaForCausalLM(nn.Module):
                 out[:, :n] = self._head_sub(hidden)
             elif self._head_sub_onednn is not None:
                 out[:, :n] = self._head_sub_onednn(hidden).float()
-            elif self.head_onednn is not None:
-                out[:, :n] = self.head_onednn(hidden)[:, :n].float()
+            elif self.head_onednn is not None:  # the whole head: the extra ids from it too
+                full = self.head_onednn(hidden).float()
+                out[:, :n] = full[:, :n]
+                if self.extra_ids is not None:
+                    ids = self.extra_ids.to(hidden.device)
+                    out[:, ids] = full[:, ids]
+                return out
             else:
                 out[:, :n] = linear(hidden, self._head()[:n]).float()
             if self.extra_ids is not None:
@@ -237,10 +242,7 @@ class LlamaForCausalLM(nn.Module):
         packed = self.head_packed
         if packed is not None and hidden.shape[0] < head_max_rows(packed) and hasattr(packed, "rows"):
             return packed.rows(ids)(hidden)
-        head = self._head()
-        if head.device.type == "meta":  # an untied head held only prepacked (prepack_head)
-            return self.head_onednn(hidden)[:, ids].float()
-        return linear(hidden, head.index_select(0, ids)).float()
+        return linear(hidden, self._head().index_select(0, ids)).float()
 
     def _head(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
