@@ -206,7 +206,7 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[num_rows, hidden] -> [num_rows, vocab] float32."""
         if self.vocab_limit is not None:
-            n = self.vocab_limit
+            n, full = self.vocab_limit, None
             out = torch.full((hidden.shape[0], self._head().shape[0]), float("-inf"),
                              device=hidden.device)
             if self._head_sub is not None and hidden.shape[0] < head_max_rows(self._head_sub):
@@ -216,15 +216,11 @@ class LlamaForCausalLM(nn.Module):
             elif self.head_onednn is not None:  # the whole head: the extra ids from it too
                 full = self.head_onednn(hidden).float()
                 out[:, :n] = full[:, :n]
-                if self.extra_ids is not None:
-                    ids = self.extra_ids.to(hidden.device)
-                    out[:, ids] = full[:, ids]
-                return out
             else:
                 out[:, :n] = linear(hidden, self._head()[:n]).float()
             if self.extra_ids is not None:
                 ids = self.extra_ids.to(hidden.device)
-                out[:, ids] = self._head_rows(hidden, ids)
+                out[:, ids] = full[:, ids] if full is not None else self._head_rows(hidden, ids)
             return out
         if self.head_packed is not None and hidden.shape[0] < head_max_rows(self.head_packed):
             return self.head_packed(hidden)
