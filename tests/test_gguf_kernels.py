@@ -1,7 +1,8 @@
 """The GGUF block kernel (pagellm/kernels/cpu_gguf.c) against float64 products with gguf's own
 dequantization, for every type it takes: every row count 1..20 and 40 (row passes of at most 8,
 the one-row path), odd block counts, threads, mixed fused parts, and the portable (non-AVX2)
-build of the same source."""
+build of the same source; and every few-row kernel of block-quantized weights (these, and
+cpu_quant.c's) gives a row the bits it has alone, in the AVX-512 and the AVX2 build."""
 from __future__ import annotations
 
 import numpy as np
@@ -139,23 +140,75 @@ def test_long_inputs_sum_in_chunks_the_same_on_any_thread_count(qtype):
         _check(two, x, blocks)
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q5_K, Q.Q6_K], ids=lambda t: t.name)
-def test_a_rows_k_quant_outputs_do_not_depend_on_the_rows_beside_it(qtype):
-    """Each row of an R-row K-quant product has the bits of that row alone, whatever pass,
-    chunking of K (a down projection's 35 blocks: chunks of 8 from 3 rows) or split into
-    passes (8, 9 rows) takes it: a target's verification rows score a token as plain decoding
-    of the request alone does, so its greedy output with speculation is its own. (32-value
-    types are not so yet: one row sums its blocks in two alternating chains, 3+ rows 16 blocks
-    at a time; on AVX-512 their projections take panels, which are. Nor is the AVX2 build's
-    one-row path.)"""
-    if native.library().gguf_act_group(int(qtype), 2) != 256:
-        pytest.skip("the AVX2 build takes one row its own way (k_block_1row)")
-    k = 35 * 256
+def assert_rows_have_their_own_bits(product, x: torch.Tensor) -> None:
+    """Each row of product(x[:R]), for R = 2..len(x), has the bits of product(that row) alone."""
+    alone = torch.cat([product(x[i:i + 1]) for i in range(len(x))])
+    for rows in range(2, len(x) + 1):
+        assert torch.equal(product(x[:rows]), alone[:rows]), rows
+
+
+def _rows_with_tiny_blocks(k: int, seed: int) -> torch.Tensor:
+    """9 rows; rows 1, 4 and 7 have a block 1e-4 of their largest: those take a scale per
+    block where the others may take one per row (cpu_quant.c), a choice each row makes alone."""
+    x = torch.randn(9, k, generator=torch.Generator().manual_seed(seed))
+    x[1::3, 32:64] *= 1e-4
+    return x
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_a_rows_outputs_do_not_depend_on_the_rows_beside_it(qtype):
+    """Each row of an R-row product has the bits of that row alone, whatever pass (rows 1-8;
+    9 as 5 + 4), kernel (the AVX-512 build's 32-value blocks: 1-2 rows block by block, 3+ in
+    chunks of 16; K-quants: chunks of 8 blocks from 3 rows) or lane arrangement takes it: a
+    target's verification rows score a token as plain decoding of the request alone does, so
+    its greedy output with speculation (and beside other requests) is its own."""
+    k = 35 * 256 if qtype.name.endswith("_K") else 37 * 32
     packed = quant.NativeGGUF(random_blocks(qtype, 40, k, seed=12))
-    x = torch.randn(9, k, generator=torch.Generator().manual_seed(12))
-    alone = torch.cat([packed(x[i:i + 1]) for i in range(9)])
-    for rows in range(2, 10):
-        assert torch.equal(packed(x[:rows]), alone[:rows]), rows
+    assert_rows_have_their_own_bits(packed, _rows_with_tiny_blocks(k, 12))
+
+
+@pytest.mark.parametrize("form", ["q8", "q4"])
+def test_a_rows_outputs_do_not_depend_on_the_rows_beside_it_in_cpu_quant(form):
+    """The same for cpu_quant.c's Q8_0 head (the default model's) and Q4 row kernels, with rows
+    that take one int16 scale beside rows that need one per block; the products stay within
+    the int16 bound of the dense one."""
+    g = torch.Generator().manual_seed(5)
+    k, n = 576, 48
+    if form == "q8":
+        w = quant.Int8Blocks(torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=g),
+                             torch.rand(n, k // 32, generator=g) * 0.01)
+        product = quant.NativeQ8(w)
+    else:
+        w = quant.Int4Blocks(torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=g),
+                             torch.rand(n, k // 32, generator=g) * 0.01,
+                             torch.randn(n, k // 32, generator=g) * 0.01)
+        product = quant.NativeQ4(w)
+        product.panels = None  # the row form (cpu_quant.c), as on CPUs without AVX-512
+        product.codes, product.scale_min = quant.NativeQ4.row_form(w)
+    x = _rows_with_tiny_blocks(k, 5)
+    assert_rows_have_their_own_bits(product, x)
+    dense = w.dequantize().double()
+    err = (product(x).double() - x.double() @ dense.t()).abs()
+    # half a step of the row's scale (a block's own scale is finer) per weight, and float32 sums
+    bound = 0.5 * x.double().abs().amax(-1, keepdim=True) / 32767 * dense.abs().sum(-1) + 1e-5
+    assert bool((err <= bound).all()), (err / bound).max()
+
+
+def test_the_avx2_build_gives_rows_their_own_bits_too():
+    """On a CPU with AVX-512 the products above take its kernels; the AVX2 ones (every 32-value
+    and K-quant type: one row and several rows share one arithmetic) are checked in a process
+    that turns the AVX-512 paths off (PAGELLM_GGUF_AVX512=0, PAGELLM_PANELS=0)."""
+    if native.library().gguf_act_group(int(Q.Q4_K), 2) != 256:
+        pytest.skip("this build has no AVX-512 path: the tests above ran the AVX2 kernels")
+    import os
+    import subprocess
+    import sys
+    env = {**os.environ, "PAGELLM_GGUF_AVX512": "0", "PAGELLM_PANELS": "0"}
+    run = subprocess.run([sys.executable, "-m", "pytest", "-o", "addopts=", "-q", "-p", "no:cacheprovider",
+                          __file__, "-k", "do_not_depend_on_the_rows_beside_it"],
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
+    assert f"{len(TYPES) + 2} passed" in run.stdout and "skipped" not in run.stdout, run.stdout[-1000:]
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0], ids=lambda t: t.name)

@@ -174,3 +174,24 @@ def test_auto_dtype_follows_packed_weights():
     assert resolve_dtype("auto", cpu, packed_weights=True) == torch.bfloat16
     assert resolve_dtype("auto", cpu) == (torch.float32 if UPCAST_BF16 else torch.bfloat16)
     assert resolve_dtype("float32", cpu, packed_weights=True) == torch.float32
+
+
+def test_default_model_greedy_identical_with_ngram_speculation():
+    """The default model as users run it (dtype auto: Q4_1 projections and the Q8_0 head
+    packed), n-gram speculation at k = 4 on every step, one request at a time: every
+    verification step of up to 5 rows scores each row as a plain step of that row alone does
+    (the few-row kernels give a row the bits it has alone), so greedy output is token for
+    token the model's own. Edit prompts, where most proposals are accepted and some are not."""
+    from pagellm.benchmarks.spec import CODE, CODE_TASKS
+
+    prompts = [[{"role": "user", "content": t.format(c)}] for t in CODE_TASKS[:2] for c in CODE[:3]]
+    params = SamplingParams(temperature=0, max_tokens=96)
+    plain = LLM(default_model_path(), kv_cache_memory="32MiB")
+    off = [plain.chat([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
+    plain.shutdown()
+    llm = LLM(default_model_path(), kv_cache_memory="32MiB",
+              speculative_config={"method": "ngram", "num_speculative_tokens": 4, "adaptive": False})
+    on = [llm.chat([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
+    assert on == off
+    stats = llm.engine.spec.stats
+    assert stats.num_draft_tokens > 100 and 0.2 < stats.acceptance_rate < 1.0, stats.as_dict()

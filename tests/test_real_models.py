@@ -130,23 +130,13 @@ def test_without_native_kernels_k_quants_are_not_counted_packable(real, monkeypa
         native.library.cache_clear()
 
 
-def _rows_alone() -> bool:
-    """Whether the 1.5B's few-row products (Q4_K panels, Q6_K rows) give each row the bits it
-    has alone: the AVX-512 build's (the AVX2 one takes one row its own way)."""
-    from pagellm.layers import panels
-
-    lib = native.library()
-    return lib is not None and panels.available() and lib.gguf_act_group(14, 2) == 256
-
-
-@pytest.mark.skipif(not _rows_alone(), reason="few-row kernels here give 1 row other bits than 3")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_the_real_pair_gives_the_targets_greedy_tokens_with_the_draft_on(dtype):
     """Qwen2.5-Coder-1.5B with the 0.5B drafting (requantized to Q4_1, a 32768-id head plus the
     requests' own ids, k = 2 on every step): the target's verification rows score as its plain
-    decoding does (its Q4_K panels, its Q6_K rows and head give a row the bits it has alone on
-    AVX-512; not yet so for Q8_0 / 32-value row kernels, nor on AVX2), so the greedy
-    tokens are those of the target alone, token for token, on completion, edit and chat. One
+    decoding does (its few-row kernels, AVX-512 or AVX2, give a row the bits it has alone), so
+    the greedy tokens are those of the target alone, token for token, on completion, edit and
+    chat. One
     request at a time: from 6 rows a step may take dense products where they measured faster
     (kernels/packed_rows.py), other numerics in bfloat16."""
     target = str(fetch.fetch("qwen2.5-coder-1.5b-instruct-q4_k_m", progress=False))

@@ -88,15 +88,10 @@ static inline __m256 dot_eo(__m256i ev, __m256i od, const int16_t *xq) {
     return _mm256_cvtepi32_ps(idot_eo(ev, od, xq));
 }
 
-/* [d0A, d1A, d2A, d3A, d0B, d1B, d2B, d3B]: A the sum of lanes 0-3 of d_i, B of lanes 4-7 */
-static inline __m256i sum_halves4(__m256i d0, __m256i d1, __m256i d2, __m256i d3) {
-    return _mm256_hadd_epi32(_mm256_hadd_epi32(d0, d1), _mm256_hadd_epi32(d2, d3));
-}
-
-/* lane i = the sum of all lanes of d[i] */
-static inline __m256i sum_lanes8(const __m256i *d) {
-    const __m256i a = sum_halves4(d[0], d[1], d[2], d[3]), b = sum_halves4(d[4], d[5], d[6], d[7]);
-    return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
+/* lane i = the sum of all lanes of sub-block i's vector d_i, from the pairs p_c = hadd(d_2c, d_2c+1) */
+static inline __m256i sum_pairs(const __m256i *p) {
+    const __m256i a = _mm256_hadd_epi32(p[0], p[1]), c = _mm256_hadd_epi32(p[2], p[3]);
+    return _mm256_add_epi32(_mm256_permute2x128_si256(a, c, 0x20), _mm256_permute2x128_si256(a, c, 0x31));
 }
 
 /* Q4_0 / Q4_1 / Q5_* nibble blocks (byte j: element j low, j + 16 high): even, odd codes. */
@@ -122,7 +117,7 @@ static inline __attribute__((always_inline)) void row_32(
         const uint8_t *row, float *y, int64_t N) {
     const int64_t G = K / GROUP;
     const int size = bytes_of(type), has_min = type == T_Q4_1 || type == T_Q5_1;
-    __m256 acc[ROW_BLOCK], acc2 = _mm256_setzero_ps();
+    __m256 acc[ROW_BLOCK];  /* one chain a row, whatever rb is: a row's own bits in any pass */
     float mins[ROW_BLOCK];
     for (int r = 0; r < rb; r++) { acc[r] = _mm256_setzero_ps(); mins[r] = 0.f; }
     for (int64_t g = 0; g < G; g++) {
@@ -146,14 +141,10 @@ static inline __attribute__((always_inline)) void row_32(
         }
         for (int r = 0; r < rb; r++) {
             const __m256 f = dot_eo(ev, od, xq + r * K + g * GROUP);
-            const __m256 sc = _mm256_set1_ps(d * dx[r * G + g]);
-            /* one row alternates two accumulators: a single chain would serialise */
-            if (rb == 1 && (g & 1)) acc2 = _mm256_fmadd_ps(f, sc, acc2);
-            else acc[r] = _mm256_fmadd_ps(f, sc, acc[r]);
-            if (has_min) mins[r] += m * xs[r * G + g];
+            acc[r] = _mm256_fmadd_ps(f, _mm256_set1_ps(d * dx[r * G + g]), acc[r]);
+            if (has_min) mins[r] = fmaf(m, xs[r * G + g], mins[r]);
         }
     }
-    if (rb == 1) acc[0] = _mm256_add_ps(acc[0], acc2);
     for (int r = 0; r < rb; r++) y[r * N] = hsum8(acc[r]) + mins[r];
 }
 
@@ -204,48 +195,38 @@ static inline __attribute__((always_inline)) void k_scales(int type, const uint8
     _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(la, 4), f), _mm256_and_si256(hv, t)), \
     _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(lb, 4), f), _mm256_and_si256(_mm256_srli_epi16(hv, 2), t))}
 
-/* One K-quant block of one weight row against one activation row (xq, dx, xs at the block):
- * each sub-block's integer sums, scaled all at once (lanes summed across the 8 sub-blocks'
- * vectors: 11 instructions instead of 24). */
-static inline __attribute__((always_inline)) void k_block_1row(
-        int type, const uint8_t *b, const int16_t *xq, const float *dx, const float *xs,
-        __m256 *acc, __m256 *macc) {
-    __m256 sv, mv;
-    k_scales(type, b, &sv, &mv);
-    if (type != T_Q6_K) {
-        __m256i dd[8];
-#define DOT1(i, EV, OD) dd[i] = idot_eo(EV, OD, xq + (i) * GROUP)
-        K4_CODES(type, b, DOT1);
-#undef DOT1
-        *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum_lanes8(dd)), _mm256_mul_ps(sv, _mm256_loadu_ps(dx)), *acc);
-        *macc = _mm256_fmadd_ps(mv, _mm256_loadu_ps(xs), *macc);
-        return;
-    }
-    /* Q6_K: per half of 128 values, its 8 half-sub-block sums, each times its int8 scale */
-    const __m256i f = _mm256_set1_epi8(0x0F), t = _mm256_set1_epi8(0x30), k32 = _mm256_set1_epi8(32);
-    const __m128i order = _mm_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    for (int h = 0; h < 2; h++) {
-        const uint8_t *l = b + 64 * h;
-        const __m256i la = _mm256_loadu_si256((const __m256i *)l);
-        const __m256i lb = _mm256_loadu_si256((const __m256i *)(l + 32));
-        const __m256i hv = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h));
-        const __m256i q[4] = Q6_CODES(la, lb, hv, f, t);
-        __m256i d4[4];
-        for (int i = 0; i < 4; i++) {
-            const __m256i v = _mm256_sub_epi8(q[i], k32);
-            d4[i] = idot_eo(even_i8(v), odd_i8(v), xq + (4 * h + i) * GROUP);
-        }
-        const __m256 scales = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_shuffle_epi8(
-            _mm_loadl_epi64((const __m128i *)(b + 192 + 8 * h)), order)));
-        const __m256 dxh = _mm256_broadcast_ps((const __m128 *)(dx + 4 * h));
-        *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum_halves4(d4[0], d4[1], d4[2], d4[3])),
-                               _mm256_mul_ps(_mm256_mul_ps(scales, sv), dxh), *acc);
-    }
+/* Q4_K / Q5_K, one block of one row: sums [8] int32 (lane i: sub-block i's exact integer sum)
+ * times s * dx, and the min terms. */
+static inline __attribute__((always_inline)) void k4_finish(__m256i sums, __m256 sv, __m256 mv,
+                                                            const float *dx, const float *xs,
+                                                            __m256 *acc, __m256 *macc) {
+    *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(sv, _mm256_loadu_ps(dx)), *acc);
+    *macc = _mm256_fmadd_ps(mv, _mm256_loadu_ps(xs), *macc);
 }
 
-/* Rows [0, rb) of one output feature over a weight row of 256-value K-quant blocks. One row
- * goes block by block through k_block_1row; more rows share each sub-block's codes, and each
- * row's float sums are scaled per sub-block (8 vectors per row would not fit in registers). */
+/* Q6_K, one half of 128 values of one row: sums [8] int32 (hadd(p_0, p_1)'s order: the exact
+ * 16-value sums of sub-blocks 0-3's first halves, then of their second halves), each times
+ * its int8 scale (sc8, the same order) and s * dx. */
+static inline __attribute__((always_inline)) void q6_finish(__m256i sums, __m256 sc8, __m256 sv,
+                                                            const float *dx, __m256 *acc) {
+    *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums),
+                           _mm256_mul_ps(_mm256_mul_ps(sc8, sv), _mm256_broadcast_ps((const __m128 *)dx)), *acc);
+}
+
+/* A Q6_K half's 8 int8 scales as floats in q6_finish's order (sub-blocks 0-3's first
+ * halves, then their second halves). */
+static inline __m256 q6_scales(const uint8_t *b, int h) {
+    const __m128i order = _mm_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_shuffle_epi8(
+        _mm_loadl_epi64((const __m128i *)(b + 192 + 8 * h)), order)));
+}
+
+/* Rows [0, rb) of one output feature over a weight row of 256-value K-quant blocks. Each
+ * block's codes are made once and their integer sums taken for every row: a sub-block's
+ * int32 lanes are added pairwise as the sub-blocks come (hadd: exact, so in any order), and
+ * each row scales its exact sub-block sums once per block (k4_finish, q6_finish). One
+ * arithmetic for every rb: a row's outputs have the same bits in any pass, so greedy output
+ * with speculation or beside other requests is the request's own. */
 static inline __attribute__((always_inline)) void row_k(
         int type, int rb, const int16_t *xq, const float *dx, const float *xs, int64_t K,
         const uint8_t *row, float *y, int64_t N) {
@@ -253,58 +234,45 @@ static inline __attribute__((always_inline)) void row_k(
     const int size = bytes_of(type), has_min = type != T_Q6_K;
     __m256 acc[ROW_BLOCK], macc[ROW_BLOCK];
     for (int r = 0; r < rb; r++) { acc[r] = _mm256_setzero_ps(); macc[r] = _mm256_setzero_ps(); }
-    if (rb == 1) {
-        for (int64_t u = 0; u < K / 256; u++) {
-            PREFETCH_BLOCK(row + u * size, size);
-            k_block_1row(type, row + u * size, xq + u * 256, dx + u * 8, xs + u * 8, &acc[0], &macc[0]);
-        }
-        y[0] = hsum8(acc[0]) + (has_min ? hsum8(macc[0]) : 0.f);
-        return;
-    }
-    float sd[ROW_BLOCK][8] __attribute__((aligned(32)));
+    __m256i even[ROW_BLOCK], pair[ROW_BLOCK][4];  /* an even sub-block's lanes; pairs' hadds */
+#define DOT(i, EV, OD) do { \
+        const __m256i ev_ = (EV), od_ = (OD); \
+        for (int r = 0; r < rb; r++) { \
+            const __m256i d_ = idot_eo(ev_, od_, xq + r * K + (g0 + (i)) * GROUP); \
+            if ((i) % 2 == 0) even[r] = d_; \
+            else pair[r][((i) / 2) % 4] = _mm256_hadd_epi32(even[r], d_); \
+        } } while (0)
     for (int64_t u = 0; u < K / 256; u++) {
         const uint8_t *b = row + u * size;
         PREFETCH_BLOCK(b, size);
         const int64_t g0 = u * 8;
         __m256 sv, mv;
         k_scales(type, b, &sv, &mv);
-        for (int r = 0; r < rb; r++) {
-            _mm256_store_ps(sd[r], _mm256_mul_ps(sv, _mm256_loadu_ps(dx + r * G + g0)));
-            if (has_min) macc[r] = _mm256_fmadd_ps(mv, _mm256_loadu_ps(xs + r * G + g0), macc[r]);
-        }
-#define SUB(i, EV, OD) do { \
-            const __m256i ev_ = (EV), od_ = (OD); \
-            for (int r = 0; r < rb; r++) \
-                acc[r] = _mm256_fmadd_ps(dot_eo(ev_, od_, xq + r * K + (g0 + (i)) * GROUP), \
-                                         _mm256_broadcast_ss(&sd[r][i]), acc[r]); \
-        } while (0)
         if (has_min) {
-            K4_CODES(type, b, SUB);
-        } else {  /* Q6_K: two halves of 128 values, four sub-blocks each */
-            /* A sub-block's int32 lanes 0-3 sum its first 16 values, lanes 4-7 the last 16
-             * (lanes 0-7 of the even / odd codes are elements 0-15): each half's int8 scale
-             * multiplies its lanes, from the block's scales as floats, spread per sub-block. */
-            const __m256i f = _mm256_set1_epi8(0x0F), t = _mm256_set1_epi8(0x30), k32 = _mm256_set1_epi8(32);
-            for (int h = 0; h < 2; h++) {
-                const uint8_t *l = b + 64 * h;
-                const __m256i la = _mm256_loadu_si256((const __m256i *)l);
-                const __m256i lb = _mm256_loadu_si256((const __m256i *)(l + 32));
-                const __m256i hv = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h));
-                const __m256 sch = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(b + 192 + 8 * h))));
-                const __m256i q[4] = Q6_CODES(la, lb, hv, f, t);
-                for (int i = 0; i < 4; i++) {
-                    const __m256i v = _mm256_sub_epi8(q[i], k32), ev = even_i8(v), od = odd_i8(v);
-                    const __m256 halves = _mm256_permutevar8x32_ps(
-                        sch, _mm256_setr_epi32(2 * i, 2 * i, 2 * i, 2 * i, 2 * i + 1, 2 * i + 1, 2 * i + 1, 2 * i + 1));
-                    const int j = 4 * h + i;
-                    for (int r = 0; r < rb; r++)
-                        acc[r] = _mm256_fmadd_ps(dot_eo(ev, od, xq + r * K + (g0 + j) * GROUP),
-                                                 _mm256_mul_ps(halves, _mm256_broadcast_ss(&sd[r][j])), acc[r]);
-                }
-            }
+            K4_CODES(type, b, DOT);
+            for (int r = 0; r < rb; r++)
+                k4_finish(sum_pairs(pair[r]), sv, mv, dx + r * G + g0, xs + r * G + g0, &acc[r], &macc[r]);
+            continue;
         }
-#undef SUB
+        /* Q6_K: two halves of 128 values, four sub-blocks each */
+        const __m256i f = _mm256_set1_epi8(0x0F), t = _mm256_set1_epi8(0x30), k32 = _mm256_set1_epi8(32);
+        for (int h = 0; h < 2; h++) {
+            const uint8_t *l = b + 64 * h;
+            const __m256i la = _mm256_loadu_si256((const __m256i *)l);
+            const __m256i lb = _mm256_loadu_si256((const __m256i *)(l + 32));
+            const __m256i hv = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h));
+            const __m256i q[4] = Q6_CODES(la, lb, hv, f, t);
+            for (int i = 0; i < 4; i++) {
+                const __m256i v = _mm256_sub_epi8(q[i], k32);
+                DOT(4 * h + i, even_i8(v), odd_i8(v));
+            }
+            const __m256 sc8 = q6_scales(b, h);
+            for (int r = 0; r < rb; r++)
+                q6_finish(_mm256_hadd_epi32(pair[r][2 * h], pair[r][2 * h + 1]), sc8, sv,
+                          dx + r * G + g0 + 4 * h, &acc[r]);
+        }
     }
+#undef DOT
     for (int r = 0; r < rb; r++) y[r * N] = hsum8(acc[r]) + (has_min ? hsum8(macc[r]) : 0.f);
 }
 

@@ -55,16 +55,28 @@ static void quantize(const float *x, int64_t R, int64_t K, int A, int16_t *xq, f
     }
 }
 
-/* Rows [0, rb) of one output feature over a weight row of 32-value blocks, one or two rows:
- * each block scaled on its own (row_32_wide's chunk set-up did not pay at one row). */
+/* The sum of 16 float lanes (lo: lanes 0-7, hi: 8-15) in one fixed order, shared by both
+ * 32-value kernels below. */
+static inline float sum16(__m256 lo, __m256 hi) { return hsum8(_mm256_add_ps(lo, hi)); }
+static inline __m256 high8(__m512 v) { return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)); }
+
+/* Rows [0, rb) of one output feature over a weight row of 32-value blocks, for one or two
+ * rows: row_32_wide's arithmetic to the bit (each block's 16 int32 pair sums converted and
+ * times d * dx into 16 lanes, lane by lane; the min terms m * xs into lane g % 16; the lanes
+ * summed by sum16), in 256-bit halves and with each block's scale set on its own, where
+ * row_32_wide's chunk set-up and 512-bit operations cost one row more (1-row products of
+ * Q8_0 / Q5_0 1.15x / 1.4x slower there). So a row's outputs have the same bits in any pass. */
 static inline __attribute__((always_inline)) void row_32_narrow(
         int type, int rb, const int16_t *xq, const float *dx, const float *xs, int64_t K,
         const uint8_t *row, float *y, int64_t N) {
     const int64_t G = K / 32;
     const int size = bytes_of(type), has_min = type == T_Q4_1 || type == T_Q5_1;
-    __m256 acc[ROW_BLOCK], acc2 = _mm256_setzero_ps();
-    float mins[ROW_BLOCK];
-    for (int r = 0; r < rb; r++) { acc[r] = _mm256_setzero_ps(); mins[r] = 0.f; }
+    __m256 lo[2], hi[2];
+    float mins[2][16];
+    for (int r = 0; r < rb; r++) {
+        lo[r] = hi[r] = _mm256_setzero_ps();
+        for (int j = 0; j < 16; j++) mins[r][j] = 0.f;
+    }
     for (int64_t g = 0; g < G; g++) {
         const uint8_t *b = row + g * size;
         PREFETCH(b);
@@ -93,26 +105,26 @@ static inline __attribute__((always_inline)) void row_32_narrow(
         }
         for (int r = 0; r < rb; r++) {
             const int16_t *xr = xq + r * K + g * 32;
-            const __m256i t = _mm256_dpwssd_epi32(_mm256_dpwssd_epi32(_mm256_setzero_si256(), c0, _mm256_loadu_si256((const __m256i *)xr)), c1, _mm256_loadu_si256((const __m256i *)(xr + 16)));
             const __m256 sc = _mm256_set1_ps(d * dx[r * G + g]);
-            /* one row alternates two accumulators: a single chain would serialise */
-            if (rb == 1 && (g & 1)) acc2 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), sc, acc2);
-            else acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), sc, acc[r]);
-            if (has_min) mins[r] += m * xs[r * G + g];
+            const __m256i t0 = _mm256_dpwssd_epi32(_mm256_setzero_si256(), c0, _mm256_loadu_si256((const __m256i *)xr));
+            const __m256i t1 = _mm256_dpwssd_epi32(_mm256_setzero_si256(), c1, _mm256_loadu_si256((const __m256i *)(xr + 16)));
+            lo[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t0), sc, lo[r]);
+            hi[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t1), sc, hi[r]);
+            if (has_min) mins[r][g & 15] = fmaf(m, xs[r * G + g], mins[r][g & 15]);
         }
     }
-    if (rb == 1) acc[0] = _mm256_add_ps(acc[0], acc2);
-    for (int r = 0; r < rb; r++) y[r * N] = hsum8(acc[r]) + mins[r];
+    for (int r = 0; r < rb; r++)
+        y[r * N] = sum16(lo[r], hi[r]) + (has_min ? sum16(_mm256_loadu_ps(mins[r]), _mm256_loadu_ps(mins[r] + 8)) : 0.f);
 }
 
-/* Rows [0, rb) of one output feature over a weight row of 32-value blocks, three rows or more. A chunk of up to 16
+/* Rows [0, rb) of one output feature over a weight row of 32-value blocks. A chunk of up to 16
  * blocks first gets its scale products d * dx (one 512-bit multiply a row) and its min terms
  * m * xs (one FMA a row) in vectors; then each block's 32 codes fill one 512-bit register (the
  * 16 bytes broadcast to both halves, shifted by 0 or 4: values 0-31 in order, Q5's fifth bits
  * one masked add) for one vpdpwssd, one convert and one FMA per row. Per block and row that is
  * 3 vector instructions, where a block scaled on its own (two f16 conversions, a scalar
  * multiply and broadcast, a scalar min term) took ~9: one row of a 0.5B's Q4_1 / Q5_0
- * projections was compute-bound, not memory-bound. */
+ * projections was compute-bound, not memory-bound. Three rows or more (one chain a row). */
 #define CHUNK32 16
 static inline __attribute__((always_inline)) void row_32_wide(
         int type, int rb, const int16_t *xq, const float *dx, const float *xs, int64_t K,
@@ -120,7 +132,7 @@ static inline __attribute__((always_inline)) void row_32_wide(
     const int64_t G = K / 32;
     const int size = bytes_of(type), has_min = type == T_Q4_1 || type == T_Q5_1;
     const int five = type == T_Q5_0 || type == T_Q5_1;
-    __m512 acc[ROW_BLOCK], macc[ROW_BLOCK], sc[ROW_BLOCK];  /* rb >= 3: rows interleave */
+    __m512 acc[ROW_BLOCK], macc[ROW_BLOCK], sc[ROW_BLOCK];
     for (int r = 0; r < rb; r++) { acc[r] = _mm512_setzero_ps(); macc[r] = _mm512_setzero_ps(); }
     /* int16 lanes 0-15: the low nibbles (values 0-15), lanes 16-31: the high ones (16-31) */
     const long long four = 0x0004000400040004LL;
@@ -167,7 +179,8 @@ static inline __attribute__((always_inline)) void row_32_wide(
         }
     }
     for (int r = 0; r < rb; r++)
-        y[r * N] = _mm512_reduce_add_ps(acc[r]) + (has_min ? _mm512_reduce_add_ps(macc[r]) : 0.f);
+        y[r * N] = sum16(_mm512_castps512_ps256(acc[r]), high8(acc[r])) +
+                   (has_min ? sum16(_mm512_castps512_ps256(macc[r]), high8(macc[r])) : 0.f);
 }
 #undef CHUNK32
 

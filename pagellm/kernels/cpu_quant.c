@@ -16,49 +16,51 @@
  *
  * Widening a block's codes is shared by all rows, which keeps 2..8-row steps (speculative
  * verification, small batches) cheap. Output features are split across OpenMP threads.
+ *
+ * A row's outputs have the bits it has alone, beside any other rows: each row sums in one
+ * chain whatever the pass's row count, and chooses one int16 scale or a scale per block from
+ * its own values (rows_quantize groups the rows by that choice). Speculative verification
+ * rows then score a token as plain decoding of the request does.
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 #include "quant_rows.h"
 
 #ifdef __AVX2__
-/* One int16 scale per row: x [R, K] -> xq, dxr [R], xsum_t [G, RS] (block sums; NULL to
- * skip); bmax [R, G] is scratch. Returns 0 without writing xq or xsum_t when some
- * block of a row would keep fewer than 8 significant bits (its largest value below 1/128 of
- * the row's): then blocks need their own scales (quantize_rows). An all-zero block is exact
- * either way. */
-static int quantize_rows_scaled(const float *x, int64_t R, int64_t K, int16_t *xq, float *dxr,
-                                float *xsum_t, int64_t RS, float *bmax) {
-    const int64_t G = K / GROUP;
-    for (int64_t r = 0; r < R; r++) {  /* block maxima, then the check, before any write */
-        float row = 0.f;
-        for (int64_t g = 0; g < G; g++) {
-            const float *xb = x + r * K + g * GROUP;
-            const float mx = hmax8(_mm256_max_ps(
-                _mm256_max_ps(abs8(_mm256_loadu_ps(xb)), abs8(_mm256_loadu_ps(xb + 8))),
-                _mm256_max_ps(abs8(_mm256_loadu_ps(xb + 16)), abs8(_mm256_loadu_ps(xb + 24)))));
-            bmax[r * G + g] = mx;
-            row = mx > row ? mx : row;
-        }
-        for (int64_t g = 0; g < G; g++)
-            if (bmax[r * G + g] > 0.f && bmax[r * G + g] * 128.f < row) return 0;
-        dxr[r] = row;  /* the row's largest value until every row passed */
+/* Whether row x [K] takes one int16 scale (the row-scaled kernels below): not when some block
+ * would keep fewer than 8 significant bits (its largest value below 1/128 of the row's); then
+ * its blocks need their own scales (quantize_rows). An all-zero block is exact either way.
+ * *row_max: the row's largest |value|. A row's choice depends on its own values alone. */
+static int takes_one_scale(const float *x, int64_t K, float *row_max) {
+    float row = 0.f, least = INFINITY;
+    for (int64_t g = 0; g < K / GROUP; g++) {
+        const float *xb = x + g * GROUP;
+        const float mx = hmax8(_mm256_max_ps(
+            _mm256_max_ps(abs8(_mm256_loadu_ps(xb)), abs8(_mm256_loadu_ps(xb + 8))),
+            _mm256_max_ps(abs8(_mm256_loadu_ps(xb + 16)), abs8(_mm256_loadu_ps(xb + 24)))));
+        row = mx > row ? mx : row;
+        if (mx > 0.f && mx < least) least = mx;
     }
-    for (int64_t r = 0; r < R; r++) {
-        const float row = dxr[r];
-        const __m256 inv = _mm256_set1_ps(row > 0.f ? 32767.f / row : 0.f);
-        for (int64_t g = 0; g < G; g++) {
-            const float *xb = x + r * K + g * GROUP;
-            round32(xb, inv, xq + r * K + g * GROUP);
-            if (xsum_t)
-                xsum_t[g * RS + r] = hsum8(_mm256_add_ps(
-                    _mm256_add_ps(_mm256_loadu_ps(xb), _mm256_loadu_ps(xb + 8)),
-                    _mm256_add_ps(_mm256_loadu_ps(xb + 16), _mm256_loadu_ps(xb + 24))));
-        }
-        dxr[r] = row / 32767.f;
+    *row_max = row;
+    return !(least * 128.f < row);
+}
+
+/* Row x [K] -> xq [K] int16 with the one step *dxr = row_max / 32767, and its block sums into
+ * column xsum_t [G, RS] (NULL to skip). */
+static void quantize_row_scaled(const float *x, int64_t K, float row_max, int16_t *xq, float *dxr,
+                                float *xsum_t, int64_t RS) {
+    const __m256 inv = _mm256_set1_ps(row_max > 0.f ? 32767.f / row_max : 0.f);
+    for (int64_t g = 0; g < K / GROUP; g++) {
+        const float *xb = x + g * GROUP;
+        round32(xb, inv, xq + g * GROUP);
+        if (xsum_t)
+            xsum_t[g * RS] = hsum8(_mm256_add_ps(
+                _mm256_add_ps(_mm256_loadu_ps(xb), _mm256_loadu_ps(xb + 8)),
+                _mm256_add_ps(_mm256_loadu_ps(xb + 16), _mm256_loadu_ps(xb + 24))));
     }
-    return 1;
+    *dxr = row_max / 32767.f;
 }
 #endif
 
@@ -69,75 +71,41 @@ static inline __attribute__((always_inline)) void dot_q4(
         int rb, const int16_t *xq, const float *dx, const float *xs8, int64_t K, int64_t G,
         const uint8_t *codes, const float *sm, float *y, int64_t N) {
     const __m256i low = _mm256_set1_epi16(0x0F);
-    /* One row alternates two accumulators (even / odd blocks): its multiply-adds would
-     * otherwise form one dependency chain. */
-    __m256 acc[ROW_BLOCK], acc2 = _mm256_setzero_ps();
+    /* One chain per row, an add per block (the block's product and min term are formed off
+     * the chain), whatever rb is: a row's sum has the same bits in any pass. */
+    __m256 acc[ROW_BLOCK];
     for (int r = 0; r < rb; r++) acc[r] = _mm256_setzero_ps();
-    int64_t g = 0;
-#define Q4_BLOCK(g, r, a) do { \
-        __m256i b_ = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(codes + (g) * 16))); \
-        __m256 f_ = dot32(_mm256_and_si256(b_, low), _mm256_srli_epi16(b_, 4), xq + (r) * K + (g) * GROUP); \
-        __m256 sc_ = _mm256_mul_ps(_mm256_broadcast_ss(sm + 2 * (g)), _mm256_broadcast_ss(dx + (r) * G + (g))); \
-        a = _mm256_fmadd_ps(f_, sc_, _mm256_fmadd_ps(_mm256_loadu_ps(xs8 + ((r) * G + (g)) * 8), \
-                                                      _mm256_broadcast_ss(sm + 2 * (g) + 1), a)); } while (0)
-    if (rb == 1) {
-        for (; g + 1 < G; g += 2) {
-            Q4_BLOCK(g, 0, acc[0]);
-            Q4_BLOCK(g + 1, 0, acc2);
-        }
-        if (g < G) Q4_BLOCK(g, 0, acc[0]);
-        acc[0] = _mm256_add_ps(acc[0], acc2);
-    } else {
-        for (; g < G; g++) {
-            /* widen once, use for every row (the compiler hoists the common loads) */
-            __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(codes + g * 16)));
-            __m256i lo = _mm256_and_si256(b, low), hi = _mm256_srli_epi16(b, 4);
-            __m256 s = _mm256_broadcast_ss(sm + 2 * g), m = _mm256_broadcast_ss(sm + 2 * g + 1);
-            for (int r = 0; r < rb; r++) {
-                __m256 f = dot32(lo, hi, xq + r * K + g * GROUP);
-                __m256 sc = _mm256_mul_ps(s, _mm256_broadcast_ss(dx + r * G + g));
-                acc[r] = _mm256_fmadd_ps(f, sc, _mm256_fmadd_ps(_mm256_loadu_ps(xs8 + (r * G + g) * 8), m, acc[r]));
-            }
+    for (int64_t g = 0; g < G; g++) {
+        /* widen once, use for every row (the compiler hoists the common loads) */
+        __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(codes + g * 16)));
+        __m256i lo = _mm256_and_si256(b, low), hi = _mm256_srli_epi16(b, 4);
+        __m256 s = _mm256_broadcast_ss(sm + 2 * g), m = _mm256_broadcast_ss(sm + 2 * g + 1);
+        for (int r = 0; r < rb; r++) {
+            __m256 f = dot32(lo, hi, xq + r * K + g * GROUP);
+            __m256 sc = _mm256_mul_ps(s, _mm256_broadcast_ss(dx + r * G + g));
+            acc[r] = _mm256_add_ps(acc[r], _mm256_fmadd_ps(f, sc, _mm256_mul_ps(_mm256_loadu_ps(xs8 + (r * G + g) * 8), m)));
         }
     }
-#undef Q4_BLOCK
     for (int r = 0; r < rb; r++) y[r * N] = hsum8(acc[r]);
 }
 
 static inline __attribute__((always_inline)) void dot_q8(
         int rb, const int16_t *xq, const float *dx, int64_t K, int64_t G, const int8_t *codes,
         const float *scale, float *y, int64_t N) {
-    __m256 acc[ROW_BLOCK], acc2 = _mm256_setzero_ps();
+    __m256 acc[ROW_BLOCK];  /* one chain per row, as in dot_q4 */
     for (int r = 0; r < rb; r++) acc[r] = _mm256_setzero_ps();
-#define Q8_WIDEN(g, c0, c1) \
-        __m256i c0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(codes + (g) * GROUP))); \
-        __m256i c1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(codes + (g) * GROUP + 16)))
-#define Q8_ROW(g, r, c0, c1, a) \
-        a = _mm256_fmadd_ps(dot32(c0, c1, xq + (r) * K + (g) * GROUP), \
-                            _mm256_mul_ps(_mm256_broadcast_ss(scale + (g)), _mm256_broadcast_ss(dx + (r) * G + (g))), a)
-    int64_t g = 0;
-    if (rb == 1) {  /* two accumulators, as in dot_q4 */
-        for (; g + 1 < G; g += 2) {
-            Q8_WIDEN(g, a0, a1);
-            Q8_ROW(g, 0, a0, a1, acc[0]);
-            Q8_WIDEN(g + 1, b0, b1);
-            Q8_ROW(g + 1, 0, b0, b1, acc2);
-        }
-        if (g < G) { Q8_WIDEN(g, a0, a1); Q8_ROW(g, 0, a0, a1, acc[0]); }
-        acc[0] = _mm256_add_ps(acc[0], acc2);
-    } else {
-        for (; g < G; g++) {
-            Q8_WIDEN(g, c0, c1);
-            for (int r = 0; r < rb; r++) Q8_ROW(g, r, c0, c1, acc[r]);
-        }
+    for (int64_t g = 0; g < G; g++) {
+        __m256i c0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(codes + g * GROUP)));
+        __m256i c1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(codes + g * GROUP + 16)));
+        for (int r = 0; r < rb; r++)
+            acc[r] = _mm256_fmadd_ps(dot32(c0, c1, xq + r * K + g * GROUP),
+                                     _mm256_mul_ps(_mm256_broadcast_ss(scale + g), _mm256_broadcast_ss(dx + r * G + g)), acc[r]);
     }
-#undef Q8_WIDEN
-#undef Q8_ROW
     for (int r = 0; r < rb; r++) y[r * N] = hsum8(acc[r]);
 }
 
 /* Row-scaled variants: one int16 scale per row (dxr[r]) instead of one per block, taken when
- * no block of a row is much smaller than the row's largest value (quantize_rows_scaled), so
+ * no block of a row is much smaller than the row's largest value (takes_one_scale), so
  * every value keeps at least 8 significant bits, bf16's precision. The block's weight scale
  * then applies once per row and block (a broadcast shared by all rows), the row scale once at
  * the end, and the Q4 min term for all rows of the block in one multiply-add over xsum_t
@@ -146,20 +114,16 @@ static inline __attribute__((always_inline)) void dot_q4_rs(
         int rb, const int16_t *xq, const float *dxr, const float *xsum_t, int64_t RS, int64_t K,
         int64_t G, const uint8_t *codes, const float *sm, float *y, int64_t N) {
     const __m256i low = _mm256_set1_epi16(0x0F);
-    __m256 acc[ROW_BLOCK], acc2 = _mm256_setzero_ps(), mins = _mm256_setzero_ps();
+    __m256 acc[ROW_BLOCK], mins = _mm256_setzero_ps();
     for (int r = 0; r < rb; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t g = 0; g < G; g++) {
         __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(codes + g * 16)));
         __m256i lo = _mm256_and_si256(b, low), hi = _mm256_srli_epi16(b, 4);
-        __m256 s = _mm256_broadcast_ss(sm + 2 * g);
+        __m256 s = _mm256_broadcast_ss(sm + 2 * g);  /* lane r of mins: row r, as alone */
         mins = _mm256_fmadd_ps(_mm256_broadcast_ss(sm + 2 * g + 1), _mm256_loadu_ps(xsum_t + g * RS), mins);
-        for (int r = 0; r < rb; r++) {
-            __m256 f = dot32(lo, hi, xq + r * K + g * GROUP);
-            if (rb == 1 && (g & 1)) acc2 = _mm256_fmadd_ps(f, s, acc2);
-            else acc[r] = _mm256_fmadd_ps(f, s, acc[r]);
-        }
+        for (int r = 0; r < rb; r++)
+            acc[r] = _mm256_fmadd_ps(dot32(lo, hi, xq + r * K + g * GROUP), s, acc[r]);
     }
-    if (rb == 1) acc[0] = _mm256_add_ps(acc[0], acc2);
     float m[8];
     _mm256_storeu_ps(m, mins);
     for (int r = 0; r < rb; r++) y[r * N] = dxr[r] * hsum8(acc[r]) + m[r];
@@ -168,19 +132,15 @@ static inline __attribute__((always_inline)) void dot_q4_rs(
 static inline __attribute__((always_inline)) void dot_q8_rs(
         int rb, const int16_t *xq, const float *dxr, int64_t K, int64_t G, const int8_t *codes,
         const float *scale, float *y, int64_t N) {
-    __m256 acc[ROW_BLOCK], acc2 = _mm256_setzero_ps();
+    __m256 acc[ROW_BLOCK];
     for (int r = 0; r < rb; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t g = 0; g < G; g++) {
         __m256i c0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(codes + g * GROUP)));
         __m256i c1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(codes + g * GROUP + 16)));
         __m256 s = _mm256_broadcast_ss(scale + g);
-        for (int r = 0; r < rb; r++) {
-            __m256 f = dot32(c0, c1, xq + r * K + g * GROUP);
-            if (rb == 1 && (g & 1)) acc2 = _mm256_fmadd_ps(f, s, acc2);
-            else acc[r] = _mm256_fmadd_ps(f, s, acc[r]);
-        }
+        for (int r = 0; r < rb; r++)
+            acc[r] = _mm256_fmadd_ps(dot32(c0, c1, xq + r * K + g * GROUP), s, acc[r]);
     }
-    if (rb == 1) acc[0] = _mm256_add_ps(acc[0], acc2);
     for (int r = 0; r < rb; r++) y[r * N] = dxr[r] * hsum8(acc[r]);
 }
 #define HAVE_ROW_SCALED 1
@@ -219,78 +179,145 @@ static inline void dot_q8(int rb, const int16_t *xq, const float *dx, int64_t K,
 }
 #endif
 
+/* The activations of one product, quantized: the rows that take one scale first (S of them:
+ * xq, dxr [S], xsum_t [G, RS] their block sums), then the others (xq, dx [R - S, G] block
+ * scales, xs8 [R - S, G, 8] partial block sums); order[i] is the row of x in place i. */
+typedef struct {
+    int64_t R, K, G, S, RS;
+    int16_t *xq;
+    float *dxr, *dx, *xs8, *xsum_t;
+    int64_t *order;
+    int permuted;
+} Rows;
+
+static void rows_free(Rows *q) {
+    free(q->xq); free(q->dxr); free(q->dx); free(q->xs8); free(q->xsum_t); free(q->order);
+}
+
+/* Returns 0, or -1 when out of memory. Sums (xs8, xsum_t) only when `sums`. */
+static int rows_quantize(const float *x, int64_t R, int64_t K, int sums, Rows *q) {
+    const int64_t G = K / GROUP, RS = R + 8;  /* dot_q4_rs loads 8 columns of xsum_t */
+    *q = (Rows){R, K, G, 0, RS, malloc(sizeof(int16_t) * R * K), malloc(sizeof(float) * R),
+                malloc(sizeof(float) * R * G), sums ? malloc(sizeof(float) * R * G * 8) : NULL,
+                sums ? calloc(G * RS, sizeof(float)) : NULL, malloc(sizeof(int64_t) * R), 0};
+    if (!q->xq || !q->dxr || !q->dx || !q->order || (sums && (!q->xs8 || !q->xsum_t))) {
+        rows_free(q);
+        return -1;
+    }
+    int64_t next = 0;
+#ifdef HAVE_ROW_SCALED
+    float *row_max = q->dx;  /* scratch until the block-scaled rows are written */
+    int *one = (int *)q->xs8, one_buf[64];
+    if (!sums) one = R <= 64 ? one_buf : (int *)malloc(sizeof(int) * R);
+    if (!one) { rows_free(q); return -1; }
+    for (int64_t r = 0; r < R; r++) one[r] = takes_one_scale(x + r * K, K, &row_max[r]);
+    for (int64_t r = 0; r < R; r++)
+        if (one[r]) {
+            quantize_row_scaled(x + r * K, K, row_max[r], q->xq + next * K, q->dxr + next,
+                                sums ? q->xsum_t + next : NULL, RS);
+            q->order[next++] = r;
+        }
+    q->S = next;
+    for (int64_t r = 0; r < R; r++)
+        if (!one[r]) q->order[next++] = r;
+    if (!sums && one != one_buf) free(one);
+#else
+    for (int64_t r = 0; r < R; r++) q->order[next++] = r;
+#endif
+    for (int64_t i = q->S; i < R; i++) {
+        q->permuted |= q->order[i] != i;
+        const int64_t j = i - q->S;
+        quantize_rows(x + q->order[i] * K, 1, K, q->xq + i * K, q->dx + j * G,
+                      sums ? q->xs8 + j * G * 8 : NULL);
+    }
+    return 0;
+}
+
+/* y [R, N] from the rows' outputs in their order (yp), freed after. */
+static void rows_unpermute(const Rows *q, float *yp, float *y, int64_t N) {
+    if (yp == y) return;
+    for (int64_t i = 0; i < q->R; i++) memcpy(y + q->order[i] * N, yp + i * N, sizeof(float) * N);
+    free(yp);
+}
+
+/* For each group of rows (one scale a row, then a scale a block): passes of at most
+ * ROW_BLOCK rows; ONE(rb) and BLOCKS(rb) run a pass of rb rows from place i (j: its index
+ * among the block-scaled rows). */
+#define ROW_PASSES(q, ONE, BLOCKS) do { \
+        for (int64_t b = 0, i = 0, rb; b < ROW_BLOCKS((q).S); b++, i += rb) { \
+            rb = ROW_BLOCK_SIZE((q).S, b); \
+            ONE(rb); \
+        } \
+        const int64_t rest_ = (q).R - (q).S; \
+        for (int64_t b = 0, j = 0, rb; b < ROW_BLOCKS(rest_); b++, j += rb) { \
+            const int64_t i = (q).S + j; \
+            rb = ROW_BLOCK_SIZE(rest_, b); \
+            BLOCKS(rb); \
+        } } while (0)
+
 /* x [R, K] float32, codes [N, K / 2] uint8, sm [N, K / 32, 2] float32 (scale, min) -> y [R, N].
  * Returns 0, or -1 when out of memory. */
 int q4_linear(const float *x, int64_t R, int64_t K, const uint8_t *codes, const float *sm,
               int64_t N, float *y, int threads) {
-    const int64_t G = K / GROUP, RS = R + 8;  /* dot_q4_rs loads 8 columns */
-    int16_t *xq = malloc(sizeof(int16_t) * R * K);
-    float *dx = malloc(sizeof(float) * R * G), *xs8 = malloc(sizeof(float) * R * G * 8);
-    float *xsum_t = calloc(G * RS, sizeof(float));
-    if (!xq || !dx || !xs8 || !xsum_t) { free(xq); free(dx); free(xs8); free(xsum_t); return -1; }
-    int row_scaled = 0;
-#ifdef HAVE_ROW_SCALED
-    row_scaled = quantize_rows_scaled(x, R, K, xq, dx, xsum_t, RS, xs8);  /* xs8 as scratch */
-#endif
-    if (!row_scaled) quantize_rows(x, R, K, xq, dx, xs8);
+    Rows q;
+    if (rows_quantize(x, R, K, 1, &q)) return -1;
+    const int64_t G = q.G, RS = q.RS;
+    float *yp = q.permuted ? malloc(sizeof(float) * R * N) : y;
+    if (!yp) { rows_free(&q); return -1; }
     #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
     for (int64_t n = 0; n < N; n++) {
         PREFETCH_BLOCK(codes + n * (K / 2), (int)(K / 2));  /* the rows PF_DIST bytes ahead */
         PREFETCH_BLOCK(sm + n * G * 2, (int)(G * 8));
-        for (int64_t b = 0, r0 = 0, rb; b < ROW_BLOCKS(R); b++, r0 += rb) {
-            rb = ROW_BLOCK_SIZE(R, b);
 #ifdef HAVE_ROW_SCALED
-            if (row_scaled) {
-#define Q4R(RB) dot_q4_rs(RB, xq + r0 * K, dx + r0, xsum_t + r0, RS, K, G, codes + n * (K / 2), \
-                          sm + n * G * 2, y + r0 * N + n, N)
-                DISPATCH(rb, Q4R)
-#undef Q4R
-                continue;
-            }
+#define Q4R(RB) dot_q4_rs(RB, q.xq + i * K, q.dxr + i, q.xsum_t + i, RS, K, G, codes + n * (K / 2), \
+                          sm + n * G * 2, yp + i * N + n, N)
+#define ONE(rb) DISPATCH(rb, Q4R)
+#else
+#define ONE(rb) (void)(RS + i)
 #endif
-#define Q4(RB) dot_q4(RB, xq + r0 * K, dx + r0 * G, xs8 + r0 * G * 8, K, G, codes + n * (K / 2), \
-                      sm + n * G * 2, y + r0 * N + n, N)
-            DISPATCH(rb, Q4)
+#define Q4(RB) dot_q4(RB, q.xq + i * K, q.dx + j * G, q.xs8 + j * G * 8, K, G, codes + n * (K / 2), \
+                      sm + n * G * 2, yp + i * N + n, N)
+#define BLOCKS(rb) DISPATCH(rb, Q4)
+        ROW_PASSES(q, ONE, BLOCKS);
+#undef Q4R
 #undef Q4
-        }
+#undef ONE
+#undef BLOCKS
     }
-    free(xq); free(dx); free(xs8); free(xsum_t);
+    rows_unpermute(&q, yp, y, N);
+    rows_free(&q);
     return 0;
 }
 
 /* x [R, K] float32, codes [N, K] int8, scale [N, K / 32] float32 -> y [R, N]. */
 int q8_linear(const float *x, int64_t R, int64_t K, const int8_t *codes, const float *scale,
               int64_t N, float *y, int threads) {
-    const int64_t G = K / GROUP;
-    int16_t *xq = malloc(sizeof(int16_t) * R * K);
-    float *dx = malloc(sizeof(float) * R * G), *bmax = malloc(sizeof(float) * R * G);
-    if (!xq || !dx || !bmax) { free(xq); free(dx); free(bmax); return -1; }
-    int row_scaled = 0;
-#ifdef HAVE_ROW_SCALED
-    row_scaled = quantize_rows_scaled(x, R, K, xq, dx, NULL, 0, bmax);
-#endif
-    if (!row_scaled) quantize_rows(x, R, K, xq, dx, NULL);
+    Rows q;
+    if (rows_quantize(x, R, K, 0, &q)) return -1;
+    const int64_t G = q.G;
+    float *yp = q.permuted ? malloc(sizeof(float) * R * N) : y;
+    if (!yp) { rows_free(&q); return -1; }
     #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
     for (int64_t n = 0; n < N; n++) {
         PREFETCH_BLOCK(codes + n * K, (int)K);  /* the rows PF_DIST bytes ahead */
         PREFETCH_BLOCK(scale + n * G, (int)(G * 4));
-        for (int64_t b = 0, r0 = 0, rb; b < ROW_BLOCKS(R); b++, r0 += rb) {
-            rb = ROW_BLOCK_SIZE(R, b);
 #ifdef HAVE_ROW_SCALED
-            if (row_scaled) {
-#define Q8R(RB) dot_q8_rs(RB, xq + r0 * K, dx + r0, K, G, codes + n * K, scale + n * G, \
-                          y + r0 * N + n, N)
-                DISPATCH(rb, Q8R)
-#undef Q8R
-                continue;
-            }
+#define Q8R(RB) dot_q8_rs(RB, q.xq + i * K, q.dxr + i, K, G, codes + n * K, scale + n * G, \
+                          yp + i * N + n, N)
+#define ONE(rb) DISPATCH(rb, Q8R)
+#else
+#define ONE(rb) (void)i
 #endif
-#define Q8(RB) dot_q8(RB, xq + r0 * K, dx + r0 * G, K, G, codes + n * K, scale + n * G, \
-                      y + r0 * N + n, N)
-            DISPATCH(rb, Q8)
+#define Q8(RB) dot_q8(RB, q.xq + i * K, q.dx + j * G, K, G, codes + n * K, scale + n * G, \
+                      yp + i * N + n, N)
+#define BLOCKS(rb) DISPATCH(rb, Q8)
+        ROW_PASSES(q, ONE, BLOCKS);
+#undef Q8R
 #undef Q8
-        }
+#undef ONE
+#undef BLOCKS
     }
-    free(xq); free(dx); free(bmax);
+    rows_unpermute(&q, yp, y, N);
+    rows_free(&q);
     return 0;
 }
