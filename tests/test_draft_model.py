@@ -302,3 +302,45 @@ def test_a_failed_draft_round_leaves_nothing_in_its_prefix_cache(tiny_llama):
     assert again.outputs[0].token_ids == want.outputs[0].token_ids
     # the second request's draft found the blocks its own successful catch-up registered
     assert proposer.block_manager.prefix_hits == 64
+
+
+def test_a_sampled_requests_draft_scores_its_own_text_only(tiny_llama):
+    """In a batch the limited head scores the union of the requests' ids past the limit; a
+    sampled request's q is masked back to its own (and the end-of-sequence ids), so its
+    seeded proposals and q are the same alone and beside another request. Greedy rows keep
+    the union (their output is the target's argmax either way)."""
+    from pagellm.sequence import Sequence
+
+    path, _ = tiny_llama
+    llm = LLM(path, dtype="float32", kv_cache_memory=2**20,
+              speculative_config={"method": "draft_model", "model": path,
+                                  "draft_vocab_size": 100})
+    proposer = llm.engine.spec.proposer
+    proposer.eos_token_id = {3, 250}
+    sampled = SamplingParams(temperature=1.0, seed=7)
+    a = Sequence(0, "a", 0, [5, 120, 7], sampled, None)
+    b = Sequence(1, "b", 0, [130, 9, 160], SamplingParams(temperature=0), None)
+    c = Sequence(2, "c", 0, [11, 140], SamplingParams(temperature=0.8), None)
+    rows, cols = proposer._score_own_text([a, b, c])
+    assert proposer.model.extra_ids.tolist() == [120, 130, 140, 160, 250]
+    assert list(zip(rows.tolist(), cols.tolist())) == [(0, 130), (0, 140), (0, 160),
+                                                        (2, 120), (2, 130), (2, 160)]
+    assert proposer._score_own_text([b]) is None  # a greedy row alone: nothing to mask
+
+    def propose(seqs):
+        for s in seqs:
+            s.generator = torch.Generator().manual_seed(s.params.seed or 0)
+        out = proposer.propose(seqs, [3] * len(seqs))
+        for s in seqs:
+            proposer.release(s)
+        return out
+
+    fresh = lambda seq_id, prompt, params: Sequence(seq_id, str(seq_id), 0, list(prompt), params, None)  # noqa: E731
+    alone = propose([fresh(10, a.prompt_token_ids, sampled)])[0]
+    beside = propose([fresh(11, a.prompt_token_ids, sampled),
+                      fresh(12, [130, 140, 160, 170] * 3, SamplingParams(temperature=0))])[0]
+    assert len(alone.token_ids) == 3 and alone.token_ids == beside.token_ids
+    # the same q up to the dense tiny model's float32 rounding over 1 or 2 rows; none of it
+    # on the other request's ids
+    torch.testing.assert_close(alone.probs, beside.probs, rtol=1e-5, atol=1e-7)
+    assert bool((beside.probs[:, [130, 140, 160, 170]] == 0).all())

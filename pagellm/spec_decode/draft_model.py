@@ -106,13 +106,16 @@ class DraftModelProposer(Proposer):
                 break
             out = SchedulerOutput([b[1] for b in batch], counts)
             rows = list(torch.tensor(counts).cumsum(0) - 1)
-            self._score_own_text([b[0] for b in batch])
+            not_own = self._score_own_text([b[0] for b in batch])
             try:
                 logits = self.runner.execute(out, [int(r) for r in rows])
             except BaseException:
                 self._written(False)
                 raise
             self._written(True)
+            if not_own is not None:
+                logits = logits.index_put(tuple(t.to(logits.device) for t in not_own),
+                                          torch.tensor(float("-inf"), device=logits.device))
             # A first round feeds 1 token, or 2 after a step that accepted every proposal (the
             # last proposal and the target's own token): a proposal round's cost. More is a
             # shadow catching up on context (a prompt, or tokens emitted while it was off).
@@ -137,16 +140,20 @@ class DraftModelProposer(Proposer):
         self.last_catchup_seconds = catchup
         return [proposals[s.seq_id] for s in seqs]
 
-    def _score_own_text(self, seqs: list[Sequence]) -> None:
+    def _score_own_text(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor] | None:
         """A draft head limited to its first n ids (draft_vocab_size) also scores every id
         past n that these requests' prompts and outputs hold, and the end-of-sequence ids:
         the names in code being edited, the words of a question. Read incrementally: each
-        token once per request."""
+        token once per request. Returns the (rows, ids) of the union that a sampled row's own
+        text does not hold, for the caller to mask: a sampled request's q, and so its seeded
+        draws, are then the same beside any other requests (a greedy row's proposals may take
+        the union's ids: its output is the target's argmax either way)."""
         limit = getattr(self.model, "vocab_limit", None)
         if limit is None:
-            return
+            return None
         eos = self.eos_token_id
-        ids = {e for e in ((eos,) if isinstance(eos, int) else eos or ()) if e >= limit}
+        eos_ids = {e for e in ((eos,) if isinstance(eos, int) else eos or ()) if e >= limit}
+        ids, own = set(eos_ids), []
         for seq in seqs:
             read, past = self._past_limit.get(seq.seq_id, (0, set()))
             n_prompt = len(seq.prompt_token_ids)
@@ -156,7 +163,14 @@ class DraftModelProposer(Proposer):
             past.update(t for t in seq.output_token_ids[read - n_prompt:] if t >= limit)
             self._past_limit[seq.seq_id] = (seq.num_tokens, past)
             ids |= past
+            own.append(past)
         self.model.also_score(torch.tensor(sorted(ids), dtype=torch.int64) if ids else None)
+        rows, cols = [], []
+        for i, (seq, past) in enumerate(zip(seqs, own)):
+            others = sorted(ids - past - eos_ids) if not seq.params.greedy else ()
+            rows += [i] * len(others)
+            cols += others
+        return (torch.tensor(rows), torch.tensor(cols)) if rows else None
 
     def _sample_round(self, batch, logits: torch.Tensor, probs) -> set[int]:
         """Draws this round's proposals; returns the sequences that stop proposing."""
