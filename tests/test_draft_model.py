@@ -131,17 +131,24 @@ def test_greedy_output_unchanged_and_proposals_within_the_limit_or_the_requests_
     assert not proposer._past_limit  # released with their requests
 
 
-def test_the_ids_past_the_limit_are_read_once_per_request(tiny_llama):
-    """The proposer reads each request's new tokens only, keeps them per request, and scores
-    the union of the batch's (plus the end-of-sequence id past the limit)."""
-    from pagellm.sequence import Sequence
-
+def _limited_proposer(tiny_llama) -> tuple[LLM, object]:
+    """An engine whose draft (the tiny model itself) scores its first 100 ids, and its draft
+    proposer, with end-of-sequence ids 3 and 250."""
     path, _ = tiny_llama
     llm = LLM(path, dtype="float32", kv_cache_memory=2**20,
               speculative_config={"method": "draft_model", "model": path,
                                   "draft_vocab_size": 100})
     proposer = llm.engine.spec.proposer
     proposer.eos_token_id = {3, 250}
+    return llm, proposer
+
+
+def test_the_ids_past_the_limit_are_read_once_per_request(tiny_llama):
+    """The proposer reads each request's new tokens only, keeps them per request, and scores
+    the union of the batch's (plus the end-of-sequence id past the limit)."""
+    from pagellm.sequence import Sequence
+
+    _, proposer = _limited_proposer(tiny_llama)
     a = Sequence(0, "a", 0, [5, 120, 7, 120], SamplingParams(), None)
     b = Sequence(1, "b", 0, [130], SamplingParams(), None)
     proposer._score_own_text([a, b])
@@ -311,12 +318,7 @@ def test_a_sampled_requests_draft_scores_its_own_text_only(tiny_llama):
     the union (their output is the target's argmax either way)."""
     from pagellm.sequence import Sequence
 
-    path, _ = tiny_llama
-    llm = LLM(path, dtype="float32", kv_cache_memory=2**20,
-              speculative_config={"method": "draft_model", "model": path,
-                                  "draft_vocab_size": 100})
-    proposer = llm.engine.spec.proposer
-    proposer.eos_token_id = {3, 250}
+    _, proposer = _limited_proposer(tiny_llama)
     sampled = SamplingParams(temperature=1.0, seed=7)
     a = Sequence(0, "a", 0, [5, 120, 7], sampled, None)
     b = Sequence(1, "b", 0, [130, 9, 160], SamplingParams(temperature=0), None)
