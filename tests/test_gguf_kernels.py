@@ -1,6 +1,6 @@
 """The GGUF block kernel (pagellm/kernels/cpu_gguf.c) against float64 products with gguf's own
-dequantization, for every type it takes: every row count 1..20 and 40 (row passes of at most 8,
-the one-row path), odd block counts, threads, mixed fused parts, and the portable (non-AVX2)
+dequantization, for every type it takes: every row count 1..20 and 40 (row passes of at most 8),
+odd block counts, threads, mixed fused parts, and the portable (non-AVX2)
 build of the same source; and every few-row kernel of block-quantized weights (these, and
 cpu_quant.c's) gives a row the bits it has alone, in the AVX-512 and the AVX2 build."""
 from __future__ import annotations
@@ -96,6 +96,10 @@ def test_a_layout_the_kernel_does_not_take_is_refused():
     blocks = random_blocks(Q.Q4_K, 4, 256, seed=6)
     with pytest.raises(ValueError, match="not a layout"):
         quant.cpu_quant.gguf_linear(torch.randn(1, 256), blocks.raw, int(Q.Q2_K), 256)
+    # cpu_quant.c's kernels take whole 32-value blocks only
+    with pytest.raises(ValueError, match="multiple of 32"):
+        quant.cpu_quant.q8_linear(torch.randn(2, 48), torch.zeros(4, 48, dtype=torch.int8),
+                                  torch.ones(4, 1))
 
 
 def test_portable_build_gives_the_same_products(tmp_path, monkeypatch):

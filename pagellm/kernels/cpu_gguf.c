@@ -88,10 +88,10 @@ static inline __m256 dot_eo(__m256i ev, __m256i od, const int16_t *xq) {
     return _mm256_cvtepi32_ps(idot_eo(ev, od, xq));
 }
 
-/* lane i = the sum of all lanes of sub-block i's vector d_i, from the pairs p_c = hadd(d_2c, d_2c+1) */
-static inline __m256i sum_pairs(const __m256i *p) {
-    const __m256i a = _mm256_hadd_epi32(p[0], p[1]), c = _mm256_hadd_epi32(p[2], p[3]);
-    return _mm256_add_epi32(_mm256_permute2x128_si256(a, c, 0x20), _mm256_permute2x128_si256(a, c, 0x31));
+/* lane i = the sum of all lanes of sub-block i's vector d_i, from h[j] = hadd(hadd(d_4j,
+ * d_4j+1), hadd(d_4j+2, d_4j+3)) */
+static inline __m256i sum_halves(const __m256i *h) {
+    return _mm256_add_epi32(_mm256_permute2x128_si256(h[0], h[1], 0x20), _mm256_permute2x128_si256(h[0], h[1], 0x31));
 }
 
 /* Q4_0 / Q4_1 / Q5_* nibble blocks (byte j: element j low, j + 16 high): even, odd codes. */
@@ -204,7 +204,7 @@ static inline __attribute__((always_inline)) void k4_finish(__m256i sums, __m256
     *macc = _mm256_fmadd_ps(mv, _mm256_loadu_ps(xs), *macc);
 }
 
-/* Q6_K, one half of 128 values of one row: sums [8] int32 (hadd(p_0, p_1)'s order: the exact
+/* Q6_K, one half of 128 values of one row: sums [8] int32 (sum_halves' h[j] order: the exact
  * 16-value sums of sub-blocks 0-3's first halves, then of their second halves), each times
  * its int8 scale (sc8, the same order) and s * dx. */
 static inline __attribute__((always_inline)) void q6_finish(__m256i sums, __m256 sc8, __m256 sv,
@@ -222,8 +222,8 @@ static inline __m256 q6_scales(const uint8_t *b, int h) {
 }
 
 /* Rows [0, rb) of one output feature over a weight row of 256-value K-quant blocks. Each
- * block's codes are made once and their integer sums taken for every row: a sub-block's
- * int32 lanes are added pairwise as the sub-blocks come (hadd: exact, so in any order), and
+ * block's codes are made once and their integer sums taken for every row: sub-blocks' int32
+ * lanes are added pairwise as they come (hadd: exact, so in any order), and
  * each row scales its exact sub-block sums once per block (k4_finish, q6_finish). One
  * arithmetic for every rb: a row's outputs have the same bits in any pass, so greedy output
  * with speculation or beside other requests is the request's own. */
@@ -234,13 +234,16 @@ static inline __attribute__((always_inline)) void row_k(
     const int size = bytes_of(type), has_min = type != T_Q6_K;
     __m256 acc[ROW_BLOCK], macc[ROW_BLOCK];
     for (int r = 0; r < rb; r++) { acc[r] = _mm256_setzero_ps(); macc[r] = _mm256_setzero_ps(); }
-    __m256i even[ROW_BLOCK], pair[ROW_BLOCK][4];  /* an even sub-block's lanes; pairs' hadds */
+    /* per row: sub-block 4j's lanes, hadd of sub-blocks (4j, 4j + 1), and per 4 sub-blocks
+     * half[j] = hadd of those two pairs (lanes: the 4 sums of each 128-bit half) */
+    __m256i even[ROW_BLOCK], pair[ROW_BLOCK], half[ROW_BLOCK][2];
 #define DOT(i, EV, OD) do { \
         const __m256i ev_ = (EV), od_ = (OD); \
         for (int r = 0; r < rb; r++) { \
             const __m256i d_ = idot_eo(ev_, od_, xq + r * K + (g0 + (i)) * GROUP); \
             if ((i) % 2 == 0) even[r] = d_; \
-            else pair[r][((i) / 2) % 4] = _mm256_hadd_epi32(even[r], d_); \
+            else if ((i) % 4 == 1) pair[r] = _mm256_hadd_epi32(even[r], d_); \
+            else half[r][((i) / 4) % 2] = _mm256_hadd_epi32(pair[r], _mm256_hadd_epi32(even[r], d_)); \
         } } while (0)
     for (int64_t u = 0; u < K / 256; u++) {
         const uint8_t *b = row + u * size;
@@ -251,7 +254,7 @@ static inline __attribute__((always_inline)) void row_k(
         if (has_min) {
             K4_CODES(type, b, DOT);
             for (int r = 0; r < rb; r++)
-                k4_finish(sum_pairs(pair[r]), sv, mv, dx + r * G + g0, xs + r * G + g0, &acc[r], &macc[r]);
+                k4_finish(sum_halves(half[r]), sv, mv, dx + r * G + g0, xs + r * G + g0, &acc[r], &macc[r]);
             continue;
         }
         /* Q6_K: two halves of 128 values, four sub-blocks each */
@@ -267,9 +270,7 @@ static inline __attribute__((always_inline)) void row_k(
                 DOT(4 * h + i, even_i8(v), odd_i8(v));
             }
             const __m256 sc8 = q6_scales(b, h);
-            for (int r = 0; r < rb; r++)
-                q6_finish(_mm256_hadd_epi32(pair[r][2 * h], pair[r][2 * h + 1]), sc8, sv,
-                          dx + r * G + g0 + 4 * h, &acc[r]);
+            for (int r = 0; r < rb; r++) q6_finish(half[r][h], sc8, sv, dx + r * G + g0 + 4 * h, &acc[r]);
         }
     }
 #undef DOT

@@ -11,7 +11,8 @@
  * - K-quants: activations get one int16 scale per 256-value super-block (not per 32), so each
  *   code is multiplied by its integer sub-block scale once (vpmullw, shared by every row) and a
  *   row's whole super-block sums in int32 lanes, then one convert and one FMA per block and row
- *   (the AVX2 path converts and scales every 32-value sub-block of every row). int16 steps of
+ *   (the AVX2 path sums each 32-value sub-block of every row across its lanes, then scales the
+ *   8 sums). int16 steps of
  *   max|x| / 32767 over 256 values are still 256x finer than int8 steps over 32.
  *
  * Integer ranges (no lane can overflow): Q4_K / Q5_K codes c <= 31 times scales <= 63 give
@@ -152,7 +153,7 @@ static inline __attribute__((always_inline)) void row_32_wide(
         if (has_min) {
             const __m512 m = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(head, 16)));
             for (int r = 0; r < rb; r++)
-                macc[r] = _mm512_fmadd_ps(m, _mm512_maskz_loadu_ps(live, xs + r * G + g0), macc[r]);
+                macc[r] = _mm512_mask3_fmadd_ps(m, _mm512_maskz_loadu_ps(live, xs + r * G + g0), macc[r], live);
         }
         for (int j = 0; j < n; j++) {
             const uint8_t *b = row + (g0 + j) * size;

@@ -126,7 +126,7 @@ static inline __attribute__((always_inline)) void dot_q4_rs(
     }
     float m[8];
     _mm256_storeu_ps(m, mins);
-    for (int r = 0; r < rb; r++) y[r * N] = dxr[r] * hsum8(acc[r]) + m[r];
+    for (int r = 0; r < rb; r++) y[r * N] = fmaf(dxr[r], hsum8(acc[r]), m[r]);  /* one rounding in every rb */
 }
 
 static inline __attribute__((always_inline)) void dot_q8_rs(
@@ -256,10 +256,11 @@ static void rows_unpermute(const Rows *q, float *yp, float *y, int64_t N) {
         } } while (0)
 
 /* x [R, K] float32, codes [N, K / 2] uint8, sm [N, K / 32, 2] float32 (scale, min) -> y [R, N].
- * Returns 0, or -1 when out of memory. */
+ * Returns 0, -1 when out of memory, -2 when K is not a positive multiple of 32. */
 int q4_linear(const float *x, int64_t R, int64_t K, const uint8_t *codes, const float *sm,
               int64_t N, float *y, int threads) {
     Rows q;
+    if (K <= 0 || K % GROUP) return -2;
     if (rows_quantize(x, R, K, 1, &q)) return -1;
     const int64_t G = q.G, RS = q.RS;
     float *yp = q.permuted ? malloc(sizeof(float) * R * N) : y;
@@ -289,10 +290,12 @@ int q4_linear(const float *x, int64_t R, int64_t K, const uint8_t *codes, const 
     return 0;
 }
 
-/* x [R, K] float32, codes [N, K] int8, scale [N, K / 32] float32 -> y [R, N]. */
+/* x [R, K] float32, codes [N, K] int8, scale [N, K / 32] float32 -> y [R, N]. Returns as
+ * q4_linear does. */
 int q8_linear(const float *x, int64_t R, int64_t K, const int8_t *codes, const float *scale,
               int64_t N, float *y, int threads) {
     Rows q;
+    if (K <= 0 || K % GROUP) return -2;
     if (rows_quantize(x, R, K, 0, &q)) return -1;
     const int64_t G = q.G;
     float *yp = q.permuted ? malloc(sizeof(float) * R * N) : y;

@@ -14,8 +14,11 @@ def _run(name: str, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) 
     n = codes.shape[0]
     y = torch.empty(x2.shape[0], n, dtype=torch.float32)
     fn = getattr(native.library(), name)
-    if fn(x2.data_ptr(), x2.shape[0], k, codes.data_ptr(), scales.data_ptr(), n, y.data_ptr(),
-          torch.get_num_threads()) != 0:
+    rc = fn(x2.data_ptr(), x2.shape[0], k, codes.data_ptr(), scales.data_ptr(), n, y.data_ptr(),
+            torch.get_num_threads())
+    if rc == -2:
+        raise ValueError(f"{name}: {k} inputs is not a positive multiple of 32")
+    if rc != 0:
         raise MemoryError(f"{name}: out of memory for activation buffers")
     return y.view(*x.shape[:-1], n)
 

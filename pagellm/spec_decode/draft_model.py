@@ -115,7 +115,8 @@ class DraftModelProposer(Proposer):
             self._written(True)
             if not_own is not None:
                 logits = logits.index_put(tuple(t.to(logits.device) for t in not_own),
-                                          torch.tensor(float("-inf"), device=logits.device))
+                                          torch.tensor(float("-inf"), dtype=logits.dtype,
+                                                       device=logits.device))
             # A first round feeds 1 token, or 2 after a step that accepted every proposal (the
             # last proposal and the target's own token): a proposal round's cost. More is a
             # shadow catching up on context (a prompt, or tokens emitted while it was off).
