@@ -191,6 +191,7 @@ def test_a_rows_outputs_do_not_depend_on_the_rows_beside_it_in_cpu_quant(form):
         product.codes, product.scale_min = quant.NativeQ4.row_form(w)
     x = _rows_with_tiny_blocks(k, 5)
     assert_rows_have_their_own_bits(product, x)
+    assert product(x[:0]).shape == (0, n)  # a prefill chunk that needs no logits
     dense = w.dequantize().double()
     err = (product(x).double() - x.double() @ dense.t()).abs()
     # half a step of the row's scale (a block's own scale is finer) per weight, and float32 sums

@@ -261,6 +261,7 @@ int q4_linear(const float *x, int64_t R, int64_t K, const uint8_t *codes, const 
               int64_t N, float *y, int threads) {
     Rows q;
     if (K <= 0 || K % GROUP) return -2;
+    if (R == 0) return 0;  /* (a prefill chunk with no logits: y may be NULL) */
     if (rows_quantize(x, R, K, 1, &q)) return -1;
     const int64_t G = q.G, RS = q.RS;
     float *yp = q.permuted ? malloc(sizeof(float) * R * N) : y;
@@ -296,6 +297,7 @@ int q8_linear(const float *x, int64_t R, int64_t K, const int8_t *codes, const f
               int64_t N, float *y, int threads) {
     Rows q;
     if (K <= 0 || K % GROUP) return -2;
+    if (R == 0) return 0;
     if (rows_quantize(x, R, K, 0, &q)) return -1;
     const int64_t G = q.G;
     float *yp = q.permuted ? malloc(sizeof(float) * R * N) : y;
