@@ -16,6 +16,7 @@ from pagellm import LLM, SamplingParams
 from pagellm.kernels import native
 from pagellm.layers import quant
 from pagellm.models.loader import load_model_files
+from tests.helpers import assert_greedy_close
 from tests.gguf_files import finish, gguf_name, gguf_writer, llama_cpp_permute, random_blocks
 
 PROMPTS = [[5, 17, 33, 4, 90, 12, 7], list(range(10, 51)), [3, 3, 3, 60, 61, 62]]
@@ -165,6 +166,23 @@ def test_packed_path_keeps_the_file_blocks_and_matches(tiny_gguf):
         top2 = ref.topk(2, dim=-1).values
         clear = (top2[:, 0] - top2[:, 1]) > 2 * err * ref.abs().max()
         assert bool((ours.argmax(-1) == ref.argmax(-1))[clear].all())
+
+
+@pytest.mark.skipif(not native.available(), reason="no C compiler on this machine")
+def test_a_prompt_past_the_step_budget_with_a_packed_k_quant_head(tiny_gguf):
+    """A prompt in chunks of 8 tokens: the chunks before the last compute no logits, so the
+    packed Q6_K head gets no rows (its AVX-512 passes once divided by the row count: the
+    process died of SIGFPE); the output follows the one-step prefill's."""
+    path, _ = tiny_gguf
+    prompt = list(range(60, 90))
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2)
+    want = LLM(path, kv_cache_memory=2**22).generate([prompt], params, use_tqdm=False)
+    llm = LLM(path, kv_cache_memory=2**22, max_num_batched_tokens=8)
+    assert llm.engine.model.head_packed is not None
+    got = llm.generate([prompt], params, use_tqdm=False)
+    assert got[0].outputs[0].finish_reason == "length"
+    # chunks attend in other tiles than one whole prompt: close, not bitwise
+    assert_greedy_close(want[0].outputs[0], got[0].outputs[0], 0.05)
 
 
 def test_rope_freqs_change_the_angles(tmp_path):

@@ -108,6 +108,7 @@ def test_a_rows_outputs_do_not_depend_on_the_rows_beside_it(qtype):
     alone = torch.cat([packed(x[i:i + 1]) for i in range(13)])
     for rows in range(2, 14):
         assert torch.equal(packed(x[:rows]), alone[:rows]), rows
+    assert packed(x[:0]).shape == (0, n)  # no rows: nothing
 
 
 @needs_kernel

@@ -438,6 +438,7 @@ int gguf_linear(const float *x, int64_t R, int64_t K, const uint8_t *w, int64_t 
                 int type, int64_t N, float *y, int threads) {
     if (!bytes_of(type) || K % unit_of(type) || row_bytes != K / unit_of(type) * bytes_of(type))
         return -2;
+    if (R == 0) return 0;  /* (a prefill chunk with no logits; the K-quant passes divide by R) */
 #if GGUF_AVX512
     if (use_avx512()) return gguf_avx512(x, R, K, w, row_bytes, type, N, y, threads);
 #endif

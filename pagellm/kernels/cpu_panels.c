@@ -206,6 +206,7 @@ PANEL_PRODUCT(product_q4_k, PF_Q4_K)
 int panel_linear(const float *x, int64_t R, int64_t K, const uint8_t *panels, int fmt, int64_t N,
                  float *y, int threads) {
     if (fmt < PF_Q4_F32 || fmt > PF_Q4_K || K % unit_inputs(fmt)) return -2;
+    if (R == 0) return 0;
     const int64_t G = K / GROUP;
     int16_t *xq = malloc(sizeof(int16_t) * R * K);
     float *dx = malloc(sizeof(float) * R * G), *xs8 = malloc(sizeof(float) * R * G * 8);
