@@ -207,8 +207,7 @@ static int rows_quantize(const float *x, int64_t R, int64_t K, int sums, Rows *q
     int64_t next = 0;
 #ifdef HAVE_ROW_SCALED
     float *row_max = q->dx;  /* scratch until the block-scaled rows are written */
-    int *one = (int *)q->xs8, one_buf[64];
-    if (!sums) one = R <= 64 ? one_buf : (int *)malloc(sizeof(int) * R);
+    int *one = malloc(sizeof(int) * R);
     if (!one) { rows_free(q); return -1; }
     for (int64_t r = 0; r < R; r++) one[r] = takes_one_scale(x + r * K, K, &row_max[r]);
     for (int64_t r = 0; r < R; r++)
@@ -220,7 +219,7 @@ static int rows_quantize(const float *x, int64_t R, int64_t K, int sums, Rows *q
     q->S = next;
     for (int64_t r = 0; r < R; r++)
         if (!one[r]) q->order[next++] = r;
-    if (!sums && one != one_buf) free(one);
+    free(one);
 #else
     for (int64_t r = 0; r < R; r++) q->order[next++] = r;
 #endif
@@ -263,7 +262,7 @@ int q4_linear(const float *x, int64_t R, int64_t K, const uint8_t *codes, const 
     if (K <= 0 || K % GROUP) return -2;
     if (R == 0) return 0;  /* (a prefill chunk with no logits: y may be NULL) */
     if (rows_quantize(x, R, K, 1, &q)) return -1;
-    const int64_t G = q.G, RS = q.RS;
+    const int64_t G = q.G;
     float *yp = q.permuted ? malloc(sizeof(float) * R * N) : y;
     if (!yp) { rows_free(&q); return -1; }
     #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
@@ -271,11 +270,11 @@ int q4_linear(const float *x, int64_t R, int64_t K, const uint8_t *codes, const 
         PREFETCH_BLOCK(codes + n * (K / 2), (int)(K / 2));  /* the rows PF_DIST bytes ahead */
         PREFETCH_BLOCK(sm + n * G * 2, (int)(G * 8));
 #ifdef HAVE_ROW_SCALED
-#define Q4R(RB) dot_q4_rs(RB, q.xq + i * K, q.dxr + i, q.xsum_t + i, RS, K, G, codes + n * (K / 2), \
+#define Q4R(RB) dot_q4_rs(RB, q.xq + i * K, q.dxr + i, q.xsum_t + i, q.RS, K, G, codes + n * (K / 2), \
                           sm + n * G * 2, yp + i * N + n, N)
 #define ONE(rb) DISPATCH(rb, Q4R)
 #else
-#define ONE(rb) (void)(RS + i)
+#define ONE(rb) (void)i  /* (S is 0 here: never runs) */
 #endif
 #define Q4(RB) dot_q4(RB, q.xq + i * K, q.dx + j * G, q.xs8 + j * G * 8, K, G, codes + n * (K / 2), \
                       sm + n * G * 2, yp + i * N + n, N)
@@ -311,7 +310,7 @@ int q8_linear(const float *x, int64_t R, int64_t K, const int8_t *codes, const f
                           yp + i * N + n, N)
 #define ONE(rb) DISPATCH(rb, Q8R)
 #else
-#define ONE(rb) (void)i
+#define ONE(rb) (void)i  /* (S is 0 here: never runs) */
 #endif
 #define Q8(RB) dot_q8(RB, q.xq + i * K, q.dx + j * G, K, G, codes + n * K, scale + n * G, \
                       yp + i * N + n, N)
