@@ -136,9 +136,8 @@ def test_the_real_pair_gives_the_targets_greedy_tokens_with_the_draft_on(dtype):
     requests' own ids, k = 2 on every step): the target's verification rows score as its plain
     decoding does (its few-row kernels, AVX-512 or AVX2, give a row the bits it has alone), so
     the greedy tokens are those of the target alone, token for token, on completion, edit and
-    chat. One
-    request at a time: from 6 rows a step may take dense products where they measured faster
-    (kernels/packed_rows.py), other numerics in bfloat16."""
+    chat. One request at a time: from 6 rows a step may take dense products where they
+    measured faster (kernels/packed_rows.py), other numerics in bfloat16."""
     target = str(fetch.fetch("qwen2.5-coder-1.5b-instruct-q4_k_m", progress=False))
     draft = str(fetch.fetch("qwen2.5-coder-0.5b-instruct-q4_k_m", progress=False))
     plain = LLM(target, dtype=dtype, kv_cache_memory="64MiB")
