@@ -148,3 +148,53 @@ def test_a_nan_or_infinite_activation_block_gives_nan_outputs_for_its_row_only()
     assert torch.isnan(y[2]).all() and torch.isnan(y[5]).all()
     rest = [0, 1, 3, 4, 6, 7]
     assert torch.isfinite(y[rest]).all() and torch.equal(y[rest], product(x[rest]))
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(torch.nan_to_num(a, nan=7.5), torch.nan_to_num(b, nan=7.5)) and bool(
+        (a.isnan() == b.isnan()).all())
+
+
+def test_float32_activations_quantize_as_their_bf16_rounding():
+    """q32_quantize_f32 (float32 rows rounded as they are read) gives the codes and scales of
+    q32_quantize over `.to(bfloat16)`: halfway cases, values that round up to the next power
+    of two or to infinity, NaN and infinite blocks, zero blocks; 1 and 2 threads."""
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(40, 128, generator=g) * 5
+    bits = x.view(torch.int32)
+    bits[1] = (bits[1] & ~0xFFFF) | 0x8000  # exactly halfway between two bf16 values
+    bits[2] = (bits[2] & ~0xFFFF) | 0x7FFF
+    x[3, :32] = 3.4e38  # rounds to infinity in bf16: the block is NaN
+    x[4, 40] = float("nan")
+    x[5, 70] = float("-inf")
+    x[6, :64] = 0.0
+    x[7] = 1.99999  # rounds up to 2.0
+    want = q32.quantize(x.to(torch.bfloat16))
+    for got in outputs_on_one_and_two_threads(q32.quantize, x):
+        assert torch.equal(got[0], want[0])
+        assert _same(got[1], want[1]) and _same(got[2], want[2])
+    assert torch.isnan(want[1][3, 0]) and torch.isnan(want[1][4, 1]) and torch.isnan(want[1][5, 2])
+
+
+def test_the_gated_products_quantized_output_is_its_output_quantized():
+    """q32_linear_gated_q: each tile's 32 gated values of a row quantized where they are made
+    give the codes and scales q32_quantize gives from the gated product's bf16 output."""
+    from pagellm.kernels import native
+
+    parts = [random_blocks(Q.Q4_1, 64, 96, seed=7), random_blocks(Q.Q8_0, 64, 96, seed=8)]
+    product = q32.Q32Linear(parts)
+    g = torch.Generator().manual_seed(9)
+    for rows in [1, 6, 7, 197]:
+        x = (torch.randn(rows, 96, generator=g) * 4).to(torch.bfloat16)
+        x[-1, 3] = float("nan")  # the last row's gated values are NaN: NaN blocks
+        want = q32.quantize(product.gated(x))
+        xq, dx, sx = q32.quantize(x)
+        aq = torch.empty(rows, 64, dtype=torch.int8)
+        adx, asx = torch.empty(rows, 2), torch.empty(rows, 2)
+        for threads in (1, 2):
+            native.library().q32_linear_gated_q(
+                xq.data_ptr(), dx.data_ptr(), sx.data_ptr(), rows, 96, product.codes.data_ptr(),
+                product.d.data_ptr(), product.m.data_ptr(), 128, aq.data_ptr(), adx.data_ptr(),
+                asx.data_ptr(), threads)
+            assert torch.equal(aq, want[0]) and _same(adx, want[1]) and _same(asx, want[2])
+        assert torch.isnan(adx[-1]).all()

@@ -9,7 +9,7 @@ import torch
 
 from pagellm import LLM, SamplingParams
 from pagellm.kernels import native
-from pagellm.layers import onednn
+from pagellm.layers import onednn, q32
 
 pytestmark = pytest.mark.skipif(not (native.available() and onednn.available()),
                                 reason="no C compiler, or PyTorch without oneDNN")
@@ -42,50 +42,62 @@ def _engine():
                max_num_batched_tokens=512, enable_prefix_caching=False)
 
 
+def _compare_per_step(llm, layer_index: int, prompts, max_tokens: int = 4):
+    """Each wide call of one layer against the module path on a copy of the same input and
+    cache: the same output and the same K/V written, bit for bit. The wide call runs first, on
+    the cache as the step found it (run second, the module path's own writes would hide a wide
+    layer that wrote none). Returns the steps' (query lens, seq lens) and the mismatches."""
+    model = llm.engine.model
+    assert all(layer.wide_layer is not None for layer in model.layers)
+    layer = model.layers[layer_index]
+    attn = layer.self_attn
+    wide = layer.wide_layer
+    rows, mismatches = [], []
+
+    class Compare:
+        def usable(self, x, md):
+            return wide.usable(x, md)
+
+        def positions_ok(self, positions, md):
+            return wide.positions_ok(positions, md)
+
+        def __call__(self, positions, x, md):
+            before = attn.k_cache.clone(), attn.v_cache.clone()
+            inp = x.clone()
+            out = wide(positions, x, md).clone()
+            wide_kv = attn.k_cache.clone(), attn.v_cache.clone()
+            attn.k_cache.copy_(before[0])
+            attn.v_cache.copy_(before[1])
+            layer.wide_layer = None
+            try:
+                ref = layer(positions, inp, md)
+            finally:
+                layer.wide_layer = self
+            rows.append((list(md.query_lens_cpu), list(md.seq_lens_cpu)))
+            if not torch.equal(out, ref):
+                mismatches.append(("out", x.shape[0], (out - ref).abs().max().item()))
+            for got, cache in zip(wide_kv, (attn.k_cache, attn.v_cache)):
+                if not torch.equal(got, cache):
+                    mismatches.append(("kv", x.shape[0]))
+            return out
+
+    layer.wide_layer = Compare()
+    try:
+        sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        llm.generate(prompts, sp, use_tqdm=False)
+    finally:
+        layer.wide_layer = wide
+    return rows, mismatches
+
+
 def test_wide_layer_output_equals_module_output_per_step():
-    """Each wide call against the module path on a copy of the same input and cache: the
-    same output and the same K/V written, bit for bit. The wide call runs first, on the cache
-    as the step found it (run second, the module path's own writes would hide a wide layer
-    that wrote none)."""
+    """The default model (Q4_1 projections): where the CPU has the q32 products, every layer
+    is one native call (wide_layer_q32)."""
     llm = _engine()
     try:
-        model = llm.engine.model
-        assert all(layer.wide_layer is not None for layer in model.layers)
-        layer = model.layers[5]
-        attn = layer.self_attn
-        wide = layer.wide_layer
-        rows, mismatches = [], []
-
-        class Compare:
-            def usable(self, x, md):
-                return wide.usable(x, md)
-
-            def positions_ok(self, positions, md):
-                return wide.positions_ok(positions, md)
-
-            def __call__(self, positions, x, md):
-                before = attn.k_cache.clone(), attn.v_cache.clone()
-                inp = x.clone()
-                out = wide(positions, x, md).clone()
-                wide_kv = attn.k_cache.clone(), attn.v_cache.clone()
-                attn.k_cache.copy_(before[0])
-                attn.v_cache.copy_(before[1])
-                layer.wide_layer = None
-                try:
-                    ref = layer(positions, inp, md)
-                finally:
-                    layer.wide_layer = self
-                rows.append((list(md.query_lens_cpu), list(md.seq_lens_cpu)))
-                if not torch.equal(out, ref):
-                    mismatches.append(("out", x.shape[0], (out - ref).abs().max().item()))
-                for got, cache in zip(wide_kv, (attn.k_cache, attn.v_cache)):
-                    if not torch.equal(got, cache):
-                        mismatches.append(("kv", x.shape[0]))
-                return out
-
-        layer.wide_layer = Compare()
-        sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-        llm.generate(_prompts(), sp, use_tqdm=False)
+        if q32.available():
+            assert all(layer.wide_layer._q32 is not None for layer in llm.engine.model.layers)
+        rows, mismatches = _compare_per_step(llm, 5, _prompts())
     finally:
         llm.shutdown()
     assert not mismatches, mismatches
@@ -93,6 +105,36 @@ def test_wide_layer_output_equals_module_output_per_step():
     # shorter than its sequence) went through the wide layer
     assert any(sum(n == 1 for n in q) > 40 for q, _ in rows), rows
     assert any(n > 16 and n < s for q, lens in rows for n, s in zip(q, lens)), [(q[-3:], l[-3:]) for q, l in rows]
+
+
+@pytest.mark.skipif(not q32.available(), reason="needs the q32 products (AVX-512 VNNI, bf16 units)")
+def test_one_call_layer_with_a_qkv_bias_equals_the_module_path(tmp_path, monkeypatch):
+    """A Qwen2 layer (q|k|v bias) whose projections are all 32-value types runs as one native
+    call and gives the module path's output and K/V, bit for bit."""
+    from gguf import GGMLQuantizationType as Q
+
+    from tests import test_gguf_models as tiny
+
+    types = {"q_proj": Q.Q5_0, "k_proj": Q.Q8_0, "v_proj": Q.Q4_1, "o_proj": Q.Q8_0,
+             "gate_proj": Q.Q5_1, "up_proj": Q.Q4_1, "down_proj": Q.Q4_0}
+    monkeypatch.setattr(tiny, "_LAYER_TYPES", [tiny._LAYER_TYPES[0], types])
+    path = tmp_path / "qwen2.gguf"
+    tiny.write_tiny_gguf(path, "qwen2")
+    llm = LLM(str(path), dtype="bfloat16", kv_cache_memory=2**24, block_size=8, max_num_seqs=64,
+              max_num_batched_tokens=64, enable_prefix_caching=False)
+    try:
+        layers = llm.engine.model.layers
+        assert layers[1].wide_layer._q32 is not None and layers[0].wide_layer._q32 is None
+        assert layers[1].self_attn.qkv_proj.bias is not None
+        prompts = [[(7 * i + j) % 90 + 3 for j in range(3 + i % 13)] for i in range(48)]
+        prompts.append([(j * 5) % 90 + 3 for j in range(100)])  # prefilled in chunks
+        rows, mismatches = _compare_per_step(llm, 1, prompts)
+    finally:
+        llm.shutdown()
+    assert not mismatches, mismatches
+    # decode steps of many rows and a prefill chunk after cached keys went through it
+    assert any(sum(n == 1 for n in q) > 16 for q, _ in rows), [q for q, _ in rows]
+    assert any(n > 16 and n < s for q, lens in rows for n, s in zip(q, lens))
 
 
 def test_wide_layer_gives_the_module_paths_tokens_and_logprobs():

@@ -40,35 +40,62 @@ static inline __m256i to_bf16x16(__m512 v) {
     return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
 }
 
+/* One block of 32 activations (v0, v1: bf16 values, widened) -> its 32 int8 codes at xq, *dx
+ * and *sx. The one rounding of activations every q32 product takes, wherever it runs. */
+static inline void quantize32(__m512 v0, __m512 v1, int8_t *xq, float *dx, float *sx) {
+    const float mx = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+    /* v - v is 0 except for a NaN or an infinity (max_ps would drop a NaN): then the block's
+     * outputs are NaN */
+    const __mmask16 bad =
+        _mm512_cmp_ps_mask(_mm512_sub_ps(v0, v0), _mm512_setzero_ps(), _CMP_NEQ_UQ) |
+        _mm512_cmp_ps_mask(_mm512_sub_ps(v1, v1), _mm512_setzero_ps(), _CMP_NEQ_UQ);
+    if (bad) {
+        memset(xq, 0, 32);
+        *dx = *sx = NAN;
+        return;
+    }
+    const __m512 inv = _mm512_set1_ps(mx > 0.f ? 127.f / mx : 0.f);
+    /* round to nearest (even): |v * inv| <= 127 */
+    const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, inv));
+    const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, inv));
+    _mm_storeu_si128((__m128i *)xq, _mm512_cvtsepi32_epi8(q0));
+    _mm_storeu_si128((__m128i *)(xq + 16), _mm512_cvtsepi32_epi8(q1));
+    *dx = mx / 127.f;
+    *sx = mx / 127.f * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+}
+
+/* 16 float32 -> their bf16 roundings, widened back (what `.to(bfloat16)` then a bf16 load
+ * give) */
+static inline __m512 bf16_rounded(__m512 v) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16x16(v)), 16));
+}
+
+/* One row of K bf16 values -> xq [K] int8, dx and sx [K / 32] */
+void q32_quantize_row(const uint16_t *x, int64_t K, int8_t *xq, float *dx, float *sx) {
+    for (int64_t g = 0; g < K / 32; g++)
+        quantize32(load_bf16x16(x + g * 32), load_bf16x16(x + g * 32 + 16), xq + g * 32,
+                   dx + g, sx + g);
+}
+
 /* x [R, K] bf16 -> xq [R, K] int8, dx and sx [R, K / 32] */
 void q32_quantize(const uint16_t *x, int64_t R, int64_t K, int8_t *xq, float *dx, float *sx,
                   int threads) {
     const int64_t G = K / 32;
     #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && R >= 16)
     for (int64_t r = 0; r < R; r++)
+        q32_quantize_row(x + r * K, K, xq + r * K, dx + r * G, sx + r * G);
+}
+
+/* x [R, K] float32 -> the same as q32_quantize of x rounded to bf16 first (no bf16 copy) */
+void q32_quantize_f32(const float *x, int64_t R, int64_t K, int8_t *xq, float *dx, float *sx,
+                      int threads) {
+    const int64_t G = K / 32;
+    #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && R >= 16)
+    for (int64_t r = 0; r < R; r++)
         for (int64_t g = 0; g < G; g++) {
-            const int64_t i = r * K + g * 32;
-            const __m512 v0 = load_bf16x16(x + i), v1 = load_bf16x16(x + i + 16);
-            const float mx = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0),
-                                                                _mm512_abs_ps(v1)));
-            /* v - v is 0 except for a NaN or an infinity (max_ps would drop a NaN): then the
-             * block's outputs are NaN */
-            const __mmask16 bad =
-                _mm512_cmp_ps_mask(_mm512_sub_ps(v0, v0), _mm512_setzero_ps(), _CMP_NEQ_UQ) |
-                _mm512_cmp_ps_mask(_mm512_sub_ps(v1, v1), _mm512_setzero_ps(), _CMP_NEQ_UQ);
-            if (bad) {
-                memset(xq + i, 0, 32);
-                dx[r * G + g] = sx[r * G + g] = NAN;
-                continue;
-            }
-            const __m512 inv = _mm512_set1_ps(mx > 0.f ? 127.f / mx : 0.f);
-            /* round to nearest (even): |v * inv| <= 127 */
-            const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, inv));
-            const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, inv));
-            _mm_storeu_si128((__m128i *)(xq + i), _mm512_cvtsepi32_epi8(q0));
-            _mm_storeu_si128((__m128i *)(xq + i + 16), _mm512_cvtsepi32_epi8(q1));
-            dx[r * G + g] = mx / 127.f;
-            sx[r * G + g] = mx / 127.f * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+            const float *v = x + r * K + g * 32;
+            quantize32(bf16_rounded(_mm512_loadu_ps(v)), bf16_rounded(_mm512_loadu_ps(v + 16)),
+                       xq + r * K + g * 32, dx + r * G + g, sx + r * G + g);
         }
 }
 
@@ -155,19 +182,30 @@ void q32_linear(const int8_t *xq, const float *dx, const float *sx, int64_t R, i
 #define Q32_GATED_TILE(RB) do { \
         tile(RB, xq + r * K, dx + r * G, sx + r * G, K, cg, dg, mg, gbuf, 32, 32); \
         tile(RB, xq + r * K, dx + r * G, sx + r * G, K, cu, du, mu, ubuf, 32, 32); \
-        gate_rows(RB, gbuf, ubuf, a + r * I + p * 32, I); } while (0)
+        gate_rows(RB, gbuf, ubuf, r, p, I, a, aq, adx, asx); } while (0)
 
-static inline void gate_rows(int rb, const uint16_t *g, const uint16_t *u, uint16_t *a,
-                             int64_t lda) {
-    for (int r = 0; r < rb; r++)
+/* Rows r0 .. r0 + rb of panel p: a = silu(g) * u rounded to bf16 into a [R, I] when given;
+ * with aq, each row's 32 values (one block of the next product's inputs) quantized as
+ * q32_quantize would quantize them from a, into aq [R, I], adx and asx [R, I / 32]. */
+static inline void gate_rows(int rb, const uint16_t *g, const uint16_t *u, int64_t r0, int64_t p,
+                             int64_t I, uint16_t *a, int8_t *aq, float *adx, float *asx) {
+    for (int r = 0; r < rb; r++) {
+        uint16_t tmp[32];
+        uint16_t *dst = a ? a + (r0 + r) * I + p * 32 : tmp;
         for (int c = 0; c < 32; c += 16)
-            store_bf16x16(a + r * lda + c, silu_mul16(load_bf16x16(g + r * 32 + c),
-                                                      load_bf16x16(u + r * 32 + c)));
+            store_bf16x16(dst + c, silu_mul16(load_bf16x16(g + r * 32 + c),
+                                              load_bf16x16(u + r * 32 + c)));
+        if (aq) {
+            const int64_t G = I / 32, at = (r0 + r) * G + p;
+            quantize32(load_bf16x16(dst), load_bf16x16(dst + 16), aq + (r0 + r) * I + p * 32,
+                       adx + at, asx + at);
+        }
+    }
 }
 
-void q32_linear_gated(const int8_t *xq, const float *dx, const float *sx, int64_t R, int64_t K,
-                      const uint8_t *c, const float *d, const float *m, int64_t N, uint16_t *a,
-                      int threads) {
+static void gated(const int8_t *xq, const float *dx, const float *sx, int64_t R, int64_t K,
+                  const uint8_t *c, const float *d, const float *m, int64_t N, uint16_t *a,
+                  int8_t *aq, float *adx, float *asx, int threads) {
     const int64_t I = N / 2, P = I / 32, G = K / 32;
     for (int64_t r0 = 0; r0 < R; r0 += Q32_ROWS) {
         const int64_t r1 = r0 + Q32_ROWS < R ? r0 + Q32_ROWS : R;
@@ -190,6 +228,20 @@ void q32_linear_gated(const int8_t *xq, const float *dx, const float *sx, int64_
         }
     }
 }
+
+void q32_linear_gated(const int8_t *xq, const float *dx, const float *sx, int64_t R, int64_t K,
+                      const uint8_t *c, const float *d, const float *m, int64_t N, uint16_t *a,
+                      int threads) {
+    gated(xq, dx, sx, R, K, c, d, m, N, a, NULL, NULL, NULL, threads);
+}
+
+/* The gated product's output as the next product's int8 activations only: aq [R, N / 2],
+ * adx and asx [R, N / 64], the values q32_linear_gated then q32_quantize give. */
+void q32_linear_gated_q(const int8_t *xq, const float *dx, const float *sx, int64_t R,
+                        int64_t K, const uint8_t *c, const float *d, const float *m, int64_t N,
+                        int8_t *aq, float *adx, float *asx, int threads) {
+    gated(xq, dx, sx, R, K, c, d, m, N, NULL, aq, adx, asx, threads);
+}
 #else
 /* Without AVX-512 VNNI these products are not offered (layers/q32.py asks first). */
 int q32_available(void) { return 0; }
@@ -197,6 +249,22 @@ int q32_available(void) { return 0; }
 void q32_quantize(const uint16_t *x, int64_t R, int64_t K, int8_t *xq, float *dx, float *sx,
                   int threads) {
     (void)x; (void)R; (void)K; (void)xq; (void)dx; (void)sx; (void)threads;
+}
+
+void q32_quantize_row(const uint16_t *x, int64_t K, int8_t *xq, float *dx, float *sx) {
+    (void)x; (void)K; (void)xq; (void)dx; (void)sx;
+}
+
+void q32_quantize_f32(const float *x, int64_t R, int64_t K, int8_t *xq, float *dx, float *sx,
+                      int threads) {
+    (void)x; (void)R; (void)K; (void)xq; (void)dx; (void)sx; (void)threads;
+}
+
+void q32_linear_gated_q(const int8_t *xq, const float *dx, const float *sx, int64_t R,
+                        int64_t K, const uint8_t *c, const float *d, const float *m, int64_t N,
+                        int8_t *aq, float *adx, float *asx, int threads) {
+    (void)xq; (void)dx; (void)sx; (void)R; (void)K; (void)c; (void)d; (void)m; (void)N;
+    (void)aq; (void)adx; (void)asx; (void)threads;
 }
 
 void q32_linear(const int8_t *xq, const float *dx, const float *sx, int64_t R, int64_t K,

@@ -25,6 +25,20 @@
 void rms_norm(const float *x, const float *add, float *x_out, const float *weight, float *out,
               int64_t T, int64_t D, float eps);
 void store_kv_row(void *pool, int64_t index, const float *src, int64_t D, int bf16);
+int paged_attention(const float *q, float *out, const void *kc, const void *vc,
+                    int64_t H, int64_t KVH, int64_t D, int64_t NB, int64_t BS,
+                    const int32_t *tables, int64_t MB, const int32_t *seq_lens,
+                    const int32_t *qstart, const int32_t *seqs, int64_t n_seqs,
+                    float scale, int threads, int kv_bf16);
+void q32_quantize_row(const uint16_t *x, int64_t K, int8_t *xq, float *dx, float *sx);
+void q32_quantize_f32(const float *x, int64_t R, int64_t K, int8_t *xq, float *dx, float *sx,
+                      int threads);
+void q32_linear(const int8_t *xq, const float *dx, const float *sx, int64_t R, int64_t K,
+                const uint8_t *c, const float *d, const float *m, int64_t N, uint16_t *y,
+                int threads);
+void q32_linear_gated_q(const int8_t *xq, const float *dx, const float *sx, int64_t R,
+                        int64_t K, const uint8_t *c, const float *d, const float *m, int64_t N,
+                        int8_t *aq, float *adx, float *asx, int threads);
 
 static void round_row(const float *src, uint16_t *dst, int64_t n) {
     int64_t i = 0;
@@ -43,9 +57,12 @@ static void widen_row(const uint16_t *src, float *dst, int64_t n) {
 }
 
 /* x [T, D] float32, updated in place to x + add when add [T, D] bf16 is given; out [T, D]
- * bf16 = rms_norm(x) rounded once. Returns 0, or -1 when out of memory. */
-int rms_norm_bf16(float *x, const uint16_t *add, const float *weight, uint16_t *out, int64_t T,
-                  int64_t D, float eps, int threads) {
+ * bf16 = rms_norm(x) rounded once; with xq, each row of out also quantized for a q32 product
+ * (q32_quantize_row: xq [T, D], dx and sx [T, D / 32]) while it is in L1. Returns 0, or -1
+ * when out of memory. */
+static int norm_rows(float *x, const uint16_t *add, const float *weight, uint16_t *out,
+                     int8_t *xq, float *dx, float *sx, int64_t T, int64_t D, float eps,
+                     int threads) {
     int failed = 0;
     #pragma omp parallel num_threads(threads) if (threads > 1 && T > 1)
     {
@@ -65,10 +82,16 @@ int rms_norm_bf16(float *x, const uint16_t *add, const float *weight, uint16_t *
                 rms_norm(xr, NULL, NULL, weight, h, 1, D, eps);
             }
             round_row(h, out + t * D, D);
+            if (xq) q32_quantize_row(out + t * D, D, xq + t * D, dx + t * (D / 32), sx + t * (D / 32));
         }
         free(buf);
     }
     return failed ? -1 : 0;
+}
+
+int rms_norm_bf16(float *x, const uint16_t *add, const float *weight, uint16_t *out, int64_t T,
+                  int64_t D, float eps, int threads) {
+    return norm_rows(x, add, weight, out, NULL, NULL, NULL, T, D, eps, threads);
 }
 
 /* x * cos + roll(x, half) * signed_sin over each head of one row, each product and the sum
@@ -123,4 +146,63 @@ int rope_qkv_bf16(const uint16_t *qkv, const float *bias, int64_t T, int64_t H, 
         free(row);
     }
     return failed ? -1 : 0;
+}
+
+/* A q32 product's weights (layers/q32.py Q32Linear): codes, d, m of n outputs. */
+typedef struct {
+    const uint8_t *codes;
+    const float *d, *m;
+    int64_t n;
+} q32_t;
+
+/* A layer whose four products all have q32 forms (kernels/cpu_wide_layer.py WideQ32). */
+typedef struct {
+    int64_t D, H, KVH, hd, I;
+    float eps, scale;
+    const float *norm_in, *norm_post, *qkv_bias, *cos, *ssin;
+    q32_t qkv, o, gate_up, down;
+} wide_q32_t;
+
+/* The whole many-row layer in one call where every product is a q32 one: the steps above
+ * and the products in the same order, with each product's activations quantized where they
+ * are made (the norms' rows, the attention's float32 output, the gated product's tiles)
+ * instead of in passes of their own. Every value is the step-by-step path's. x [T, D] is
+ * updated in place; the attention arguments are paged_attention's. Returns 0, or -1 when out
+ * of memory. */
+int wide_layer_q32(const wide_q32_t *L, float *x, int64_t T, const int64_t *positions,
+                   void *kc, void *vc, int64_t NB, int64_t BS, const int64_t *slots,
+                   const int32_t *tables, int64_t MB, const int32_t *seq_lens,
+                   const int32_t *qstart, const int32_t *seqs, int64_t n_seqs, int kv_bf16,
+                   int threads) {
+    const int64_t D = L->D, nq = L->H * L->hd, I = L->I;
+    const int64_t widest = nq > D ? (nq > I ? nq : I) : (D > I ? D : I);
+    uint16_t *h = malloc(sizeof(uint16_t) * T * D), *qkv = malloc(sizeof(uint16_t) * T * L->qkv.n);
+    uint16_t *y = malloc(sizeof(uint16_t) * T * D);
+    float *q = malloc(sizeof(float) * T * nq), *a = malloc(sizeof(float) * T * nq);
+    int8_t *xq = malloc((size_t)T * widest), *aq = malloc((size_t)T * I);
+    float *dx = malloc(sizeof(float) * T * (widest / 32)), *sx = malloc(sizeof(float) * T * (widest / 32));
+    float *adx = malloc(sizeof(float) * T * (I / 32)), *asx = malloc(sizeof(float) * T * (I / 32));
+    int rc = -1;
+    if (!h || !qkv || !y || !q || !a || !xq || !aq || !dx || !sx || !adx || !asx) goto done;
+
+    if (norm_rows(x, NULL, L->norm_in, h, xq, dx, sx, T, D, L->eps, threads)) goto done;
+    q32_linear(xq, dx, sx, T, D, L->qkv.codes, L->qkv.d, L->qkv.m, L->qkv.n, qkv, threads);
+    if (rope_qkv_bf16(qkv, L->qkv_bias, T, L->H, L->KVH, L->hd, L->cos, L->ssin, positions, q,
+                      kc, vc, NB, BS, slots, kv_bf16, threads)) goto done;
+    if (paged_attention(q, a, kc, vc, L->H, L->KVH, L->hd, NB, BS, tables, MB, seq_lens,
+                        qstart, seqs, n_seqs, L->scale, threads, kv_bf16)) goto done;
+    q32_quantize_f32(a, T, nq, xq, dx, sx, threads);
+    q32_linear(xq, dx, sx, T, nq, L->o.codes, L->o.d, L->o.m, L->o.n, y, threads);
+    if (norm_rows(x, y, L->norm_post, h, xq, dx, sx, T, D, L->eps, threads)) goto done;  /* x += o */
+    q32_linear_gated_q(xq, dx, sx, T, D, L->gate_up.codes, L->gate_up.d, L->gate_up.m,
+                       L->gate_up.n, aq, adx, asx, threads);
+    q32_linear(aq, adx, asx, T, I, L->down.codes, L->down.d, L->down.m, L->down.n, y, threads);
+    #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && T > 1)
+    for (int64_t t = 0; t < T; t++)  /* x += d: the bf16 product widened, one float32 add */
+        for (int64_t j = 0; j < D; j++) x[t * D + j] += bf16_to_f32(y[t * D + j]);
+    rc = 0;
+done:
+    free(h); free(qkv); free(y); free(q); free(a); free(xq); free(aq); free(dx); free(sx);
+    free(adx); free(asx);
+    return rc;
 }

@@ -3,14 +3,33 @@ oneDNN's prepacked bf16 weights (layers/onednn.py), the steps between them nativ
 (cpu_wide_layer.c) and the attention from the layer's backend. The module path gives the same
 values with ~40 PyTorch ops a layer (conversions around every product, the rotary's ops, a
 bias add); at 64 rows of the default model those ops and their dispatch were ~8 ms of a
-~47 ms decode step."""
+~47 ms decode step. Where all four products are q32 ones (32-value block types on CPUs with
+AVX-512 VNNI), the whole layer is one native call (wide_layer_q32), which also quantizes each
+product's activations where they are made instead of in a pass of their own: at 64 rows of the
+default model the per-layer Python and the separate passes were ~X ms of a ~Y ms decode step."""
 from __future__ import annotations
+
+import ctypes
 
 import torch
 
 from pagellm.attention.base import AttentionMetadata
 from pagellm.kernels import native
 from pagellm.kernels.cpu_layer import gate_up_silu_bf16
+
+
+class _Q32(ctypes.Structure):  # cpu_wide_layer.c q32_t
+    _fields_ = [("codes", ctypes.c_void_p), ("d", ctypes.c_void_p), ("m", ctypes.c_void_p),
+                ("n", ctypes.c_int64)]
+
+
+class _WideQ32(ctypes.Structure):  # cpu_wide_layer.c wide_q32_t
+    _fields_ = [("D", ctypes.c_int64), ("H", ctypes.c_int64), ("KVH", ctypes.c_int64),
+                ("hd", ctypes.c_int64), ("I", ctypes.c_int64), ("eps", ctypes.c_float),
+                ("scale", ctypes.c_float), ("norm_in", ctypes.c_void_p),
+                ("norm_post", ctypes.c_void_p), ("qkv_bias", ctypes.c_void_p),
+                ("cos", ctypes.c_void_p), ("ssin", ctypes.c_void_p), ("qkv", _Q32), ("o", _Q32),
+                ("gate_up", _Q32), ("down", _Q32)]
 
 
 class WideLayer:
@@ -24,6 +43,30 @@ class WideLayer:
         self._tables = attn.rotary.float32_tables()  # shared by every layer
         self.eps = layer.input_layernorm.eps
         self._projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        self._q32 = self._q32_layer()
+
+    def _q32_layer(self):
+        """The layer as wide_layer_q32 takes it, where every product is a q32 one (the gate|up
+        one gated), else None. Holds pointers to the layer's tensors: the forms and norms are
+        made once at load and never replaced."""
+        attn, mlp = self.layer.self_attn, self.layer.mlp
+        forms = [m.q32 for m in self._projections]
+        if any(f is None for f in forms) or not forms[2].gates:
+            return None
+        if forms[1].in_features != attn.num_heads * attn.head_dim or any(
+                f.in_features % 32 for f in forms):
+            return None
+        bias = attn.qkv_proj.bias
+        norms = (self.layer.input_layernorm.weight, self.layer.post_attention_layernorm.weight)
+        if any(not t.is_contiguous() for t in (*norms, *self._tables)) or (
+                bias is not None and not bias.is_contiguous()):
+            return None
+        return _WideQ32(
+            self.layer.input_layernorm.weight.shape[0], attn.num_heads, attn.num_kv_heads,
+            attn.head_dim, forms[3].in_features, self.eps, attn.scale, norms[0].data_ptr(),
+            norms[1].data_ptr(), None if bias is None else bias.data_ptr(),
+            self._tables[0].data_ptr(), self._tables[1].data_ptr(),
+            *(_Q32(f.codes.data_ptr(), f.d.data_ptr(), f.m.data_ptr(), f.out_features) for f in forms))
 
     @staticmethod
     def supports(layer) -> bool:
@@ -67,6 +110,8 @@ class WideLayer:
         layer = self.layer
         attn, mlp = layer.self_attn, layer.mlp
         lib, threads = native.library(), torch.get_num_threads()
+        if self._q32 is not None and _attention_in_c(attn, md):
+            return self._call_q32(lib, positions, x, md, threads)
         T, D = x.shape
         h = torch.empty(T, D, dtype=torch.bfloat16, device="cpu")
         self._norm(lib, x, None, layer.input_layernorm, h, threads)
@@ -87,9 +132,41 @@ class WideLayer:
         d = mlp.down_proj.bf16_wide(gate_up_silu_bf16(mlp.gate_up_proj, h))
         return x.add_(d)
 
+    def _call_q32(self, lib, positions, x, md, threads) -> torch.Tensor:
+        attn = self.layer.self_attn
+        _, nb, bs, _ = attn.k_cache.permute(2, 0, 1, 3).shape
+        seqs = md.cache["native_seqs"]
+        if lib.wide_layer_q32(
+                ctypes.byref(self._q32), x.data_ptr(), x.shape[0], positions.data_ptr(),
+                attn.k_cache.data_ptr(), attn.v_cache.data_ptr(), nb, bs,
+                md.slot_mapping.data_ptr(), md.block_tables.data_ptr(), md.block_tables.shape[1],
+                md.seq_lens.data_ptr(), md.query_start_loc.data_ptr(), seqs.data_ptr(),
+                seqs.numel(), attn.k_cache.dtype == torch.bfloat16, threads) != 0:
+            raise MemoryError("wide_layer_q32: out of memory for its buffers")
+        return x
+
     def _norm(self, lib, x, add, norm, out, threads) -> None:
         add = None if add is None else add.contiguous()  # held until the call returns
         if lib.rms_norm_bf16(x.data_ptr(), None if add is None else add.data_ptr(),
                              norm.weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1],
                              self.eps, threads) != 0:
             raise MemoryError("rms_norm_bf16: out of memory for its buffers")
+
+
+def _attention_in_c(attn, md: AttentionMetadata) -> bool:
+    """Whether the backend would attend through the native kernel (TorchPagedAttention.forward's
+    test), so that the one-call layer computes what the step-by-step one does; decided once per
+    step, the sequence list made then too."""
+    ok = md.cache.get("wide_attention_ok")
+    if ok is None:
+        from pagellm.kernels import cpu_attention
+
+        k_store = attn.k_cache.permute(2, 0, 1, 3)
+        ok = md.cache["wide_attention_ok"] = (
+            cpu_attention.usable(torch.empty(0), k_store)
+            and attn.v_cache.permute(2, 0, 1, 3).is_contiguous()
+            and all(t.dtype == torch.int32 and t.is_contiguous() for t in (
+                md.block_tables, md.seq_lens, md.query_start_loc)))
+        if ok and "native_seqs" not in md.cache:
+            md.cache["native_seqs"] = torch.arange(md.num_seqs, dtype=torch.int32)
+    return ok

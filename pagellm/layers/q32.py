@@ -123,15 +123,10 @@ class Q32Linear:
 
     def _run(self, x: torch.Tensor, width: int, kernel: str) -> torch.Tensor:
         lead, k = x.shape[:-1], self.in_features
-        x2 = x.reshape(-1, k).to(torch.bfloat16).contiguous()
-        rows, g = x2.shape[0], k // BLOCK
-        xq = torch.empty(rows, k, dtype=torch.int8)
-        dx = torch.empty(rows, g, dtype=torch.float32)
-        sx = torch.empty(rows, g, dtype=torch.float32)
+        xq, dx, sx = quantize(x.reshape(-1, k))
+        rows = xq.shape[0]
         y = torch.empty(rows, width, dtype=torch.bfloat16)
         lib, threads = native.library(), torch.get_num_threads()
-        lib.q32_quantize(x2.data_ptr(), rows, k, xq.data_ptr(), dx.data_ptr(), sx.data_ptr(),
-                         threads)
         getattr(lib, kernel)(xq.data_ptr(), dx.data_ptr(), sx.data_ptr(), rows, k,
                              self.codes.data_ptr(), self.d.data_ptr(), self.m.data_ptr(),
                              self.out_features, y.data_ptr(), threads)
@@ -149,6 +144,23 @@ class Q32Linear:
     @property
     def nbytes(self) -> int:
         return self.codes.numel() + (self.d.numel() + self.m.numel()) * 4
+
+
+def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [R, K] -> (xq [R, K] int8, dx, sx [R, K / 32] float32): the activations of a q32
+    product, from x rounded to bf16 (float32 rows are rounded as they are read: no bf16
+    copy)."""
+    rows, k = x.shape
+    if x.dtype != torch.float32:
+        x = x.to(torch.bfloat16)
+    x = x.contiguous()
+    xq = torch.empty(rows, k, dtype=torch.int8)
+    dx = torch.empty(rows, k // BLOCK, dtype=torch.float32)
+    sx = torch.empty(rows, k // BLOCK, dtype=torch.float32)
+    kernel = "q32_quantize_f32" if x.dtype == torch.float32 else "q32_quantize"
+    getattr(native.library(), kernel)(x.data_ptr(), rows, k, xq.data_ptr(), dx.data_ptr(),
+                                      sx.data_ptr(), torch.get_num_threads())
+    return xq, dx, sx
 
 
 def unsigned_blocks_kind(part) -> bool:
