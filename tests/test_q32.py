@@ -169,11 +169,13 @@ def test_float32_activations_quantize_as_their_bf16_rounding():
     x[5, 70] = float("-inf")
     x[6, :64] = 0.0
     x[7] = 1.99999  # rounds up to 2.0
+    x.view(torch.int32)[8, 5] = -1  # a NaN with every payload bit set (0xFFFFFFFF)
+    x.view(torch.int32)[9, 100] = 0x7FFFFFFF
     want = q32.quantize(x.to(torch.bfloat16))
     for got in outputs_on_one_and_two_threads(q32.quantize, x):
         assert torch.equal(got[0], want[0])
         assert _same(got[1], want[1]) and _same(got[2], want[2])
-    assert torch.isnan(want[1][3, 0]) and torch.isnan(want[1][4, 1]) and torch.isnan(want[1][5, 2])
+    assert all(torch.isnan(want[1][r, g]) for r, g in ((3, 0), (4, 1), (5, 2), (8, 0), (9, 3)))
 
 
 def test_the_gated_products_quantized_output_is_its_output_quantized():
@@ -192,6 +194,7 @@ def test_the_gated_products_quantized_output_is_its_output_quantized():
         aq = torch.empty(rows, 64, dtype=torch.int8)
         adx, asx = torch.empty(rows, 2), torch.empty(rows, 2)
         for threads in (1, 2):
+            aq.fill_(99), adx.fill_(-1.0), asx.fill_(-1.0)  # nothing left from the last run
             native.library().q32_linear_gated_q(
                 xq.data_ptr(), dx.data_ptr(), sx.data_ptr(), rows, 96, product.codes.data_ptr(),
                 product.d.data_ptr(), product.m.data_ptr(), 128, aq.data_ptr(), adx.data_ptr(),

@@ -82,11 +82,23 @@ def _compare_per_step(llm, layer_index: int, prompts, max_tokens: int = 4):
             return out
 
     layer.wide_layer = Compare()
+    one_calls = []
+    orig = type(wide)._call_q32
+
+    def counting(self, *args):
+        if self is wide:
+            one_calls.append(1)
+        return orig(self, *args)
+
+    type(wide)._call_q32 = counting
     try:
         sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
         llm.generate(prompts, sp, use_tqdm=False)
     finally:
         layer.wide_layer = wide
+        type(wide)._call_q32 = orig
+    if wide._q32 is not None:  # every wide call of this layer was the one native call
+        assert len(one_calls) == len(rows), (len(one_calls), len(rows))
     return rows, mismatches
 
 

@@ -65,9 +65,13 @@ static inline void quantize32(__m512 v0, __m512 v1, int8_t *xq, float *dx, float
 }
 
 /* 16 float32 -> their bf16 roundings, widened back (what `.to(bfloat16)` then a bf16 load
- * give) */
+ * give: any NaN becomes 0x7fc0, as PyTorch's conversion makes it; to_bf16x16 alone could carry
+ * a NaN with a full payload over into zero) */
 static inline __m512 bf16_rounded(__m512 v) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16x16(v)), 16));
+    const __m512 r = _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16x16(v)), 16));
+    return _mm512_mask_mov_ps(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q),
+                              _mm512_castsi512_ps(_mm512_set1_epi32(0x7fc00000)));
 }
 
 /* One row of K bf16 values -> xq [K] int8, dx and sx [K / 32] */

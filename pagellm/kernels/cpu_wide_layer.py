@@ -48,26 +48,44 @@ class WideLayer:
 
     def _q32_layer(self):
         """The layer as wide_layer_q32 takes it, where every product is a q32 one (the gate|up
-        one gated), else None. Holds pointers to the layer's tensors: the forms and norms are
-        made once at load and never replaced."""
+        one gated) and the shapes are a decoder layer's, else None. The struct holds pointers:
+        the tensors behind them are kept here (`_q32_tensors`), and usable() checks that the
+        layer still has the same ones."""
         attn, mlp = self.layer.self_attn, self.layer.mlp
-        forms = [m.q32 for m in self._projections]
-        if any(f is None for f in forms) or not forms[2].gates:
+        qkv, o, gu, down = forms = [m.q32 for m in self._projections]
+        if any(f is None for f in forms) or not gu.gates:
             return None
-        if forms[1].in_features != attn.num_heads * attn.head_dim or any(
-                f.in_features % 32 for f in forms):
+        norms = (self.layer.input_layernorm.weight, self.layer.post_attention_layernorm.weight)
+        d, nq, i = norms[0].shape[0], attn.num_heads * attn.head_dim, down.in_features
+        if (qkv.in_features != d or qkv.out_features != nq + 2 * attn.num_kv_heads * attn.head_dim
+                or o.in_features != nq or o.out_features != d or gu.in_features != d
+                or gu.out_features != 2 * i or down.out_features != d or norms[1].shape[0] != d
+                or any(f.in_features % 32 for f in forms)):
             return None
         bias = attn.qkv_proj.bias
-        norms = (self.layer.input_layernorm.weight, self.layer.post_attention_layernorm.weight)
         if any(not t.is_contiguous() for t in (*norms, *self._tables)) or (
-                bias is not None and not bias.is_contiguous()):
+                bias is not None and (not bias.is_contiguous() or bias.shape[0] != qkv.out_features)):
             return None
+        self._q32_tensors = (*forms, *norms, bias, *self._tables)
+        self._q32_key = self._q32_now()
         return _WideQ32(
-            self.layer.input_layernorm.weight.shape[0], attn.num_heads, attn.num_kv_heads,
-            attn.head_dim, forms[3].in_features, self.eps, attn.scale, norms[0].data_ptr(),
-            norms[1].data_ptr(), None if bias is None else bias.data_ptr(),
+            d, attn.num_heads, attn.num_kv_heads, attn.head_dim, i, self.eps, attn.scale,
+            norms[0].data_ptr(), norms[1].data_ptr(), None if bias is None else bias.data_ptr(),
             self._tables[0].data_ptr(), self._tables[1].data_ptr(),
             *(_Q32(f.codes.data_ptr(), f.d.data_ptr(), f.m.data_ptr(), f.out_features) for f in forms))
+
+    def _q32_now(self) -> tuple:
+        layer, attn = self.layer, self.layer.self_attn
+        bias = attn.qkv_proj.bias
+        return (*(id(m.q32) for m in self._projections), layer.input_layernorm.weight.data_ptr(),
+                layer.post_attention_layernorm.weight.data_ptr(),
+                None if bias is None else bias.data_ptr())
+
+    def _q32_current(self) -> bool:
+        """Whether the layer still has the tensors the struct points into (a model whose norms
+        or products were replaced after this was built takes the step-by-step path; the
+        tensors themselves are kept alive by `_q32_tensors`)."""
+        return self._q32_now() == self._q32_key
 
     @staticmethod
     def supports(layer) -> bool:
@@ -111,7 +129,7 @@ class WideLayer:
         layer = self.layer
         attn, mlp = layer.self_attn, layer.mlp
         lib, threads = native.library(), torch.get_num_threads()
-        if self._q32 is not None and _attention_in_c(attn, md):
+        if self._q32 is not None and _attention_in_c(attn, md) and self._q32_current():
             return self._call_q32(lib, positions, x, md, threads)
         T, D = x.shape
         h = torch.empty(T, D, dtype=torch.bfloat16, device="cpu")
