@@ -237,9 +237,12 @@ def configs(args) -> dict[str, dict | None]:
             name, cfg = methods[-1]
             methods.append((f"{name} v{args.draft_vocab_size}",
                             {**cfg, "draft_vocab_size": args.draft_vocab_size}))
-        # n-gram lookup first, the draft where it finds nothing
+        # n-gram lookup first, the draft where it finds nothing (and so for the cheapest form)
+        cheapest = methods[-1] if args.draft_vocab_size > 0 else None
         methods.append(("draft+lookup", {"method": "draft_model", "model": args.draft,
                                          "prompt_lookup_first": True}))
+        if cheapest is not None:
+            methods.append((f"{cheapest[0]}+lookup", {**cheapest[1], "prompt_lookup_first": True}))
     for name, cfg in methods:
         for adaptive in (True, False) if args.fixed_k else (True,):
             out[f"{name}{'' if adaptive else ' fixed-k'}"] = {
