@@ -245,26 +245,6 @@ def test_unmeasured_k_costs_what_measured_rows_cost():
     assert ctl.step_wall(4, 0, 0) == pytest.approx(0.040)
 
 
-def test_a_probe_the_lookup_served_is_probed_again():
-    """Lookup first at batch 1: a step the lookup served ran no draft, so it is not the probe
-    it may have been asked to be: the next step probes again, no backoff grows, and no k is
-    marked as measured; a probe that ran and did not pay backs off as before."""
-    ctl = AdaptiveK(max_k=1, draft_cost=True)
-    seq = Sequence(0, "0", 0, [1, 2], SamplingParams(), None)
-    ctl.observe_draft(1, 0.030)  # a dear draft: the probe of k = 1 will not pay
-    steps = 0
-    while ctl.choose([seq]) == [0]:
-        ctl.observe_decode_step(1, 0.040, 0, 1)
-        steps += 1
-        assert steps < 200, "never probed"
-    walls = ctl.walls[1]
-    for _ in range(3):  # the lookup serves the probe: asked again, nothing measured
-        ctl.observe_decode_step(1, 0.045, 4, 3, 4, timed=False, free=True)
-        assert ctl.choose([seq]) == [1] and walls.backoff == 1 and 1 not in walls.last
-    ctl.observe_decode_step(1, 0.090, 1, 1, 1)  # the draft ran: slow, its proposal rejected
-    assert ctl.choose([seq]) == [0] and walls.backoff == 2 and 1 in walls.last
-
-
 def simulate(ctl, batch: int, steps: int, forward, accept: float, draft_round: float = 0.0,
              overhead: float = 0.0, first_id: int = 0, spec_steps: list | None = None) -> float:
     """Run the controller against a synthetic engine; seconds per emitted token. forward(n):
@@ -883,8 +863,8 @@ def fixed_costs(ctl) -> None:
     step, 1 ms a draft round) whatever the wall clock said."""
     draft, decode = ctl.observe_draft, ctl.observe_decode_step
     ctl.observe_draft = lambda rounds, seconds: draft(rounds, 0.001 * rounds)
-    ctl.observe_decode_step = lambda batch, seconds, k, tokens, rows=None, timed=True, free=False: decode(
-        batch, 0.010 + 0.0005 * (rows or batch) + 0.001 * k, k, tokens, rows, timed, free)
+    ctl.observe_decode_step = lambda batch, seconds, k, tokens, rows=None, timed=True: decode(
+        batch, 0.010 + 0.0005 * (rows or batch) + 0.001 * k, k, tokens, rows, timed)
 
 
 def test_lookup_first_drafts_only_where_the_lookup_finds_nothing(tiny_pair):

@@ -68,22 +68,13 @@ class AdaptiveK:
         self.catchup_s += (seconds - self.catchup_s) * (EMA if self.catchup_s else 1)
 
     def observe_decode_step(self, batch: int, seconds: float, k: int, tokens: float,
-                            rows: int | None = None, timed: bool = True,
-                            free: bool = False) -> None:
+                            rows: int | None = None, timed: bool = True) -> None:
         """A whole engine step over `batch` decoding sequences took `seconds` and emitted
         `tokens`; k: the most proposals any sequence had, rows: proposals verified. timed=False:
-        a step that says nothing of k's cost (a probe at B > 1 that paid a draft's catch-up) is
-        only counted as k's. free: no draft round ran at all (lookup first served the step):
-        counted as a step, but as no k's, and not as the probe this step may have been: the
-        probe comes again at the next step (at batch 1 on code, lookup served most probes, and
-        each pushed the next one further off: the draft ran in 2 of ~450 steps where it pays
-        1.3x)."""
+        a step that says nothing of k's cost (a draft's proposals came free) is only counted."""
         if self.enabled and batch:
             walls = self.walls.setdefault(batch, StepWalls())
-            if free:
-                walls.num += 1
-                walls.probing = False  # not a probe that ran: no backoff for it
-            elif not timed or (self._one_probe and self.draft_cost):  # a draft's catch-up
+            if not timed or (self._one_probe and self.draft_cost):  # e.g. a draft's catch-up
                 walls.tick(k)
             else:
                 walls.observe(k, seconds, batch * k if rows is None else rows, tokens)

@@ -191,7 +191,7 @@ class SpecDecoder:
         seconds -= self._catchup
         self._catchup = 0.0
         self.controller.observe_decode_step(decoding, seconds, k, decoding - seqs + tokens,
-                                            rows, timed=not self._free, free=self._free)
+                                            rows, timed=not self._free)
 
     def verify(self, seqs: list[Sequence], logits: list[torch.Tensor],
                rng: torch.Generator) -> list[Verified]:
