@@ -37,6 +37,28 @@ def outputs_on_one_and_two_threads(fn, *args):
     return one, two
 
 
+def layer_path_and_module_path(layer, attr: str, path, positions, x, md):
+    """A native form of a decoder layer (`path`, kept as layer.<attr>) and the module path on
+    the same input and KV cache: (path's output, the module path's, path's K and V caches).
+    The native form runs first, on the cache as the step found it (run second, the module
+    path's own writes would hide one that wrote none); the module path then runs from that
+    cache with layer.<attr> off, and leaves its own K/V in the layer's caches."""
+    attn = layer.self_attn
+    before = attn.k_cache.clone(), attn.v_cache.clone()
+    inp = x.clone()
+    out = path(positions, x, md).clone()
+    path_kv = attn.k_cache.clone(), attn.v_cache.clone()
+    attn.k_cache.copy_(before[0])
+    attn.v_cache.copy_(before[1])
+    kept = getattr(layer, attr)
+    setattr(layer, attr, None)
+    try:
+        ref = layer(positions, inp, md)
+    finally:
+        setattr(layer, attr, kept)
+    return out, ref, path_kv
+
+
 def make_tiny_model(path, arch: str = "llama", **overrides):
     """Write a tiny random model of the given architecture to `path`; return the HF model."""
     import transformers

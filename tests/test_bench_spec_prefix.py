@@ -153,6 +153,21 @@ def test_spec_configs_choose_the_engines(tmp_path):
         spec.main(["--smoke", "--configs", "ngramm", "--peers", "", "--out", str(out)])
 
 
+def test_the_cheapest_draft_form_also_runs_behind_the_lookup():
+    """With --draft-vocab-size a GGUF draft's cheapest form (Q4_1, the sub-vocabulary head)
+    is also offered behind the n-gram lookup, adaptive and at fixed k; without it, not."""
+    args = spec.parse_args(["--draft", "d.gguf", "--draft-vocab-size", "64", "--k", "1"])
+    out = spec.configs(args)
+    cfg = out["draft q4_1 v64+lookup"]
+    assert cfg == {"method": "draft_model", "model": "d.gguf", "draft_quantization": "q4_1",
+                   "draft_vocab_size": 64, "prompt_lookup_first": True,
+                   "num_speculative_tokens": 1, "adaptive": True}
+    assert out["draft q4_1 v64+lookup fixed-k"]["adaptive"] is False
+    plain = spec.configs(spec.parse_args(["--draft", "d.gguf"]))
+    assert "draft+lookup" in plain and not any(n.endswith("v64+lookup") for n in plain)
+    assert not any("+lookup" in n and n.startswith("draft q4_1") for n in plain)
+
+
 def test_spec_temperatures_and_workloads(tmp_path):
     """--temperatures runs every workload at each temperature, a sampled one labelled
     "<workload> t<T>"; sampling is seeded, so the engine with speculation forced off gives the

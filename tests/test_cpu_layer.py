@@ -10,6 +10,7 @@ import torch
 
 from pagellm import LLM, SamplingParams
 from pagellm.kernels import native
+from tests.helpers import layer_path_and_module_path
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="no C compiler on this machine")
 
@@ -105,17 +106,8 @@ def test_fused_layer_output_equals_module_output_per_step(panels_on, monkeypatch
                 return fused.usable(x, md)
 
             def __call__(self, positions, x, md):
-                before = attn.k_cache.clone(), attn.v_cache.clone()
-                inp = x.clone()
-                out = fused(positions, x, md)
-                fused_kv = attn.k_cache.clone(), attn.v_cache.clone()
-                attn.k_cache.copy_(before[0])
-                attn.v_cache.copy_(before[1])
-                layer.fused = None
-                try:
-                    ref = layer(positions, inp, md)
-                finally:
-                    layer.fused = self
+                out, ref, fused_kv = layer_path_and_module_path(layer, "fused", fused, positions,
+                                                                x, md)
                 diffs.append(((out - ref).abs().max() / ref.abs().max()).item())
                 slots = md.slot_mapping.long()
                 for got, cache in zip(fused_kv, (attn.k_cache, attn.v_cache)):

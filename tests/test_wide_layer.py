@@ -9,6 +9,7 @@ import torch
 
 from pagellm import LLM, SamplingParams
 from pagellm.kernels import native
+from tests.helpers import layer_path_and_module_path
 from pagellm.layers import onednn, q32
 
 pytestmark = pytest.mark.skipif(not (native.available() and onednn.available()),
@@ -62,17 +63,8 @@ def _compare_per_step(llm, layer_index: int, prompts, max_tokens: int = 4):
             return wide.positions_ok(positions, md)
 
         def __call__(self, positions, x, md):
-            before = attn.k_cache.clone(), attn.v_cache.clone()
-            inp = x.clone()
-            out = wide(positions, x, md).clone()
-            wide_kv = attn.k_cache.clone(), attn.v_cache.clone()
-            attn.k_cache.copy_(before[0])
-            attn.v_cache.copy_(before[1])
-            layer.wide_layer = None
-            try:
-                ref = layer(positions, inp, md)
-            finally:
-                layer.wide_layer = self
+            out, ref, wide_kv = layer_path_and_module_path(layer, "wide_layer", wide, positions,
+                                                           x, md)
             rows.append((list(md.query_lens_cpu), list(md.seq_lens_cpu)))
             if not torch.equal(out, ref):
                 mismatches.append(("out", x.shape[0], (out - ref).abs().max().item()))

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from pagellm.attention.base import AttentionBackend, AttentionMetadata
-from pagellm.kernels import cpu_attention
+from pagellm.kernels import cpu_attention, native
 from pagellm.layers.linear import upcast
 
 # Sequences whose query is at most this long go through the batched path.
@@ -123,6 +123,26 @@ def _prefix_then_causal(
     return ((o1 * w1 + o2 * w2) / (w1 + w2))[0]
 
 
+
+def native_seqs(k_cache: torch.Tensor, v_cache: torch.Tensor,
+                md: AttentionMetadata) -> torch.Tensor | None:
+    """The step's sequences as the native kernel takes them (int32 0 .. S - 1) where it attends
+    over this pool with this step's metadata (a head-major float32 or bf16 pool; int32,
+    contiguous tables, decided once per step), else None. Float32 CPU queries are the caller's
+    to check (cpu_attention.usable); the many-row layer's one native call asks this too, so
+    that it attends in C exactly where forward() would."""
+    k_store, v_store = k_cache.permute(2, 0, 1, 3), v_cache.permute(2, 0, 1, 3)
+    if not (native.available() and k_store.dtype in (torch.float32, torch.bfloat16)
+            and k_store.is_contiguous() and v_store.is_contiguous()):
+        return None
+    seqs = md.cache.get("native_seqs", False)
+    if seqs is False:
+        ok = all(t.dtype == torch.int32 and t.is_contiguous()
+                 for t in (md.block_tables, md.seq_lens, md.query_start_loc))
+        seqs = md.cache["native_seqs"] = (torch.arange(md.num_seqs, dtype=torch.int32)
+                                          if ok else None)
+    return seqs
+
 class TorchPagedAttention(AttentionBackend):
     name = "torch"
 
@@ -155,17 +175,12 @@ class TorchPagedAttention(AttentionBackend):
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         starts = metadata.query_start_loc.tolist()
         k_store, v_store = k_cache.permute(2, 0, 1, 3), v_cache.permute(2, 0, 1, 3)
-        if (cpu_attention.usable(query, k_store) and v_store.is_contiguous()
-                and all(t.dtype == torch.int32 and t.is_contiguous() for t in (
-                    metadata.block_tables, metadata.seq_lens, metadata.query_start_loc))):
+        seqs = native_seqs(k_cache, v_cache, metadata) if cpu_attention.usable(query, k_store) else None
+        if seqs is not None:
             # every sequence, prefill chunks included: reads K/V in place through the block
             # tables (no gathered copy, no padding, no float32 copy of a bf16 pool), a long
             # query split over the threads by rows (a 512-token prompt of the default model
             # prefilled at 2,930 tokens/s against 2,180 through PyTorch's fused attention)
-            seqs = metadata.cache.get("native_seqs")
-            if seqs is None:
-                seqs = metadata.cache["native_seqs"] = torch.arange(metadata.num_seqs,
-                                                                    dtype=torch.int32)
             cpu_attention.paged_attention(
                 query.contiguous(), k_store, v_store, metadata.block_tables, metadata.seq_lens,
                 metadata.query_start_loc, seqs, scale, out)

@@ -175,7 +175,7 @@ int wide_layer_q32(const wide_q32_t *L, float *x, int64_t T, const int64_t *posi
                    const int32_t *qstart, const int32_t *seqs, int64_t n_seqs, int kv_bf16,
                    int threads) {
     const int64_t D = L->D, nq = L->H * L->hd, I = L->I;
-    const int64_t widest = nq > D ? (nq > I ? nq : I) : (D > I ? D : I);
+    const int64_t widest = nq > D ? nq : D;  /* xq holds a norm's rows, then the attention's */
     uint16_t *h = malloc(sizeof(uint16_t) * T * D), *qkv = malloc(sizeof(uint16_t) * T * L->qkv.n);
     uint16_t *y = malloc(sizeof(uint16_t) * T * D);
     float *q = malloc(sizeof(float) * T * nq), *a = malloc(sizeof(float) * T * nq);

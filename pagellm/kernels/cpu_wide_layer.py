@@ -15,6 +15,7 @@ import ctypes
 import torch
 
 from pagellm.attention.base import AttentionMetadata
+from pagellm.attention.torch_paged import native_seqs
 from pagellm.kernels import native
 from pagellm.kernels.cpu_layer import gate_up_silu_bf16
 
@@ -48,9 +49,9 @@ class WideLayer:
 
     def _q32_layer(self):
         """The layer as wide_layer_q32 takes it, where every product is a q32 one (the gate|up
-        one gated) and the shapes are a decoder layer's, else None. The struct holds pointers:
-        the tensors behind them are kept here (`_q32_tensors`), and usable() checks that the
-        layer still has the same ones."""
+        one gated) and the shapes are a decoder layer's, else None. The struct holds pointers
+        taken once, as the fused decode layer's does (the forms and norms are made at load and
+        never replaced); the tensors behind them are kept alive here (`_q32_tensors`)."""
         attn, mlp = self.layer.self_attn, self.layer.mlp
         qkv, o, gu, down = forms = [m.q32 for m in self._projections]
         if any(f is None for f in forms) or not gu.gates:
@@ -67,25 +68,11 @@ class WideLayer:
                 bias is not None and (not bias.is_contiguous() or bias.shape[0] != qkv.out_features)):
             return None
         self._q32_tensors = (*forms, *norms, bias, *self._tables)
-        self._q32_key = self._q32_now()
         return _WideQ32(
             d, attn.num_heads, attn.num_kv_heads, attn.head_dim, i, self.eps, attn.scale,
             norms[0].data_ptr(), norms[1].data_ptr(), None if bias is None else bias.data_ptr(),
             self._tables[0].data_ptr(), self._tables[1].data_ptr(),
             *(_Q32(f.codes.data_ptr(), f.d.data_ptr(), f.m.data_ptr(), f.out_features) for f in forms))
-
-    def _q32_now(self) -> tuple:
-        layer, attn = self.layer, self.layer.self_attn
-        bias = attn.qkv_proj.bias
-        return (*(id(m.q32) for m in self._projections), layer.input_layernorm.weight.data_ptr(),
-                layer.post_attention_layernorm.weight.data_ptr(),
-                None if bias is None else bias.data_ptr())
-
-    def _q32_current(self) -> bool:
-        """Whether the layer still has the tensors the struct points into (a model whose norms
-        or products were replaced after this was built takes the step-by-step path; the
-        tensors themselves are kept alive by `_q32_tensors`)."""
-        return self._q32_now() == self._q32_key
 
     @staticmethod
     def supports(layer) -> bool:
@@ -129,8 +116,11 @@ class WideLayer:
         layer = self.layer
         attn, mlp = layer.self_attn, layer.mlp
         lib, threads = native.library(), torch.get_num_threads()
-        if self._q32 is not None and _attention_in_c(attn, md) and self._q32_current():
-            return self._call_q32(lib, positions, x, md, threads)
+        if self._q32 is not None:
+            # the attention in C exactly where the backend would attend natively
+            seqs = native_seqs(attn.k_cache, attn.v_cache, md)
+            if seqs is not None:
+                return self._call_q32(lib, positions, x, md, seqs, threads)
         T, D = x.shape
         h = torch.empty(T, D, dtype=torch.bfloat16, device="cpu")
         self._norm(lib, x, None, layer.input_layernorm, h, threads)
@@ -151,10 +141,9 @@ class WideLayer:
         d = mlp.down_proj.bf16_wide(gate_up_silu_bf16(mlp.gate_up_proj, h))
         return x.add_(d)
 
-    def _call_q32(self, lib, positions, x, md, threads) -> torch.Tensor:
+    def _call_q32(self, lib, positions, x, md, seqs, threads) -> torch.Tensor:
         attn = self.layer.self_attn
         _, nb, bs, _ = attn.k_cache.permute(2, 0, 1, 3).shape
-        seqs = md.cache["native_seqs"]
         if lib.wide_layer_q32(
                 ctypes.byref(self._q32), x.data_ptr(), x.shape[0], positions.data_ptr(),
                 attn.k_cache.data_ptr(), attn.v_cache.data_ptr(), nb, bs,
@@ -171,21 +160,3 @@ class WideLayer:
                              self.eps, threads) != 0:
             raise MemoryError("rms_norm_bf16: out of memory for its buffers")
 
-
-def _attention_in_c(attn, md: AttentionMetadata) -> bool:
-    """Whether the backend would attend through the native kernel (TorchPagedAttention.forward's
-    test), so that the one-call layer computes what the step-by-step one does; decided once per
-    step, the sequence list made then too."""
-    ok = md.cache.get("wide_attention_ok")
-    if ok is None:
-        from pagellm.kernels import cpu_attention
-
-        k_store = attn.k_cache.permute(2, 0, 1, 3)
-        ok = md.cache["wide_attention_ok"] = (
-            cpu_attention.usable(torch.empty(0), k_store)
-            and attn.v_cache.permute(2, 0, 1, 3).is_contiguous()
-            and all(t.dtype == torch.int32 and t.is_contiguous() for t in (
-                md.block_tables, md.seq_lens, md.query_start_loc)))
-        if ok and "native_seqs" not in md.cache:
-            md.cache["native_seqs"] = torch.arange(md.num_seqs, dtype=torch.int32)
-    return ok
