@@ -1,7 +1,7 @@
 """The int8-activation product of 32-value block weights (pagellm/kernels/cpu_q32.c,
 layers/q32.py) against float64 products with gguf's own dequantization: the unsigned codes
 hold every weight of each type exactly, and a product is within the bound int8 activations
-allow (half a step of max|x| / 127 per value, times the coded part of the weight, and the
+allow (half a step of max|x| / 127 per value, times the weight's magnitude, and the
 bf16 output's rounding) for row counts around the 6-row tiles and past a 192-row chunk,
 outputs not a multiple of 32, fused parts of different types, and 1 or 2 threads."""
 from __future__ import annotations
@@ -17,16 +17,23 @@ from tests.helpers import outputs_on_one_and_two_threads
 pytestmark = pytest.mark.skipif(not q32.available(),
                                 reason="needs AVX-512 VNNI and bf16 units (and a C compiler)")
 TYPES = sorted(q32.Q32_TYPES, key=lambda t: t.name)
+K_QUANTS = (Q.Q4_K, Q.Q5_K)  # 32-value sub-blocks of 256-value super-blocks
+
+
+def _cols(qtype, blocks: int) -> int:
+    """A row of `blocks` 32-value blocks, rounded up to whole super-blocks for K-quants."""
+    return -(-blocks * 32 // 256) * 256 if qtype in K_QUANTS else blocks * 32
 
 
 def _bound(x: torch.Tensor, product: q32.Q32Linear) -> torch.Tensor:
-    u = product.codes.permute(0, 2, 1, 3).reshape(-1, product.in_features).double()
-    d = product.d.permute(0, 2, 1).reshape(u.shape[0], -1).double()
+    """Half a step of each activation block times the sum of the block's |w_j| (the min term
+    m * sx multiplies the rounded activations too: K-quant mins are as large as the codes'
+    part), and float32's rounding."""
     n, k = product.out_features, product.in_features
-    coded = (u.view(-1, k // 32, 32) * d[..., None].abs()).sum(-1)[:n]  # [N, K / 32]
-    step = x.double().abs().view(x.shape[0], k // 32, 32).amax(-1) / 127  # [R, K / 32]
     w = product.dequantize().double()
-    return 0.5 * step @ coded.t() + 2e-6 * (x.double().abs() @ w.abs().t()) + 1e-9
+    weight = w.abs().view(n, k // 32, 32).sum(-1)  # [N, K / 32]
+    step = x.double().abs().view(x.shape[0], k // 32, 32).amax(-1) / 127  # [R, K / 32]
+    return 0.5 * step @ weight.t() + 2e-6 * (x.double().abs() @ w.abs().t()) + 1e-9
 
 
 def _check(out: torch.Tensor, x: torch.Tensor, product: q32.Q32Linear, weights) -> None:
@@ -40,11 +47,12 @@ def _check(out: torch.Tensor, x: torch.Tensor, product: q32.Q32Linear, weights) 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_unsigned_codes_are_the_files_weights_exactly(qtype):
-    blocks = random_blocks(qtype, 7, 96, seed=int(qtype))
+    k = _cols(qtype, 3)
+    blocks = random_blocks(qtype, 7, k, seed=int(qtype))
     u, d, m = q32.unsigned_blocks(blocks)
-    assert u.dtype == torch.uint8
-    w = u.double().view(7, 3, 32) * d.double()[..., None] + m.double()[..., None]
-    assert torch.equal(w.view(7, 96).float(), blocks.dequantize())
+    assert u.dtype == torch.uint8 and d.shape == m.shape == (7, k // 32)
+    w = u.double().view(7, k // 32, 32) * d.double()[..., None] + m.double()[..., None]
+    assert torch.equal(w.view(7, k).float(), blocks.dequantize())
     assert torch.equal(q32.Q32Linear([blocks]).dequantize(), blocks.dequantize())
 
 
@@ -59,12 +67,13 @@ def test_the_int4_loader_form_gives_its_own_weights():
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_every_tile_shape_is_within_the_int8_bound(qtype):
-    blocks = random_blocks(qtype, 45, 160, seed=int(qtype))  # a partial panel; 5 blocks
+    k = _cols(qtype, 5)
+    blocks = random_blocks(qtype, 45, k, seed=int(qtype))  # a partial panel; 5 or 8 blocks
     product = q32.Q32Linear([blocks])
     w = blocks.dequantize()
     g = torch.Generator().manual_seed(int(qtype))
     for rows in [1, 2, 3, 5, 6, 7, 11, 12, 13, 197]:
-        x = torch.randn(rows, 160, generator=g) * 3
+        x = torch.randn(rows, k, generator=g) * 3
         x[0, :32] *= 40  # one block far larger than the rest
         xb = x.to(torch.bfloat16)
         _check(product(xb), xb.float(), product, w)
@@ -80,6 +89,20 @@ def test_fused_parts_of_different_types_on_one_and_two_threads():
     x = torch.randn(70, 128).to(torch.bfloat16)
     one, two = outputs_on_one_and_two_threads(product, x)
     assert one.shape == (70, 72) and torch.equal(one, two)
+    _check(one, x.float(), product, w)
+
+
+def test_k_quant_parts_fused_with_each_other_on_one_and_two_threads():
+    """A Q4_K_M file's gate (Q4_K) | up (Q5_K) and a Q4_K part after a 32-value one: each
+    sub-block's scale and min are its own block's d and m."""
+    parts = [random_blocks(Q.Q4_K, 64, 512, seed=11), random_blocks(Q.Q5_K, 64, 512, seed=12),
+             random_blocks(Q.Q4_1, 8, 512, seed=13)]
+    product = q32.Q32Linear(parts)
+    w = torch.cat([p.dequantize() for p in parts])
+    assert torch.equal(product.dequantize(), w)
+    x = (torch.randn(23, 512) * 2).to(torch.bfloat16)
+    one, two = outputs_on_one_and_two_threads(product, x)
+    assert one.shape == (23, 136) and torch.equal(one, two)
     _check(one, x.float(), product, w)
 
 
@@ -108,14 +131,18 @@ def test_the_gated_product_is_the_product_then_silu_mul_bit_for_bit():
 
 
 def test_other_types_have_no_int8_form():
-    assert q32.unsigned_blocks(random_blocks(Q.Q4_K, 2, 256, seed=0)) is None
-    assert q32.Q32Linear.from_parts([random_blocks(Q.Q4_1, 32, 256, seed=0),
+    """Q6_K's scales are per 16 values (two in a 32-value block): no u8 code and one d hold
+    them, so a projection with a Q6_K part keeps its dense form."""
+    assert q32.unsigned_blocks(random_blocks(Q.Q6_K, 2, 256, seed=0)) is None
+    q3 = quant.GGUFBlocks(torch.zeros(2, 110, dtype=torch.uint8), Q.Q3_K, 256)
+    assert q32.unsigned_blocks(q3) is None and not q32.unsigned_blocks_kind(q3)
+    assert q32.Q32Linear.from_parts([random_blocks(Q.Q4_K, 32, 256, seed=0),
                                      random_blocks(Q.Q6_K, 32, 256, seed=0)]) is None
 
 
 def test_a_projection_with_a_q32_form_keeps_no_dense_weight():
     """A fused q|k|v of 32-value parts: the dense weight is never made (meta device), few rows
-    take the packed kernel, many the q32 one; a K-quant part keeps the whole weight dense."""
+    take the packed kernel, many the q32 one; a Q6_K part keeps the whole weight dense."""
     from pagellm.layers import linear
 
     parts = [random_blocks(t, 32, 256, seed=s) for s, t in enumerate((Q.Q4_1, Q.Q4_1, Q.Q8_0))]
@@ -132,11 +159,11 @@ def test_a_projection_with_a_q32_form_keeps_no_dense_weight():
     assert (few - ref).abs().max() <= 1e-4 * ref.abs().max()
 
     mixed = linear.ColumnParallelLinear(256, ((32, 1), (32, 1)), bias=False)
-    k4 = random_blocks(Q.Q4_K, 32, 256, seed=9)
+    k6 = random_blocks(Q.Q6_K, 32, 256, seed=9)
     mixed.load("weight", parts[0], 0)
-    mixed.load("weight", k4, 1)
+    mixed.load("weight", k6, 1)
     assert mixed.q32 is None and mixed.weight.device.type == "cpu"
-    assert torch.equal(mixed.weight.data, torch.cat([parts[0].dequantize(), k4.dequantize()]))
+    assert torch.equal(mixed.weight.data, torch.cat([parts[0].dequantize(), k6.dequantize()]))
 
 
 def test_a_nan_or_infinite_activation_block_gives_nan_outputs_for_its_row_only():

@@ -112,15 +112,20 @@ def test_wide_layer_output_equals_module_output_per_step():
 
 
 @pytest.mark.skipif(not q32.available(), reason="needs the q32 products (AVX-512 VNNI, bf16 units)")
-def test_one_call_layer_with_a_qkv_bias_equals_the_module_path(tmp_path, monkeypatch):
-    """A Qwen2 layer (q|k|v bias) whose projections are all 32-value types runs as one native
-    call and gives the module path's output and K/V, bit for bit."""
+@pytest.mark.parametrize("kind", ["32-value", "K-quant"])
+def test_one_call_layer_with_a_qkv_bias_equals_the_module_path(tmp_path, monkeypatch, kind):
+    """A Qwen2 layer (q|k|v bias) whose projections are all q32 ones (32-value types, or a
+    Q4_K_M file's Q4_K / Q5_K sub-blocks) runs as one native call and gives the module path's
+    output and K/V, bit for bit."""
     from gguf import GGMLQuantizationType as Q
 
     from tests import test_gguf_models as tiny
 
     types = {"q_proj": Q.Q5_0, "k_proj": Q.Q8_0, "v_proj": Q.Q4_1, "o_proj": Q.Q8_0,
              "gate_proj": Q.Q5_1, "up_proj": Q.Q4_1, "down_proj": Q.Q4_0}
+    if kind == "K-quant":
+        types = {"q_proj": Q.Q4_K, "k_proj": Q.Q4_K, "v_proj": Q.Q5_K, "o_proj": Q.Q4_K,
+                 "gate_proj": Q.Q4_K, "up_proj": Q.Q5_K, "down_proj": Q.Q4_K}
     monkeypatch.setattr(tiny, "_LAYER_TYPES", [tiny._LAYER_TYPES[0], types])
     path = tmp_path / "qwen2.gguf"
     tiny.write_tiny_gguf(path, "qwen2")

@@ -2,7 +2,8 @@
 on CPUs with AVX-512 VNNI and bf16 units.
 
 A GGUF Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 weight is, per 32 inputs of an output,
-w_j = d * u_j + m with u_j an unsigned byte; the activations round per 32 values to int8
+w_j = d * u_j + m with u_j an unsigned byte (and so is each 32-value sub-block of a Q4_K /
+Q5_K super-block; Q6_K's scales are per 16 values: it has no such form); the activations round per 32 values to int8
 (llama.cpp's Q8_1 scheme), so that vpdpbusd multiplies 64 byte pairs an instruction, twice
 the multiply-adds of a bf16 product's vdpbf16ps. Measured on an AVX-512 Zen 5 core pair against
 oneDNN's bf16 product of the same weights (the default model's shapes, 16 to 2,048 rows):
@@ -16,13 +17,16 @@ import os
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType as T
+from gguf import quants as gguf_quants
 
 from pagellm.kernels import native
 from pagellm.layers import quant
 
 PANEL = 32  # outputs a panel of codes holds
 BLOCK = 32  # inputs per block (d, m)
-Q32_TYPES = frozenset({T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0})
+# K-quants: each 32-value sub-block of a Q4_K / Q5_K super-block is w_j = (d sc) u_j - dmin mn
+# with 6-bit integers sc, mn: the same form, exactly (f16 times a 6-bit integer fits float32)
+Q32_TYPES = frozenset({T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K})
 
 
 def available() -> bool:
@@ -43,17 +47,35 @@ def unsigned_blocks(part) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | N
     return None
 
 
+def _decode_k(b: np.ndarray, ggml_type: T, d: np.ndarray):
+    """Q4_K / Q5_K super-blocks b [S, bytes] -> u [S, 256], d, m [S, 8] per 32-value sub-block.
+    Layout: d, dmin (f16), 12 bytes of 6-bit scales and mins, (Q5_K: 32 bytes of fifth bits),
+    128 bytes of nibbles: sub-blocks 2c and 2c + 1 are the low and high nibbles of bytes
+    32c..32c + 31."""
+    sc, mn = gguf_quants.Q4_K.get_scale_min(np.ascontiguousarray(b[:, 4:16]))
+    qs = b[:, -128:].reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+    u = (qs & 0xF).reshape(-1, 8, 32)
+    if ggml_type == T.Q5_K:  # bit j of byte i: the fifth bit of value i of sub-block j
+        qh = b[:, 16:48].reshape(-1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)
+        u = u | ((qh & 1) << 4)
+    dmin = _f16(b, 2)
+    return (u.reshape(-1, 32), (d[:, None] * sc.astype(np.float32)).reshape(-1),
+            (-(dmin[:, None] * mn.astype(np.float32))).reshape(-1))
+
+
 def _f16(raw: np.ndarray, at: int) -> np.ndarray:
     return raw[:, at:at + 2].copy().view(np.float16).astype(np.float32)[:, 0]
 
 
 def _decode(raw: np.ndarray, ggml_type: T, cols: int):
-    """GGUF 32-value blocks -> (u, d, m) of the same values, exactly."""
+    """GGUF 32-value blocks (or K-quant sub-blocks) -> (u, d, m) of the same values, exactly."""
     n = raw.shape[0]
     _, nbytes = quant.GGML_QUANT_SIZES[ggml_type]
-    b = np.ascontiguousarray(raw).reshape(-1, nbytes)  # [N * K / 32, bytes]
+    b = np.ascontiguousarray(raw).reshape(-1, nbytes)  # [N * K / block, bytes]
     d = _f16(b, 0)
-    if ggml_type == T.Q8_0:
+    if ggml_type in (T.Q4_K, T.Q5_K):
+        u, d, m = _decode_k(b, ggml_type, d)
+    elif ggml_type == T.Q8_0:
         u = (b[:, 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
         m = -128 * d
     else:
