@@ -33,6 +33,7 @@ SIGNATURES = {
     "q8_linear": ([_P, _I64, _I64, _P, _P, _I64, _P, _I32], ctypes.c_int),
     "gguf_linear": ([_P, _I64, _I64, _P, _I64, _I32, _I64, _P, _I32], ctypes.c_int),
     "gguf_act_group": ([_I32, _I64], ctypes.c_int),
+    "gguf_dequantize_rows": ([_P, _I64, _I32, _I64, _P, _I64, _P], ctypes.c_int),
     "paged_attention": ([_P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _P, _I64, _P, _P, _P, _I64,
                          _F32, _I32, _I32], ctypes.c_int),
     "write_kv": ([_P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I32], None),

@@ -207,12 +207,14 @@ def has_packed_head(gguf_file: GGUFFile) -> bool:
 
 
 def iter_gguf_weights(gguf_file: GGUFFile, keep_packed: bool = False, keep_head: bool = False,
-                      requantize: GGMLQuantizationType | None = None,
+                      requantize: GGMLQuantizationType | None = None, keep_embedding: bool = False,
                       ) -> Iterator[tuple[str, torch.Tensor | Int4Blocks | Int8Blocks | GGUFBlocks]]:
     """Yield (HF name, tensor) one at a time, so peak memory is one dequantized tensor.
     keep_packed: projection weights of packable types come packed: Q4_0 / Q4_1 as Int4Blocks
     (codes, scales, zeros), the other types as GGUFBlocks (the file's bytes);
     keep_head: the LM head (a tied embedding too) likewise, Q8_0 as Int8Blocks.
+    keep_embedding: an untied embedding of a packable type as GGUFBlocks (layers/embedding.py
+    decodes the rows a step looks up).
     requantize: projections and the head stored in more bits a weight than this packed type
     are requantized to it first (packed or not, the same values: a draft model's cheaper form,
     SpeculativeConfig.draft_quantization)."""
@@ -235,7 +237,9 @@ def iter_gguf_weights(gguf_file: GGUFFile, keep_packed: bool = False, keep_head:
             yield tensor.hf_name, _load_int4(source, tensor)
         elif keep_head and is_head and tensor.ggml_type == _Q.Q8_0:
             yield tensor.hf_name, _load_int8(source, tensor)
-        elif (linear or (keep_head and is_head)) and tensor.ggml_type in GGUF_PACKED_TYPES:
+        elif ((linear or (keep_head and is_head)
+               or (keep_embedding and not is_head and tensor.hf_name == "model.embed_tokens.weight"))
+              and tensor.ggml_type in GGUF_PACKED_TYPES):
             yield tensor.hf_name, _load_blocks(source, tensor)
         else:
             yield tensor.hf_name, _load_tensor(source, tensor)

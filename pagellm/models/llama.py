@@ -15,6 +15,7 @@ from pagellm.attention.base import AttentionBackend, AttentionMetadata
 from pagellm.kernels.cpu_layer import FusedDecodeLayer, gate_up_silu_bf16
 from pagellm.kernels.cpu_wide_layer import WideLayer
 from pagellm.layers import onednn, quant
+from pagellm.layers.embedding import BlockEmbedding
 from pagellm.layers.attention import PagedSelfAttention
 from pagellm.layers import linear as linear_mod
 from pagellm.layers.linear import ColumnParallelLinear, RowParallelLinear, linear, upcast
@@ -269,6 +270,8 @@ class LlamaForCausalLM(nn.Module):
         packed = sum(m.packed.nbytes for m in self.modules() if getattr(m, "packed", None) is not None)
         packed += sum(m.wide.nbytes for m in self.modules() if getattr(m, "wide", None) is not None)
         packed += self.head_packed.nbytes if self.head_packed is not None else 0
+        if isinstance(self.embed_tokens, BlockEmbedding):  # the file's blocks, no parameter
+            packed += self.embed_tokens.nbytes
         packed += self.head_onednn.nbytes if self.head_onednn is not None else 0
         # a limited head's prepacked copy of its first rows (the packed one is a view)
         packed += self._head_sub_onednn.nbytes if self._head_sub_onednn is not None else 0
@@ -302,6 +305,11 @@ class LlamaForCausalLM(nn.Module):
                 if params[name].shape != tensor.shape:
                     raise ValueError(f"weight {name}: shape {tuple(tensor.shape)} does not match "
                                      f"the config's {tuple(params[name].shape)}")
+                if (name == "embed_tokens.weight" and self.lm_head is not None
+                        and BlockEmbedding.available(tensor)):  # untied: rows decoded per lookup
+                    self.embed_tokens = BlockEmbedding(tensor, params[name].dtype)
+                    loaded.add(name)
+                    continue
                 if isinstance(tensor, (quant.Int8Blocks, quant.GGUFBlocks)):  # a packed head
                     if name == self._head_name():
                         self.head_packed = (quant.NativeQ8(tensor) if isinstance(tensor, quant.Int8Blocks)

@@ -86,7 +86,10 @@ def build_model(files, dtype: torch.dtype, device: torch.device, max_position: i
     packed = use_packed(quantization, files, dtype, device)
     # the head kernels are native only; they follow the packing decision of the projections
     packed_head = packed and files.packed_head and native.available()
-    model.load_weights(files.weights(keep_packed=True, keep_head=packed_head) if packed else files.weights())
+    # an untied embedding keeps the file's blocks too (rows decoded per lookup: no dense table)
+    model.load_weights(files.weights(keep_packed=True, keep_head=packed_head,
+                                     keep_embedding=packed and native.available())
+                       if packed else files.weights())
     # The parameters are in dtype on the device already; this converts the float32 buffers
     # (rotary angles) as a model converted whole would have them.
     model = model.to(dtype=dtype)

@@ -249,7 +249,7 @@ class EarlyExitProposer(DraftModelProposer):
 
     def __init__(self, target, num_layers: int, eos_token_id, max_model_len: int):
         self._init_rounds(EarlyExitModel(target, num_layers), eos_token_id, max_model_len,
-                          target.embed_tokens.weight.device)
+                          target.norm.weight.device)
         self.scheduler = None
         self.runner: ModelRunner | None = None
 

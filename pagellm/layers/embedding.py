@@ -1,0 +1,48 @@
+"""An embedding table kept as the GGUF file's blocks (kernels/cpu_dequant.c decodes the rows a
+step looks up). An untied embedding is only ever read a row per token, so its dense copy is
+memory for nothing: Qwen2.5-Coder-1.5B Q4_K_M's 151,936 x 1,536 table is 445 MB in bf16 and
+131 MB as the file's Q4_K blocks; a Llama-3-8B's 1 GB in bf16. The rows decoded are
+gguf.quants.dequantize's bit for bit, then rounded to the model's dtype, as a dense table of
+the same file would hold them. A tied embedding is the LM head, whose products need it dense:
+that one stays an nn.Embedding."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pagellm.kernels import native
+from pagellm.layers import quant
+
+
+class BlockEmbedding(nn.Module):
+    def __init__(self, blocks: quant.GGUFBlocks, dtype: torch.dtype):
+        super().__init__()
+        self.raw, self.ggml_type = blocks.raw.contiguous(), int(blocks.ggml_type)
+        self.num_embeddings, self.embedding_dim = blocks.shape
+        self.dtype = dtype
+
+    @classmethod
+    def available(cls, blocks) -> bool:
+        """Whether rows of these blocks can be decoded here (the native kernels)."""
+        return (isinstance(blocks, quant.GGUFBlocks) and blocks.raw.device.type == "cpu"
+                and native.available() and blocks.ggml_type in quant.GGUF_PACKED_TYPES)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [...] -> [..., embedding_dim]
+        flat = ids.reshape(-1).to(torch.int64).contiguous()
+        if flat.numel() and not (0 <= int(flat.min()) and int(flat.max()) < self.num_embeddings):
+            raise IndexError(f"token id out of range [0, {self.num_embeddings})")
+        out = torch.empty(flat.numel(), self.embedding_dim, dtype=torch.float32)
+        rc = native.library().gguf_dequantize_rows(
+            self.raw.data_ptr(), self.raw.shape[1], self.ggml_type, self.embedding_dim,
+            flat.data_ptr(), flat.numel(), out.data_ptr())
+        if rc != 0:
+            raise ValueError(f"embedding: type {self.ggml_type} rows of {self.embedding_dim} "
+                             f"values ({self.raw.shape[1]} bytes) cannot be decoded")
+        return out.to(self.dtype).view(*ids.shape, self.embedding_dim)
+
+    @property
+    def nbytes(self) -> int:
+        return self.raw.numel()
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, type={self.ggml_type}"
