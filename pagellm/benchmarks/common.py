@@ -180,8 +180,11 @@ class PagellmRunner:
         self.vocab_size = self.llm.engine.vocab_size
         # the dense model's bytes in the run dtype (the latency floor's weights): not the
         # packed copies, nor float32 copies kept for batched products
-        size = self.llm.engine.dtype.itemsize
-        self.param_bytes = sum(p.numel() for p in self.llm.engine.model.parameters()) * size
+        size, model = self.llm.engine.dtype.itemsize, self.llm.engine.model
+        params = sum(p.numel() for p in model.parameters())
+        if not isinstance(model.embed_tokens, torch.nn.Embedding):  # kept as the file's blocks
+            params += model.embed_tokens.num_embeddings * model.embed_tokens.embedding_dim
+        self.param_bytes = params * size
 
     def _params(self, max_new: int):
         from pagellm import SamplingParams

@@ -1,7 +1,7 @@
 """An embedding table kept as the GGUF file's blocks (kernels/cpu_dequant.c decodes the rows a
 step looks up). An untied embedding is only ever read a row per token, so its dense copy is
-memory for nothing: Qwen2.5-Coder-1.5B Q4_K_M's 151,936 x 1,536 table is 445 MB in bf16 and
-131 MB as the file's Q4_K blocks; a Llama-3-8B's 1 GB in bf16. The rows decoded are
+memory for nothing: Qwen2.5-Coder-1.5B Q4_K_M's 151,936 x 1,536 table is 445 MiB in bf16 and
+125 MiB as the file's Q4_K blocks; a Llama-3-8B's ~1 GiB in bf16. The rows decoded are
 gguf.quants.dequantize's bit for bit, then rounded to the model's dtype, as a dense table of
 the same file would hold them. A tied embedding is the LM head, whose products need it dense:
 that one stays an nn.Embedding."""
@@ -17,9 +17,20 @@ from pagellm.layers import quant
 class BlockEmbedding(nn.Module):
     def __init__(self, blocks: quant.GGUFBlocks, dtype: torch.dtype):
         super().__init__()
-        self.raw, self.ggml_type = blocks.raw.contiguous(), int(blocks.ggml_type)
+        values, nbytes = blocks.unit
+        if blocks.cols % values or blocks.raw.shape[1] != blocks.cols // values * nbytes:
+            raise ValueError(f"embedding: {blocks.raw.shape[1]} bytes a row are not "
+                             f"{blocks.cols} values of {blocks.ggml_type.name}")
+        self.ggml_type = int(blocks.ggml_type)
         self.num_embeddings, self.embedding_dim = blocks.shape
-        self.dtype = dtype
+        # buffers, not parameters: the module's .to() moves the blocks (uint8: no dtype
+        # change) and converts the empty probe, whose dtype is the lookups' output dtype
+        self.register_buffer("raw", blocks.raw.contiguous(), persistent=False)
+        self.register_buffer("_probe", torch.empty(0, dtype=dtype), persistent=False)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._probe.dtype
 
     @classmethod
     def available(cls, blocks) -> bool:

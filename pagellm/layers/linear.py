@@ -126,7 +126,8 @@ _BLOCKS = (quant.Int4Blocks, quant.GGUFBlocks)
 
 
 def _use_q32() -> bool:
-    """CPUs with bf16 units and AVX-512 VNNI: 32-value block projections multiply many rows in
+    """CPUs with bf16 units and AVX-512 VNNI: 32-value block projections (and Q4_K / Q5_K ones,
+    by their 32-value sub-blocks) multiply many rows in
     int8 (layers/q32.py), faster than the bf16 product of a dense copy, which is not made. One
     process only, as prepack_bf16 (MLP.forward's bf16 shortcut has no all-reduce)."""
     return not UPCAST_BF16 and parallel.tp_size() == 1 and q32.available()
