@@ -40,8 +40,10 @@ class BlockEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [...] -> [..., embedding_dim]
         flat = ids.reshape(-1).to(torch.int64).contiguous()
-        if flat.numel() and not (0 <= int(flat.min()) and int(flat.max()) < self.num_embeddings):
-            raise IndexError(f"token id out of range [0, {self.num_embeddings})")
+        if flat.numel():  # the kernel reads rows by id: one past the table reads other memory
+            low, high = torch.aminmax(flat)
+            if low < 0 or high >= self.num_embeddings:
+                raise IndexError(f"token id out of range [0, {self.num_embeddings})")
         out = torch.empty(flat.numel(), self.embedding_dim, dtype=torch.float32)
         rc = native.library().gguf_dequantize_rows(
             self.raw.data_ptr(), self.raw.shape[1], self.ggml_type, self.embedding_dim,

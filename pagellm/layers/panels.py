@@ -111,7 +111,7 @@ def _f16(b: np.ndarray, at: int) -> np.ndarray:
 def decode(raw: np.ndarray, ggml_type: T, k: int) -> tuple[int, np.ndarray, dict]:
     """A GGUF weight's rows of blocks [N, row_bytes] -> (fmt, codes [N, K] uint8, parameters for
     pack), the same values as the file's. ValueError where no format holds them exactly."""
-    from pagellm.layers import q32  # the 32-value types' decoding
+    from pagellm.layers import q32  # the 32-value types' and Q4_K's codes
 
     n = raw.shape[0]
     fmt = FORMAT_OF[ggml_type]
@@ -126,8 +126,7 @@ def decode(raw: np.ndarray, ggml_type: T, k: int) -> tuple[int, np.ndarray, dict
         return fmt, u, {"scale": d16, "low": m16}
     if ggml_type == T.Q4_K:
         b = np.ascontiguousarray(raw).reshape(-1, 144)  # [N * S, 144]
-        qs = b[:, 16:].reshape(-1, 4, 32)  # 4 chunks of 64 values: low nibbles, then high
-        u = np.stack([qs & 0xF, qs >> 4], axis=2).reshape(n, k)
+        u = q32.k_codes(b, ggml_type).reshape(n, k)
         # the 6-bit scales and mins stay the file's 12 bytes: the kernel decodes them
         return fmt, u, {"d": _f16(b, 0).reshape(n, -1), "dmin": _f16(b, 2).reshape(n, -1),
                         "scales12": np.ascontiguousarray(b[:, 4:16]).reshape(n, -1, 12)}

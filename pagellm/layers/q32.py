@@ -47,19 +47,25 @@ def unsigned_blocks(part) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | N
     return None
 
 
-def _decode_k(b: np.ndarray, ggml_type: T, d: np.ndarray):
-    """Q4_K / Q5_K super-blocks b [S, bytes] -> u [S, 256], d, m [S, 8] per 32-value sub-block.
-    Layout: d, dmin (f16), 12 bytes of 6-bit scales and mins, (Q5_K: 32 bytes of fifth bits),
-    128 bytes of nibbles: sub-blocks 2c and 2c + 1 are the low and high nibbles of bytes
-    32c..32c + 31."""
-    sc, mn = gguf_quants.Q4_K.get_scale_min(np.ascontiguousarray(b[:, 4:16]))
+def k_codes(b: np.ndarray, ggml_type: T) -> np.ndarray:
+    """Q4_K / Q5_K super-blocks b [S, bytes] -> their codes u [S * 8, 32], one row per
+    32-value sub-block (also the panels' Q4_K codes). Layout: d, dmin (f16), 12 bytes of 6-bit
+    scales and mins, (Q5_K: 32 bytes of fifth bits), 128 bytes of nibbles: sub-blocks 2c and
+    2c + 1 are the low and high nibbles of bytes 32c..32c + 31."""
     qs = b[:, -128:].reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
     u = (qs & 0xF).reshape(-1, 8, 32)
     if ggml_type == T.Q5_K:  # bit j of byte i: the fifth bit of value i of sub-block j
         qh = b[:, 16:48].reshape(-1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)
         u = u | ((qh & 1) << 4)
-    dmin = _f16(b, 2)
-    return (u.reshape(-1, 32), (d[:, None] * sc.astype(np.float32)).reshape(-1),
+    return u.reshape(-1, 32)
+
+
+def _decode_k(b: np.ndarray, ggml_type: T):
+    """Q4_K / Q5_K super-blocks b [S, bytes] -> u [S * 8, 32], d, m [S * 8] per sub-block:
+    d = d_super * scale, m = -dmin * min."""
+    sc, mn = gguf_quants.Q4_K.get_scale_min(np.ascontiguousarray(b[:, 4:16]))
+    d, dmin = _f16(b, 0), _f16(b, 2)
+    return (k_codes(b, ggml_type), (d[:, None] * sc.astype(np.float32)).reshape(-1),
             (-(dmin[:, None] * mn.astype(np.float32))).reshape(-1))
 
 
@@ -72,13 +78,14 @@ def _decode(raw: np.ndarray, ggml_type: T, cols: int):
     n = raw.shape[0]
     _, nbytes = quant.GGML_QUANT_SIZES[ggml_type]
     b = np.ascontiguousarray(raw).reshape(-1, nbytes)  # [N * K / block, bytes]
-    d = _f16(b, 0)
     if ggml_type in (T.Q4_K, T.Q5_K):
-        u, d, m = _decode_k(b, ggml_type, d)
+        u, d, m = _decode_k(b, ggml_type)
     elif ggml_type == T.Q8_0:
+        d = _f16(b, 0)
         u = (b[:, 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
         m = -128 * d
     else:
+        d = _f16(b, 0)
         has_min = ggml_type in (T.Q4_1, T.Q5_1)
         qs = b[:, nbytes - 16:]
         u = np.concatenate([qs & 0xF, qs >> 4], axis=1)  # values 0-15, then 16-31
