@@ -1,9 +1,9 @@
 """Panels of 16 outputs (pagellm/layers/panels.py, kernels/cpu_panels.c; AVX-512 BW + VNNI):
 each GGUF type's blocks decode to exactly the file's values (gguf's reference dequantizer),
-the products match float64 products with those values within the int16-activation bound on
-every row count the engine sends (1..40: passes of up to 6 rows), partial panels, one and two
-threads give the same bits, a NaN stays in its row, and the packed forms and the fused decode
-layer take panels where the kernel is built."""
+the products match float64 products with those values within the activations' rounding bound
+(int16; K-quants' default forms Q4_K8 and Q6_K8, int8) on every row count the engine sends (1..40: passes of
+up to 6 rows), partial panels, one and two threads give the same bits, a NaN stays in its row,
+and the packed forms and the fused decode layer take panels where the kernel is built."""
 from __future__ import annotations
 
 import numpy as np
@@ -17,16 +17,24 @@ from pagellm.layers import panels, quant
 from tests.gguf_files import random_blocks
 from tests.helpers import outputs_on_one_and_two_threads
 
-TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K]
+TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, "Q4_K int8", "Q6_K int8"]
+INT8 = {"Q4_K int8": Q.Q4_K, "Q6_K int8": Q.Q6_K}
 needs_kernel = pytest.mark.skipif(not panels.available(),
                                   reason="panel kernels need AVX-512 BW and VNNI")
 
 
 def _shape(t):  # K a multiple of the type's unit; 37 outputs: two panels and a partial third
-    return 37, (512 if t == Q.Q4_K else 160)
+    return 37, (512 if t in (Q.Q4_K, Q.Q6_K) else 160)
 
 
-@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.fixture(params=TYPES, ids=lambda t: getattr(t, "name", t))
+def qtype(request, monkeypatch):
+    """A GGUF type; Q4_K twice: its int16-activation panels (PAGELLM_PANELS_INT8=0) and its
+    default int8 ones (Q4_K8); Q6_K in its int8 ones (Q6_K8; it has no int16 panels)."""
+    monkeypatch.setenv("PAGELLM_PANELS_INT8", "1" if request.param in INT8 else "0")
+    return INT8.get(request.param, request.param)
+
+
 def test_blocks_decode_to_the_files_values(qtype):
     """Runs on every machine: the decoding and the layout are Python, read back here byte by
     byte (_read_back) as the kernel reads them."""
@@ -35,7 +43,7 @@ def test_blocks_decode_to_the_files_values(qtype):
     fmt, u, params = panels.decode(b.raw.numpy(), qtype, k)
     ref = dequantize(b.raw.numpy(), qtype).astype(np.float32)
     packed = panels.pack(fmt, u, **params)
-    unit = 256 if qtype == Q.Q4_K else 32
+    unit = 256 if qtype in (Q.Q4_K, Q.Q6_K) else 32
     assert packed.shape[:2] == (3, k // unit)
     # as many bytes as the file's blocks, or within 20% (Q4_0 / Q5_0 also store their min)
     assert b.raw.numel() * 3 * 16 / n <= packed.numel() <= b.raw.numel() * 3 * 16 / n * 1.2
@@ -51,14 +59,30 @@ def _read_back(buf: np.ndarray, fmt: int, n: int, k: int) -> np.ndarray:
     for pi in range(p):
         for unit in range(buf.shape[1]):
             ub = buf[pi, unit]
-            blocks = [(ub, unit)] if fmt != panels.Q4_K else [
+            kfmt = fmt in (panels.Q4_K, panels.Q4_K8, panels.Q6_K8)
+            blocks = [(ub, unit)] if not kfmt else [
                 (ub[256 + 256 * i:], unit * 8 + i) for i in range(8)]
-            if fmt == panels.Q4_K:
+            if fmt == panels.Q6_K8:  # d, the int8 scales [group][o]; blocks of 384 bytes
+                d = ub[0:32].view(np.float16).astype(np.float32)
+                isc = ub[32:288].view(np.int8).reshape(16, 16)
+                blocks = [(ub[288 + 384 * i:], unit * 8 + i) for i in range(8)]
+            elif kfmt:
                 d = ub[0:32].view(np.float16).astype(np.float32)
                 dmin = ub[32:64].view(np.float16).astype(np.float32)
                 words = ub[64:256].view(np.uint32).reshape(3, 16)  # A, B, C per output
             for i, (b, g) in enumerate(blocks):
                 for o in range(16):
+                    if fmt == panels.Q6_K8:  # gguf's order: d * sc, then times q - 32
+                        for a in range(4):
+                            for j in range(4):
+                                v = int(b[64 * a + 4 * o + j])
+                                hb = int(b[256 + 64 * (a // 2) + 4 * o + j]) >> (4 * (a % 2))
+                                for half, q in ((0, (v & 15) | (hb & 3) << 4),
+                                                (1, (v >> 4) | ((hb >> 2) & 3) << 4)):
+                                    sc = d[o] * np.float32(isc[2 * i + half, o])
+                                    w[pi * 16 + o, 32 * g + 16 * half + 4 * a + j] = (
+                                        sc * np.float32(q - 32))
+                        continue
                     if fmt == panels.Q4_F32:
                         sc, mn = b[256:320].view(np.float32)[o], b[320:384].view(np.float32)[o]
                     elif fmt == panels.Q4_F16:
@@ -76,6 +100,14 @@ def _read_back(buf: np.ndarray, fmt: int, n: int, k: int) -> np.ndarray:
                             s6 = (byte(c_, i - 4) & 15) | ((byte(a_, i - 4) >> 6) << 4)
                             m6 = (byte(c_, i - 4) >> 4) | ((byte(b_, i - 4) >> 6) << 4)
                         sc, mn = d[o] * np.float32(s6), -(dmin[o] * np.float32(m6))
+                    if fmt == panels.Q4_K8:  # register a, byte 4o + j: inputs 4a + j, 16 + 4a + j
+                        for a in range(4):
+                            for j in range(4):
+                                v = int(b[64 * a + 4 * o + j])
+                                for half, q in ((0, v & 15), (1, v >> 4)):
+                                    w[pi * 16 + o, 32 * g + 16 * half + 4 * a + j] = (
+                                        np.float32(sc) * np.float32(q) + np.float32(mn))
+                        continue
                     for c in range(8):
                         for t in range(2):
                             v = int(b[32 * c + 2 * o + t])
@@ -88,17 +120,16 @@ def _read_back(buf: np.ndarray, fmt: int, n: int, k: int) -> np.ndarray:
     return w[:n]
 
 
-def _bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """Half an int16 step of each 32-value block of x (max|x| / 32767) times |w| summed, plus
-    float32 rounding of the terms."""
+def _bound(x: torch.Tensor, w: torch.Tensor, levels: int = 32767) -> torch.Tensor:
+    """Half an activation step of each 32-value block of x (max|x| / levels: int16's 32767,
+    Q4_K8's int8 127) times |w| summed, plus float32 rounding of the terms."""
     r, k = x.shape
-    step = x.abs().view(r, k // 32, 32).amax(-1) / 32767  # [R, G]
+    step = x.abs().view(r, k // 32, 32).amax(-1) / levels  # [R, G]
     wsum = w.abs().view(w.shape[0], k // 32, 32).sum(-1)  # [N, G]
     return 0.5 * step @ wsum.t() + 1e-6 * (x.abs() @ w.abs().t()) + 1e-9
 
 
 @needs_kernel
-@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_a_rows_outputs_do_not_depend_on_the_rows_beside_it(qtype):
     """Each row of an R-row product (tiles of up to 6 rows: 7 and 13 split) has the bits of
     that row alone: speculation's verification rows score as plain decoding does."""
@@ -112,11 +143,12 @@ def test_a_rows_outputs_do_not_depend_on_the_rows_beside_it(qtype):
 
 
 @needs_kernel
-@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_products_match_the_files_values_on_every_row_count(qtype):
     n, k = _shape(qtype)
     b = random_blocks(qtype, n, k, seed=4, amplitude=0.2)
     packed = quant.NativePanels(b)
+    int8 = packed.fmt in (panels.Q4_K8, panels.Q6_K8)
+    assert int8 == (qtype in INT8.values() and panels.int8_activations())
     w = torch.from_numpy(dequantize(b.raw.numpy(), qtype).astype(np.float64))
     g = torch.Generator().manual_seed(4)
     for rows in [*range(1, 14), 18, 24, 33, 40]:
@@ -125,8 +157,10 @@ def test_products_match_the_files_values_on_every_row_count(qtype):
         out = packed(x.float())
         assert out.shape == (rows, n) and out.dtype == torch.float32
         x = x.float().double()
-        err = (out.double() - x @ w.t()).abs()
-        assert bool((err <= _bound(x, w)).all()), (rows, (err / _bound(x, w)).max().item())
+        err, bound = (out.double() - x @ w.t()).abs(), _bound(x, w, 127 if int8 else 32767)
+        assert bool((err <= bound).all()), (rows, (err / bound).max().item())
+        if int8 and rows == 3:  # the int8 bound is not loose by orders of magnitude
+            assert (err / bound).max().item() > 0.05
 
 
 @needs_kernel
@@ -147,15 +181,22 @@ def test_q4_blocks_take_fp16_panels_only_where_exact():
 
 
 @needs_kernel
-def test_threads_split_panels_without_changing_them_and_nan_stays_in_its_row():
+@pytest.mark.parametrize("int8", ["0", "1"])
+def test_threads_split_panels_without_changing_them_and_nan_stays_in_its_row(int8, monkeypatch):
+    monkeypatch.setenv("PAGELLM_PANELS_INT8", int8)
     b = random_blocks(Q.Q4_K, 70, 512, seed=6, amplitude=0.2)
     packed = quant.NativePanels(b)
+    assert packed.fmt == (panels.Q4_K8 if int8 == "1" else panels.Q4_K)
     one, two = outputs_on_one_and_two_threads(packed, torch.randn(7, 512))
     assert torch.equal(one, two)
     x = torch.randn(3, 512)
     x[1, 300] = float("nan")
     y = packed(x)
     assert bool(y[1].isnan().all()) and bool(y[[0, 2]].isfinite().all())
+    if int8 == "1":  # an infinity too: its block is NaN (the int16 path gives +-inf or NaN)
+        x[1, 300] = float("inf")
+        y = packed(x)
+        assert bool(y[1].isnan().all()) and bool(y[[0, 2]].isfinite().all())
 
 
 def test_a_min_past_fp16s_range_keeps_exact_values():
@@ -186,24 +227,30 @@ def test_a_min_past_fp16s_range_keeps_exact_values():
         assert bool(((out - x @ w.t()).abs() <= _bound(x, w)).all())
 
 
-def test_gguf_projections_take_panels_where_the_kernel_is_built():
-    """pack_parts: Q4_K / Q5_0 runs become panels; Q6_K and Q8_0 keep the file's rows."""
+@pytest.mark.parametrize("int8", ["0", "1"])
+def test_gguf_projections_take_panels_where_the_kernel_is_built(int8, monkeypatch):
+    """pack_parts: Q4_K / Q5_0 runs become panels, Q6_K too with int8 activations (the
+    default); Q8_0 keeps the file's rows."""
     if not native.available():
         pytest.skip("no C compiler on this machine")
+    monkeypatch.setenv("PAGELLM_PANELS_INT8", int8)
     parts = [random_blocks(t, 32, 256, seed=s) for s, t in enumerate((Q.Q4_K, Q.Q4_K, Q.Q6_K))]
     form = quant.pack_parts(parts)
     kinds = [type(p) for p in form.parts]
     want = quant.NativePanels if panels.available() else quant.NativeGGUF
-    assert kinds == [want, quant.NativeGGUF]
+    assert kinds == [want, want if int8 == "1" else quant.NativeGGUF]
     assert isinstance(quant.pack_parts([random_blocks(Q.Q8_0, 32, 64, seed=9)]), quant.NativeGGUF)
     x = torch.randn(2, 256, generator=torch.Generator().manual_seed(2))
     ref = x.double() @ torch.cat([p.dequantize() for p in parts]).double().t()
-    assert torch.allclose(form(x).double(), ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
+    tol = 2e-2 if int8 == "1" and panels.available() else 1e-4  # int8 activations
+    assert torch.allclose(form(x).double(), ref, rtol=tol, atol=tol * ref.abs().max().item())
     if panels.available():  # the fused decode layer takes the panel part as its own type
         from pagellm.kernels import cpu_layer
 
         parts = cpu_layer._parts(form)
-        assert [p.type for p in parts] == [cpu_layer._PANELS + panels.Q4_K, int(Q.Q6_K)]
+        want = ([cpu_layer._PANELS + panels.Q4_K8, cpu_layer._PANELS + panels.Q6_K8] if int8 == "1"
+                else [cpu_layer._PANELS + panels.Q4_K, int(Q.Q6_K)])
+        assert [p.type for p in parts] == want
 
 
 @needs_kernel

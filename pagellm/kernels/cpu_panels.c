@@ -29,19 +29,42 @@
  *   PF_Q4_K   (3): per 256 inputs d [16], dmin [16] fp16 (64), the file's 12 bytes of 6-bit
  *                  scales and mins as three words [3][16] (192), then 8 blocks of codes
  *                  (256 each): scale = d * sc, min = -dmin * m; the file's size    = 2304
- * (Q6_K stays in cpu_gguf_avx512.c's rows: in panels, its 2-bit planes made it 0.8-0.9x that
- * kernel at 1-5 rows.)
+ *   PF_Q4_K8  (4): PF_Q4_K's bytes with each block's codes for int8 activations (below) = 2304
+ *   PF_Q6_K8  (5): per 256 inputs d [16] fp16 (32), the file's int8 scales [16 groups of 16
+ *                  inputs][16] (256), then 8 blocks of 384: the codes' low 4 bits as
+ *                  PF_Q4_K8's (256) and their high 2 bits in 2 registers of 64 (128; in
+ *                  register h, byte 4o + j holds from bit 0 two bits each of register 2h's
+ *                  low-nibble code, its high-nibble code, register 2h + 1's low, its high):
+ *                  w = d * sc * (q - 32), q = low | high << 4; the file's size      = 3360
+ * (Q6_K takes panels with int8 activations only: with int16 ones, its 2-bit planes made it
+ * 0.8-0.9x cpu_gguf_avx512.c's rows at 1-5 rows.)
  * Panels are consecutive, each its blocks in order: a thread streams its panels' bytes.
  *
  * Integer ranges: a lane sums 32 products of q <= 31 and |xq| <= 32767 (< 2^25; converted to
  * float32 exactly below 2^24, Q5's largest sums rounded by at most one unit in 2^24).
+ *
+ * PF_Q4_K8 takes int8 activations instead (x ~ dx * xq per 32 values, |xq| <= 127, as
+ * llama.cpp's Q8_K and this project's q32 many-row products): vpdpbusd multiplies 4 unsigned
+ * codes by 4 signed activations per int32 lane, 64 products an instruction against
+ * vpdpwssd's 32, and the codes need no widening. A block is 4 registers of 64 bytes; in
+ * register a, byte 4o + j holds output o's code of input 4a + j in its low nibble and of input
+ * 16 + 4a + j in its high one, so one mask and one shift give two vpdpbusd operands: 8
+ * vpdpbusd a row per block of 16 outputs x 32 inputs (16 vpdpwssd and 8 widenings above). The
+ * min term takes the sum of the rounded activations (dx * sum xq, as q32 does): the error is
+ * then sum_j w_j e_j with e_j the roundings, and a K-quant's w = d sc u - dmin m is centred
+ * where its code part d sc u is not (with x's exact sum the error is sum_j d sc u_j e_j, ~1.9x
+ * larger for codes spread over 0..15).
+ * A lane's sum: 32 products of q <= 15 and |xq| <= 127, exact in float32.
+ * PF_Q6_K8: the same registers with two more bits a code (q <= 63); each 16-input group's
+ * sum (the file's scales are per 16) less 32 * sum(xq) is exact (|.| <= 16 * 32 * 127), then
+ * scaled by d * sc in float32.
  * Each output is computed by one thread: the same result on any thread count.
  */
 #include <stdint.h>
 #include <stdlib.h>
 #include "quant_rows.h"
 
-enum { PF_Q4_F32 = 0, PF_Q4_F16 = 1, PF_Q5_F16 = 2, PF_Q4_K = 3 };
+enum { PF_Q4_F32 = 0, PF_Q4_F16 = 1, PF_Q5_F16 = 2, PF_Q4_K = 3, PF_Q4_K8 = 4, PF_Q6_K8 = 5 };
 #define P_OUT 16
 #define P_TILE 6  /* rows a pass over a panel's codes takes */
 #ifndef P_PF
@@ -52,10 +75,11 @@ enum { PF_Q4_F32 = 0, PF_Q4_F16 = 1, PF_Q5_F16 = 2, PF_Q4_K = 3 };
 static inline int64_t unit_bytes(int fmt) {
     switch (fmt) {
     case PF_Q4_F32: return 384; case PF_Q4_F16: return 320; case PF_Q5_F16: return 384;
-    case PF_Q4_K: return 2304; default: return 0;
+    case PF_Q4_K: case PF_Q4_K8: return 2304; case PF_Q6_K8: return 3360; default: return 0;
     }
 }
 static inline int64_t unit_inputs(int fmt) { return fmt >= PF_Q4_K ? 256 : 32; }
+static inline int is_k(int fmt) { return fmt == PF_Q4_K || fmt == PF_Q4_K8; }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #include <immintrin.h>
@@ -101,13 +125,34 @@ static inline __attribute__((always_inline)) void block_sums(
     }
 }
 
+/* four int8 activations in every lane, broadcast from memory */
+typedef int32_t __attribute__((may_alias, aligned(1))) quad4_t;
+static inline __m512i quad(const int8_t *p) { return _mm512_set1_epi32(*(const quad4_t *)p); }
+
+/* block_sums for PF_Q4_K8: the low nibbles (inputs 0-15) sum into sa, the high ones into sb */
+static inline __attribute__((always_inline)) void block_sums8(
+        int RB, const uint8_t *codes, const int8_t *xq, int64_t K, __m512i *sa, __m512i *sb) {
+    const __m512i nib = _mm512_set1_epi8(0x0F);
+    for (int r = 0; r < RB; r++) sa[r] = sb[r] = _mm512_setzero_si512();
+    for (int a = 0; a < 4; a++) {
+        const __m512i v = _mm512_loadu_si512(codes + 64 * a);
+        const __m512i lo = _mm512_and_si512(v, nib);
+        const __m512i up = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+        for (int r = 0; r < RB; r++) {
+            const int8_t *xr = xq + r * K + 4 * a;
+            sa[r] = _mm512_dpbusd_epi32(sa[r], lo, quad(xr));
+            sb[r] = _mm512_dpbusd_epi32(sb[r], up, quad(xr + 16));
+        }
+    }
+}
+
 /* Rows [0, RB) of x (row stride K; dx, xs per 32 inputs, row stride G) over one panel; y row
  * stride N, the first `cols` outputs written. */
 static inline __attribute__((always_inline)) void panel_tile(
-        int FMT, int RB, const int16_t *xq, const float *dx, const float *xs, int64_t K,
+        int FMT, int RB, const void *xq, const float *dx, const float *xs, int64_t K,
         const uint8_t *panel, float *y, int64_t N, int cols) {
     const int64_t G = K / GROUP, U = K / unit_inputs(FMT), UB = unit_bytes(FMT);
-    const int inner = FMT >= PF_Q4_K ? 8 : 1;
+    const int inner = is_k(FMT) ? 8 : 1;
     __m512 acc[P_TILE];
     for (int r = 0; r < RB; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t u = 0; u < U; u++) {
@@ -115,7 +160,7 @@ static inline __attribute__((always_inline)) void panel_tile(
         for (int l = 0; l < UB; l += 64) _mm_prefetch((const char *)ub + P_PF + l, _MM_HINT_T1);
         __m512 d = _mm512_setzero_ps(), dmin = _mm512_setzero_ps();
         __m512i sc03 = _mm512_setzero_si512(), sc47 = sc03, m03 = sc03, m47 = sc03;
-        if (FMT == PF_Q4_K) {
+        if (is_k(FMT)) {
             d = f16x16(ub);
             dmin = f16x16(ub + 32);
             /* the 6-bit scales and mins of 16 outputs, a byte each in 4 vectors (as
@@ -133,9 +178,12 @@ static inline __attribute__((always_inline)) void panel_tile(
         }
         for (int i = 0; i < inner; i++) {
             const int64_t g = u * inner + i;
-            const uint8_t *b = FMT == PF_Q4_K ? ub + 256 + 256 * i : ub;
+            const uint8_t *b = is_k(FMT) ? ub + 256 + 256 * i : ub;
             __m512i sa[P_TILE], sb[P_TILE];
-            block_sums(FMT, RB, b, b + 256, xq + g * GROUP, K, sa, sb);
+            if (FMT == PF_Q4_K8)
+                block_sums8(RB, b, (const int8_t *)xq + g * GROUP, K, sa, sb);
+            else
+                block_sums(FMT, RB, b, b + 256, (const int16_t *)xq + g * GROUP, K, sa, sb);
             __m512 sc, mn;
             if (FMT == PF_Q4_F32) {
                 sc = _mm512_loadu_ps((const float *)(b + 256));
@@ -146,7 +194,7 @@ static inline __attribute__((always_inline)) void panel_tile(
             } else if (FMT == PF_Q5_F16) {
                 sc = f16x16(b + 320);
                 mn = f16x16(b + 352);
-            } else {  /* Q4_K: byte i % 4 of each output's word */
+            } else {  /* Q4_K, Q4_K8: byte i % 4 of each output's word */
                 const __m512i byte = _mm512_set1_epi32(0xFF);
                 const int sh = 8 * (i & 3);
                 sc = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_and_si512(
@@ -166,10 +214,10 @@ static inline __attribute__((always_inline)) void panel_tile(
     for (int r = 0; r < RB; r++) _mm512_mask_storeu_ps(y + r * N, keep, acc[r]);
 }
 
-#define TILES(FMT) do { \
+#define TILES(FMT, XT) do { \
         for (int64_t t = 0, r0 = 0, rb; t < tiles; t++, r0 += rb) { \
             rb = R / tiles + (t < R % tiles); \
-            const int16_t *xt = xq + r0 * K; \
+            const XT *xt = xq + r0 * K; \
             const float *dt = dx + r0 * G, *st = xs + r0 * G; \
             float *yt = y + r0 * N + p * P_OUT; \
             switch (rb) { \
@@ -183,8 +231,8 @@ static inline __attribute__((always_inline)) void panel_tile(
         } } while (0)
 
 /* One function per format, so that each panel_tile has its format as a literal. */
-#define PANEL_PRODUCT(NAME, FMT) \
-static void NAME(const int16_t *xq, const float *dx, const float *xs, int64_t R, int64_t K, \
+#define PANEL_PRODUCT(NAME, FMT, XT) \
+static void NAME(const XT *xq, const float *dx, const float *xs, int64_t R, int64_t K, \
                  const uint8_t *panels, int64_t N, float *y, int threads) { \
     const int64_t G = K / GROUP, P = (N + P_OUT - 1) / P_OUT; \
     const int64_t bytes = K / unit_inputs(FMT) * unit_bytes(FMT); \
@@ -193,21 +241,145 @@ static void NAME(const int16_t *xq, const float *dx, const float *xs, int64_t R,
     for (int64_t p = 0; p < P; p++) { \
         const uint8_t *panel = panels + p * bytes; \
         const int cols = N - p * P_OUT < P_OUT ? (int)(N - p * P_OUT) : P_OUT; \
-        TILES(FMT); \
+        TILES(FMT, XT); \
     } \
 }
-PANEL_PRODUCT(product_q4_f32, PF_Q4_F32)
-PANEL_PRODUCT(product_q4_f16, PF_Q4_F16)
-PANEL_PRODUCT(product_q5_f16, PF_Q5_F16)
-PANEL_PRODUCT(product_q4_k, PF_Q4_K)
+PANEL_PRODUCT(product_q4_f32, PF_Q4_F32, int16_t)
+PANEL_PRODUCT(product_q4_f16, PF_Q4_F16, int16_t)
+PANEL_PRODUCT(product_q5_f16, PF_Q5_F16, int16_t)
+PANEL_PRODUCT(product_q4_k, PF_Q4_K, int16_t)
+PANEL_PRODUCT(product_q4_k8, PF_Q4_K8, int8_t)
+
+/* x [R, K] float32 -> xq [R, K] int8 (x ~ dx * xq per 32 values, rounded to nearest even),
+ * dx and xs = dx * sum(xq) [R, K / 32], and o16 [R, K / 16] = 32 * sum(xq) of each 16 values
+ * (Q6_K's zero point). A block holding a NaN or an infinity gets codes 0 and dx = xs = NaN:
+ * its row's outputs are NaN, as the int16 path gives. */
+static void quantize_rows8(const float *x, int64_t R, int64_t K, int8_t *xq, float *dx, float *xs,
+                           int32_t *o16) {
+    for (int64_t b = 0; b < R * (K / GROUP); b++) {
+        const __m512 v0 = _mm512_loadu_ps(x + b * GROUP), v1 = _mm512_loadu_ps(x + b * GROUP + 16);
+        const __mmask16 bad =
+            _mm512_cmp_ps_mask(_mm512_sub_ps(v0, v0), _mm512_setzero_ps(), _CMP_NEQ_UQ) |
+            _mm512_cmp_ps_mask(_mm512_sub_ps(v1, v1), _mm512_setzero_ps(), _CMP_NEQ_UQ);
+        if (bad) {
+            memset(xq + b * GROUP, 0, GROUP);
+            dx[b] = xs[b] = NAN;
+            o16[2 * b] = o16[2 * b + 1] = 0;
+            continue;
+        }
+        const float mx = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+        const __m512 inv = _mm512_set1_ps(mx > 0.f ? 127.f / mx : 0.f);
+        const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, inv));  /* |q| <= 127 */
+        const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, inv));
+        _mm_storeu_si128((__m128i *)(xq + b * GROUP), _mm512_cvtsepi32_epi8(q0));
+        _mm_storeu_si128((__m128i *)(xq + b * GROUP + 16), _mm512_cvtsepi32_epi8(q1));
+        const int32_t s0 = _mm512_reduce_add_epi32(q0), s1 = _mm512_reduce_add_epi32(q1);
+        dx[b] = mx / 127.f;
+        xs[b] = dx[b] * (float)(s0 + s1);
+        o16[2 * b] = 32 * s0;
+        o16[2 * b + 1] = 32 * s1;
+    }
+}
+
+/* PF_Q6_K8, rows [0, RB) over one panel (as panel_tile) */
+static inline __attribute__((always_inline)) void panel_tile_q6k8(
+        int RB, const int8_t *xq, const float *dx, const int32_t *o16, int64_t K,
+        const uint8_t *panel, float *y, int64_t N, int cols) {
+    const int64_t G = K / GROUP, U = K / 256, UB = unit_bytes(PF_Q6_K8);
+    const __m512i nib = _mm512_set1_epi8(0x0F), top = _mm512_set1_epi8(0x30);
+    __m512 acc[P_TILE];
+    for (int r = 0; r < RB; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t u = 0; u < U; u++) {
+        const uint8_t *ub = panel + u * UB;
+        for (int l = 0; l < UB; l += 64) _mm_prefetch((const char *)ub + P_PF + l, _MM_HINT_T1);
+        const __m512 d = f16x16(ub);
+        for (int i = 0; i < 8; i++) {
+            const int64_t g = u * 8 + i;
+            const uint8_t *b = ub + 288 + 384 * i;
+            __m512i sa[P_TILE], sb[P_TILE];
+            for (int r = 0; r < RB; r++) sa[r] = sb[r] = _mm512_setzero_si512();
+            for (int h = 0; h < 2; h++) {
+                const __m512i H = _mm512_loadu_si512(b + 256 + 64 * h);
+                for (int t = 0; t < 2; t++) {
+                    const int a = 2 * h + t;
+                    const __m512i v = _mm512_loadu_si512(b + 64 * a);
+                    /* this register's high bits to bits 4-5 of each byte */
+                    const __m512i hl = t ? H : _mm512_slli_epi16(H, 4);
+                    const __m512i hu = t ? _mm512_srli_epi16(H, 2) : _mm512_slli_epi16(H, 2);
+                    const __m512i lo = _mm512_or_si512(_mm512_and_si512(v, nib),
+                                                       _mm512_and_si512(hl, top));
+                    const __m512i up = _mm512_or_si512(
+                        _mm512_and_si512(_mm512_srli_epi16(v, 4), nib), _mm512_and_si512(hu, top));
+                    for (int r = 0; r < RB; r++) {
+                        const int8_t *xr = xq + r * K + g * GROUP + 4 * a;
+                        sa[r] = _mm512_dpbusd_epi32(sa[r], lo, quad(xr));
+                        sb[r] = _mm512_dpbusd_epi32(sb[r], up, quad(xr + 16));
+                    }
+                }
+            }
+            /* d * sc of groups 2i and 2i + 1 (inputs 0-15, 16-31 of the block) */
+            const __m512 sca = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                _mm_loadu_si128((const __m128i *)(ub + 32 + 32 * i)))));
+            const __m512 scb = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                _mm_loadu_si128((const __m128i *)(ub + 48 + 32 * i)))));
+            for (int r = 0; r < RB; r++) {
+                const int32_t *o = o16 + r * 2 * G + 2 * g;
+                const __m512 fa = _mm512_cvtepi32_ps(_mm512_sub_epi32(sa[r], _mm512_set1_epi32(o[0])));
+                const __m512 fb = _mm512_cvtepi32_ps(_mm512_sub_epi32(sb[r], _mm512_set1_epi32(o[1])));
+                acc[r] = _mm512_fmadd_ps(_mm512_fmadd_ps(fb, scb, _mm512_mul_ps(fa, sca)),
+                                         _mm512_set1_ps(dx[r * G + g]), acc[r]);
+            }
+        }
+    }
+    const __mmask16 keep = (__mmask16)((1u << cols) - 1);
+    for (int r = 0; r < RB; r++) _mm512_mask_storeu_ps(y + r * N, keep, acc[r]);
+}
+
+static void product_q6_k8(const int8_t *xq, const float *dx, const int32_t *o16, int64_t R,
+                          int64_t K, const uint8_t *panels, int64_t N, float *y, int threads) {
+    const int64_t G = K / GROUP, P = (N + P_OUT - 1) / P_OUT;
+    const int64_t bytes = K / 256 * unit_bytes(PF_Q6_K8);
+    const int64_t tiles = (R + P_TILE - 1) / P_TILE;
+    #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+    for (int64_t p = 0; p < P; p++) {
+        const uint8_t *panel = panels + p * bytes;
+        const int cols = N - p * P_OUT < P_OUT ? (int)(N - p * P_OUT) : P_OUT;
+        for (int64_t t = 0, r0 = 0, rb; t < tiles; t++, r0 += rb) {
+            rb = R / tiles + (t < R % tiles);
+            const int8_t *xt = xq + r0 * K;
+            const float *dt = dx + r0 * G;
+            const int32_t *ot = o16 + r0 * 2 * G;
+            float *yt = y + r0 * N + p * P_OUT;
+            switch (rb) {
+            case 1: panel_tile_q6k8(1, xt, dt, ot, K, panel, yt, N, cols); break;
+            case 2: panel_tile_q6k8(2, xt, dt, ot, K, panel, yt, N, cols); break;
+            case 3: panel_tile_q6k8(3, xt, dt, ot, K, panel, yt, N, cols); break;
+            case 4: panel_tile_q6k8(4, xt, dt, ot, K, panel, yt, N, cols); break;
+            case 5: panel_tile_q6k8(5, xt, dt, ot, K, panel, yt, N, cols); break;
+            default: panel_tile_q6k8(6, xt, dt, ot, K, panel, yt, N, cols); break;
+            }
+        }
+    }
+}
 
 /* x [R, K] float32 (K a multiple of the format's unit), panels of N outputs in format fmt
  * -> y [R, N] float32. Returns 0, -1 when out of memory, -2 for an unknown format or K. */
 int panel_linear(const float *x, int64_t R, int64_t K, const uint8_t *panels, int fmt, int64_t N,
                  float *y, int threads) {
-    if (fmt < PF_Q4_F32 || fmt > PF_Q4_K || K % unit_inputs(fmt)) return -2;
+    if (fmt < PF_Q4_F32 || fmt > PF_Q6_K8 || K % unit_inputs(fmt)) return -2;
     if (R == 0) return 0;
     const int64_t G = K / GROUP;
+    if (fmt >= PF_Q4_K8) {  /* int8 activations */
+        int8_t *xq = malloc((size_t)(R * K));
+        float *dx = malloc(sizeof(float) * R * G), *xs = malloc(sizeof(float) * R * G);
+        int32_t *o16 = malloc(sizeof(int32_t) * R * G * 2);
+        if (!xq || !dx || !xs || !o16) { free(xq); free(dx); free(xs); free(o16); return -1; }
+        quantize_rows8(x, R, K, xq, dx, xs, o16);
+        if (fmt == PF_Q4_K8) product_q4_k8(xq, dx, xs, R, K, panels, N, y, threads);
+        else product_q6_k8(xq, dx, o16, R, K, panels, N, y, threads);
+        free(xq); free(dx); free(xs); free(o16);
+        return 0;
+    }
     int16_t *xq = malloc(sizeof(int16_t) * R * K);
     float *dx = malloc(sizeof(float) * R * G), *xs8 = malloc(sizeof(float) * R * G * 8);
     float *xs = malloc(sizeof(float) * R * G);

@@ -8,8 +8,13 @@ layout and why.
     Q4_F16 (1)          Q4_0, Q4_1 (fp16 d, m)       0.625  (0.5625, 0.625)
     Q5_F16 (2)          Q5_0, Q5_1                   0.75   (0.6875, 0.75)
     Q4_K   (3)          Q4_K                         0.5625 (0.5625)
+    Q4_K8  (4)          Q4_K, for int8 activations   0.5625 (0.5625)
+    Q6_K8  (5)          Q6_K, for int8 activations   0.8203 (0.8203)
 
-Q6_K stays in its rows (NativeGGUF): in panels its 2-bit planes made it slower at 1-5 rows.
+Q4_K takes Q4_K8 and Q6_K takes Q6_K8 (int8 activations: about half the instructions of int16
+ones, so that a 2-5-row verification step costs little more than one row) unless
+PAGELLM_PANELS_INT8=0; then Q4_K takes Q4_K and Q6_K keeps the file's rows (NativeGGUF: in
+int16 panels its 2-bit planes made it slower at 1-5 rows).
 """
 from __future__ import annotations
 
@@ -22,8 +27,9 @@ from gguf import GGMLQuantizationType as T
 from pagellm.kernels import native
 
 OUT = 16  # outputs a panel
-Q4_F32, Q4_F16, Q5_F16, Q4_K = range(4)
+Q4_F32, Q4_F16, Q5_F16, Q4_K, Q4_K8, Q6_K8 = range(6)
 FORMAT_OF = {T.Q4_0: Q4_F16, T.Q4_1: Q4_F16, T.Q5_0: Q5_F16, T.Q5_1: Q5_F16, T.Q4_K: Q4_K}
+INT8_FORMAT_OF = {T.Q4_K: Q4_K8, T.Q6_K: Q6_K8}
 
 
 def available() -> bool:
@@ -32,6 +38,18 @@ def available() -> bool:
     lib = native.library()
     return (os.environ.get("PAGELLM_PANELS", "1") != "0" and lib is not None
             and bool(lib.panels_available()))
+
+
+def int8_activations() -> bool:
+    """Whether K-quant weights loaded now take Q4_K8 / Q6_K8 (PAGELLM_PANELS_INT8, default on)."""
+    return os.environ.get("PAGELLM_PANELS_INT8", "1") != "0"
+
+
+def format_of(ggml_type: T) -> int | None:
+    """The panel format weights of this type load into now, or None (they keep their rows)."""
+    if int8_activations() and ggml_type in INT8_FORMAT_OF:
+        return INT8_FORMAT_OF[ggml_type]
+    return FORMAT_OF.get(ggml_type)
 
 
 def linear(x: torch.Tensor, panels: torch.Tensor, fmt: int, n: int, k: int) -> torch.Tensor:
@@ -67,6 +85,25 @@ def _nibbles(u: np.ndarray, p: int) -> np.ndarray:
     return (q[:, :, :, 0] | (q[:, :, :, 1] << 4)).reshape(p, q.shape[1], 256)
 
 
+def _high_pairs(u: np.ndarray, p: int) -> np.ndarray:
+    """Q6_K8's high 2 bits of the codes: [P, G, 128], per block 2 registers h of 64 bytes,
+    byte 4o + j = (from bit 0) inputs 8h + j, 16 + 8h + j, 8h + 4 + j, 16 + 8h + 4 + j."""
+    g = u.shape[1] // 32
+    q = (_pad(u, p) >> 4).reshape(p, OUT, g, 2, 2, 2, 4)  # input 32g + 16 half + 4 (2h + t) + j
+    b = (q[:, :, :, 0, :, 0] | q[:, :, :, 1, :, 0] << 2 | q[:, :, :, 0, :, 1] << 4
+         | q[:, :, :, 1, :, 1] << 6)  # [P, o, G, h, j]
+    return np.ascontiguousarray(b.transpose(0, 2, 3, 1, 4)).reshape(p, g, 128)
+
+
+def _quads(u: np.ndarray, p: int) -> np.ndarray:
+    """Q4_K8's codes: [P, G, 256], per block 4 registers a of 64 bytes, byte 4o + j = input
+    4a + j | input 16 + 4a + j << 4 (output o)."""
+    g = u.shape[1] // 32
+    q = _pad(u & 15, p).reshape(p, OUT, g, 2, 4, 4)  # input 32g + 16 half + 4a + j
+    b = (q[:, :, :, 0] | (q[:, :, :, 1] << 4)).transpose(0, 2, 3, 1, 4)  # [P, G, a, o, j]
+    return np.ascontiguousarray(b).reshape(p, g, 256)
+
+
 def _per_block(a: np.ndarray, p: int) -> np.ndarray:
     """[N, B] values per block -> [P, B, 16 * itemsize] bytes (16 outputs' values a block)."""
     a = _pad(a, p)
@@ -77,11 +114,12 @@ def pack(fmt: int, u: np.ndarray, **params: np.ndarray) -> torch.Tensor:
     """codes u [N, K] uint8 and the format's per-block parameters -> the panels, uint8
     [P, K / unit, unit bytes]:
       Q4_F32: scale, low float32 [N, K / 32]; Q4_F16 / Q5_F16: the same as float16;
-      Q4_K: d, dmin float16 [N, K / 256], scales12 uint8 [N, K / 256, 12] (the file's bytes);
+      Q4_K, Q4_K8: d, dmin float16 [N, K / 256], scales12 uint8 [N, K / 256, 12] (the file's
+      bytes); Q6_K8: d float16 [N, K / 256], isc int8 [N, K / 256, 16] (u: the 6-bit codes).
 """
     n, k = u.shape
     p, g = -(-n // OUT), k // 32
-    codes = _nibbles(u, p)  # [P, G, 256]
+    codes = _quads(u, p) if fmt in (Q4_K8, Q6_K8) else _nibbles(u, p)  # [P, G, 256]
     if fmt in (Q4_F32, Q4_F16, Q5_F16):
         parts = [codes]
         if fmt == Q5_F16:  # fifth bits: per group a mask for each half, bit 2o + t
@@ -91,7 +129,12 @@ def pack(fmt: int, u: np.ndarray, **params: np.ndarray) -> torch.Tensor:
         parts += [_per_block(params["scale"], p), _per_block(params["low"], p)]
         return torch.from_numpy(np.ascontiguousarray(np.concatenate(parts, axis=2)))
     s = k // 256
-    if fmt == Q4_K:
+    if fmt == Q6_K8:
+        isc = _pad(params["isc"], p).reshape(p, OUT, s, 16).transpose(0, 2, 3, 1)  # [P, S, 16, o]
+        head = np.concatenate([_per_block(params["d"], p),
+                               np.ascontiguousarray(isc).view(np.uint8).reshape(p, s, 256)], axis=2)
+        blocks = np.concatenate([codes, _high_pairs(u, p)], axis=2)  # [P, G, 384]
+    elif fmt in (Q4_K, Q4_K8):
         blocks = codes  # [P, G, 256]
         words = _pad(params["scales12"], p).reshape(p, OUT, s, 3, 4).transpose(0, 2, 3, 1, 4)
         head = np.concatenate([_per_block(params["d"], p), _per_block(params["dmin"], p),
@@ -114,7 +157,16 @@ def decode(raw: np.ndarray, ggml_type: T, k: int) -> tuple[int, np.ndarray, dict
     from pagellm.layers import q32  # the 32-value types' and Q4_K's codes
 
     n = raw.shape[0]
-    fmt = FORMAT_OF[ggml_type]
+    fmt = format_of(ggml_type)
+    if fmt is None:
+        raise ValueError(f"no panel format for {ggml_type.name}")
+    if fmt == Q6_K8:
+        from pagellm.layers import int8  # the Q6_K codes and scales, in value order
+
+        b = np.ascontiguousarray(raw).reshape(-1, 210)  # [N * S, 210]
+        u, _, isc, _ = int8._unpack_blocks(b, ggml_type)
+        return fmt, u.reshape(n, k), {"d": _f16(b, 208).reshape(n, -1),
+                                      "isc": isc.reshape(n, -1, 16)}
     if fmt in (Q4_F16, Q5_F16):
         u, d, m = (t.numpy() for t in q32._decode(raw, ggml_type, k))
         with np.errstate(over="ignore"):

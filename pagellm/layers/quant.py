@@ -317,7 +317,8 @@ class NativePanels:
     def of(cls, w: GGUFBlocks) -> NativePanels | None:
         """The panel form of w, or None where there is none (no kernel here, another type,
         or values no format holds exactly)."""
-        if not (w.ggml_type in panels.FORMAT_OF and panels.available() and w.cols % w.unit[0] == 0):
+        if not (panels.format_of(w.ggml_type) is not None and panels.available()
+                and w.cols % w.unit[0] == 0):
             return None
         try:
             return cls(w)
