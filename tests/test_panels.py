@@ -258,3 +258,30 @@ def test_panels_can_be_turned_off(monkeypatch):
     monkeypatch.setenv("PAGELLM_PANELS", "0")
     assert not panels.available()
     assert isinstance(quant.pack_parts([random_blocks(Q.Q4_K, 16, 256, seed=1)]), quant.NativeGGUF)
+
+
+@needs_kernel
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K], ids=lambda t: t.name)
+def test_a_head_in_panels_serves_a_vocabulary_limit_and_gathered_ids(qtype):
+    """An LM head of a gatherable format: its first n outputs and any ids give the bits the
+    whole head gives them (a draft's limited head and its requests' own ids)."""
+    b = random_blocks(qtype, 53, 512, seed=9, amplitude=0.2)
+    head = quant.head_form(b)
+    assert isinstance(head, quant.NativePanels) and head.fmt in panels.GATHERABLE
+    x = torch.randn(3, 512, generator=torch.Generator().manual_seed(9))
+    full = head(x)
+    for n in (1, 16, 21, 53):
+        assert torch.equal(head.first_rows(n)(x), full[:, :n])
+    ids = torch.tensor([52, 0, 17, 17, 3, 40, 16, 15, 31, 32, 33, 1, 2, 50, 49, 48, 47, 20])
+    sub = head.rows(ids)
+    assert sub.out_features == len(ids) and torch.equal(sub(x), full[:, ids])
+    assert torch.equal(head.rows(ids[:1])(x), full[:, ids[:1]])
+
+
+def test_a_head_without_int8_panels_keeps_the_files_rows(monkeypatch):
+    if not native.available():
+        pytest.skip("no C compiler on this machine")
+    monkeypatch.setenv("PAGELLM_PANELS_INT8", "0")
+    assert isinstance(quant.head_form(random_blocks(Q.Q4_K, 16, 256, seed=1)), quant.NativeGGUF)
+    monkeypatch.setenv("PAGELLM_PANELS_INT8", "1")
+    assert isinstance(quant.head_form(random_blocks(Q.Q5_0, 16, 256, seed=1)), quant.NativeGGUF)

@@ -145,6 +145,34 @@ def pack(fmt: int, u: np.ndarray, **params: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(out))
 
 
+# ---- outputs of a head ----------------------------------------------------------------------
+
+# Each int8 format's unit as segments (bytes, groups): every segment is [groups, 16 outputs,
+# bytes / groups / 16], so one output's bytes can be gathered into another panel.
+_SEGMENTS = {
+    Q4_K8: [(32, 1), (32, 1), (192, 3)] + [(256, 4)] * 8,
+    Q6_K8: [(32, 1), (256, 16)] + [(256, 4), (128, 2)] * 8,
+}
+GATHERABLE = frozenset(_SEGMENTS)
+
+
+def gather(buf: torch.Tensor, fmt: int, ids: torch.Tensor) -> torch.Tensor:
+    """Panels [P, U, unit bytes] of a GATHERABLE format -> the panels of outputs `ids` (in that
+    order): each output keeps its bytes, so its products have the same bits as in buf."""
+    ids = ids.cpu().numpy()
+    m, (p, u, _) = len(ids), buf.shape
+    q = -(-m // OUT)
+    src = buf.numpy()
+    out, at = [], 0
+    for size, groups in _SEGMENTS[fmt]:
+        seg = src[:, :, at:at + size].reshape(p, u, groups, OUT, size // groups // OUT)
+        rows = seg[ids // OUT, :, :, ids % OUT]  # [M, U, groups, width]
+        rows = _pad(rows, q).reshape(q, OUT, *rows.shape[1:]).transpose(0, 2, 3, 1, 4)
+        out.append(rows.reshape(q, u, size))
+        at += size
+    return torch.from_numpy(np.ascontiguousarray(np.concatenate(out, axis=2)))
+
+
 # ---- GGUF blocks -> codes and parameters ------------------------------------------------------
 
 def _f16(b: np.ndarray, at: int) -> np.ndarray:

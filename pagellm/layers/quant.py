@@ -328,9 +328,32 @@ class NativePanels:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # -> float32
         return panels.linear(x, self.panels, self.fmt, self.out_features, self.in_features)
 
+    def first_rows(self, n: int) -> NativePanels:
+        """The same weights over their first n outputs (a view of their panels: no copy)."""
+        sub = object.__new__(NativePanels)
+        sub.fmt, sub.out_features, sub.in_features = self.fmt, n, self.in_features
+        sub.panels = self.panels[: -(-n // panels.OUT)]
+        return sub
+
+    def rows(self, ids: torch.Tensor) -> NativePanels:
+        """The same weights over outputs `ids` (their bytes gathered into new panels; formats
+        in panels.GATHERABLE)."""
+        sub = object.__new__(NativePanels)
+        sub.fmt, sub.out_features, sub.in_features = self.fmt, len(ids), self.in_features
+        sub.panels = panels.gather(self.panels, self.fmt, ids)
+        return sub
+
     @property
     def nbytes(self) -> int:
         return self.panels.numel()
+
+
+def head_form(w: GGUFBlocks) -> NativePanels | NativeGGUF:
+    """A GGUF LM head's packed form: panels where the format can serve a draft's vocabulary
+    limit and gathered ids (first_rows, rows; a Q6_K head in Q6_K8: at 1-5 rows 6.1-7.2 ms
+    against the rows' 6.8-11.7 for Qwen2.5-1.5B's 151,936 x 1,536), else the file's rows."""
+    form = NativePanels.of(w)
+    return form if form is not None and form.fmt in panels.GATHERABLE else NativeGGUF(w)
 
 
 class PackedParts:

@@ -24,7 +24,7 @@ from pagellm.layers.rotary import RotaryEmbedding
 
 
 def head_max_rows(head) -> int:
-    """Rows below which a packed LM head (quant.NativeQ8, NativeGGUF) beats the dense one.
+    """Rows below which a packed LM head (quant.NativeQ8, NativeGGUF, NativePanels) beats the dense one.
     Where bf16 products run natively (AVX-512 bf16 / AMX) the dense bf16 head wins early
     (2-core Xeon with AMX: the default model's Q8_0 head level at 8 rows, 64 rows 23.5 vs
     5.0 ms; Qwen2.5-1.5B's Q6_K head 1 row 7.3 vs 24 ms, 6 rows 28 vs 26, 16 rows 75 vs 28)."""
@@ -104,7 +104,7 @@ class LlamaForCausalLM(nn.Module):
         self.requires_grad_(False)
         # The LM head kept in its block form when the loader hands it out so (GGUF, native
         # kernels available): a plain attribute, so .to(dtype) leaves it alone.
-        self.head_packed: quant.NativeQ8 | quant.NativeGGUF | None = None
+        self.head_packed: quant.NativeQ8 | quant.NativeGGUF | quant.NativePanels | None = None
         self.act_dtype: torch.dtype | None = None  # None: the parameters' dtype
 
     def use_float32_activations(self) -> None:
@@ -313,7 +313,7 @@ class LlamaForCausalLM(nn.Module):
                 if isinstance(tensor, (quant.Int8Blocks, quant.GGUFBlocks)):  # a packed head
                     if name == self._head_name():
                         self.head_packed = (quant.NativeQ8(tensor) if isinstance(tensor, quant.Int8Blocks)
-                                            else quant.NativeGGUF(tensor))
+                                            else quant.head_form(tensor))
                     tensor = tensor.dequantize()
                 params[name].data.copy_(tensor)
                 loaded.add(name)
