@@ -1126,3 +1126,32 @@ def test_draft_rounds_in_seconds_meet_walls_in_units_of_the_speed():
     walls.speed, ctl.draft_round_s = 2.0, 0.040
     assert walls.row_cost(1, 0.040) == pytest.approx(0.1)
     assert ctl.step_wall(1, 3, 3) == pytest.approx(0.050 + 0.1 * 3 * 0.050 + 3 * 0.020)
+
+
+def test_turning_a_drafts_sequences_on_in_a_batch_pays_their_catch_ups():
+    """Batch 4, a draft whose k = 1 steps pay (measured): a step that turns sequences on is
+    charged each one's catch-up on its context (the draft's shadow of a sequence it skipped
+    first prefills what was emitted meanwhile); sequences already on are not. With a dear
+    catch-up the batch stays off rather than flip sequences on and off."""
+    def controller(catchup: float) -> AdaptiveK:
+        ctl = AdaptiveK(max_k=1, draft_cost=True)
+        ctl.prior_alpha = ctl.alpha = 0.9
+        ctl.observe_draft(1, 0.002)
+        for _ in range(5):
+            ctl.observe_decode_step(4, 0.040, 0, 4, 0)
+            ctl.observe_decode_step(4, 0.046, 1, 7.6, 4)  # +15% time, +90% tokens
+        if catchup:
+            ctl.observe_catchup(catchup)
+        return ctl
+
+    seqs = [Sequence(i, str(i), 0, [1, 2], SamplingParams(), None) for i in range(4)]
+    ctl = controller(0.5)
+    alphas = [0.9] * 4
+    _, _, off_now = ctl._plan(4, 1, alphas, [1] * 4, [0] * 4, [True] * 4)
+    _, _, on_now = ctl._plan(4, 1, alphas, [1] * 4, [0] * 4, [False] * 4)
+    assert off_now == pytest.approx(on_now + 4 * 0.5 / ctl.walls[4].speed)
+    assert ctl.choose(seqs) == [0] * 4  # 2 s of catch-ups for a 6 ms gain
+    cheap = controller(0.0)
+    assert cheap.choose(seqs) == [1] * 4
+    cheap.observe_catchup(0.5)  # now dear, but every sequence is already on: it stays on
+    assert cheap.choose(seqs) == [1] * 4
