@@ -13,7 +13,8 @@ For the B sequences decoding, k maximises the expected tokens per second
   of two batch sizes, at least a prior; a draft's at B > 1: a plain-step row) plus the
   draft's rounds.
 - A measured k must beat plain decoding by the noise of both medians, an unmeasured one by 25%;
-  at B > 1 a sequence gets proposals only where its own acceptance pays for its rows.
+  at B > 1 a sequence gets proposals only where its own acceptance pays for its rows, and a
+  draft's step that turns sequences on pays their catch-ups on context.
 Probes keep both sides fresh: while off, the most promising k (at B > 1 for one sequence);
 while on, plain decoding or the runner-up. A probe whose step takes s times as long and gives
 r times fewer tokens per second loses s (1 - 1/r) steps: one every s (1 - 1/r) / loss steps
