@@ -275,7 +275,10 @@ def test_a_head_in_panels_serves_a_vocabulary_limit_and_gathered_ids(qtype):
     ids = torch.tensor([52, 0, 17, 17, 3, 40, 16, 15, 31, 32, 33, 1, 2, 50, 49, 48, 47, 20])
     sub = head.rows(ids)
     assert sub.out_features == len(ids) and torch.equal(sub(x), full[:, ids])
+    assert head.rows(ids.clone()) is sub  # the same ids again: the kept gather
     assert torch.equal(head.rows(ids[:1])(x), full[:, ids[:1]])
+    other = ids.flip(0)  # as many ids, another order: gathered anew
+    assert torch.equal(head.rows(other)(x), full[:, other])
 
 
 def test_a_head_without_int8_panels_keeps_the_files_rows(monkeypatch):

@@ -337,10 +337,16 @@ class NativePanels:
 
     def rows(self, ids: torch.Tensor) -> NativePanels:
         """The same weights over outputs `ids` (their bytes gathered into new panels; formats
-        in panels.GATHERABLE)."""
+        in panels.GATHERABLE). The latest gather is kept: a draft asks each round for its
+        requests' own ids, which change only as their text grows (a gather of 300 ids of a
+        1,536-wide Q6_K head: 2.7 ms, a quarter of a draft round)."""
+        kept = getattr(self, "_rows", None)
+        if kept is not None and kept[0].shape == ids.shape and torch.equal(kept[0], ids.cpu()):
+            return kept[1]
         sub = object.__new__(NativePanels)
         sub.fmt, sub.out_features, sub.in_features = self.fmt, len(ids), self.in_features
         sub.panels = panels.gather(self.panels, self.fmt, ids)
+        self._rows = (ids.cpu().clone(), sub)
         return sub
 
     @property

@@ -209,7 +209,8 @@ class AdaptiveK:
             # tokens emitted while off: a prefill of the draft, timed apart from steps). The
             # step that turns sequences on pays it: otherwise a batch of 8 on the Qwen pair
             # turned sequences on and off, 7 catch-ups in 123 steps cost 15% of the time.
-            w += sum(1 for j, f in zip(mine, fresh) if j and f) * self.catchup_s / self.walls[batch].speed
+            turned_on = sum(1 for j, f in zip(mine, fresh) if j and f)
+            w += turned_on * self.catchup_s / self.walls[batch].speed
         rate = sum(self.expected(a, j, c) for a, j, c in zip(alphas, mine, kinds)) / w
         if k and (batch > 1 or not self.scores_unverified):
             # tokens/s measured overrule per-request estimates lagging a change of workload;
