@@ -288,3 +288,22 @@ def test_a_head_without_int8_panels_keeps_the_files_rows(monkeypatch):
     assert isinstance(quant.head_form(random_blocks(Q.Q4_K, 16, 256, seed=1)), quant.NativeGGUF)
     monkeypatch.setenv("PAGELLM_PANELS_INT8", "1")
     assert isinstance(quant.head_form(random_blocks(Q.Q5_0, 16, 256, seed=1)), quant.NativeGGUF)
+
+
+@needs_kernel
+def test_an_int8_panel_head_keeps_its_rows_where_bf16_products_are_native(monkeypatch):
+    """Where bf16 products run natively the dense head takes over from 6 rows of a packed
+    head (9 of a Q8_0 one), but not from a panel head with int8 activations: it stays faster
+    up to its own limit."""
+    from pagellm.layers import linear as linear_mod
+    from pagellm.models.llama import head_max_rows
+
+    int8_head = quant.head_form(random_blocks(Q.Q6_K, 32, 256, seed=2))
+    monkeypatch.setenv("PAGELLM_PANELS_INT8", "0")
+    rows_head = quant.head_form(random_blocks(Q.Q6_K, 32, 256, seed=2))
+    assert isinstance(int8_head, quant.NativePanels) and isinstance(rows_head, quant.NativeGGUF)
+    monkeypatch.setattr(linear_mod, "UPCAST_BF16", False)  # a CPU with bf16 units
+    assert head_max_rows(int8_head) == int8_head.max_rows > 16
+    assert head_max_rows(rows_head) == 6
+    monkeypatch.setattr(linear_mod, "UPCAST_BF16", True)
+    assert head_max_rows(rows_head) == rows_head.max_rows

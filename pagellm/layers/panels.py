@@ -30,6 +30,7 @@ OUT = 16  # outputs a panel
 Q4_F32, Q4_F16, Q5_F16, Q4_K, Q4_K8, Q6_K8 = range(6)
 FORMAT_OF = {T.Q4_0: Q4_F16, T.Q4_1: Q4_F16, T.Q5_0: Q5_F16, T.Q5_1: Q5_F16, T.Q4_K: Q4_K}
 INT8_FORMAT_OF = {T.Q4_K: Q4_K8, T.Q6_K: Q6_K8}
+INT8_FORMATS = frozenset(INT8_FORMAT_OF.values())  # formats with int8 activations
 
 
 def available() -> bool:

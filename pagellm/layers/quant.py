@@ -300,11 +300,11 @@ class NativeGGUF:
 
 
 class NativePanels:
-    """A GGUF projection (Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q4_K) in panels of 16 outputs for
+    """A GGUF projection (Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q4_K / Q6_K) in panels of 16 outputs for
     kernels/cpu_panels.c, on CPUs with AVX-512 BW and VNNI: the file's values, the file's bytes
     (Q4_0 / Q5_0: +11% / +9%, their min stored), 1.0-2x the speed of the row kernels from 1 to
     40 rows (1.0-1.1x: the 1.5B's Q4_K at one row). It replaces NativeGGUF there; an LM head
-    stays NativeGGUF (its vocabulary limit slices rows)."""
+    takes it where head_form says so (Q4_K / Q6_K with int8 activations)."""
 
     max_rows = NativeQ4.max_rows
 

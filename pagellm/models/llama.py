@@ -14,7 +14,7 @@ from torch import nn
 from pagellm.attention.base import AttentionBackend, AttentionMetadata
 from pagellm.kernels.cpu_layer import FusedDecodeLayer, gate_up_silu_bf16
 from pagellm.kernels.cpu_wide_layer import WideLayer
-from pagellm.layers import onednn, quant
+from pagellm.layers import onednn, panels, quant
 from pagellm.layers.embedding import BlockEmbedding
 from pagellm.layers.attention import PagedSelfAttention
 from pagellm.layers import linear as linear_mod
@@ -27,8 +27,13 @@ def head_max_rows(head) -> int:
     """Rows below which a packed LM head (quant.NativeQ8, NativeGGUF, NativePanels) beats the dense one.
     Where bf16 products run natively (AVX-512 bf16 / AMX) the dense bf16 head wins early
     (2-core Xeon with AMX: the default model's Q8_0 head level at 8 rows, 64 rows 23.5 vs
-    5.0 ms; Qwen2.5-1.5B's Q6_K head 1 row 7.3 vs 24 ms, 6 rows 28 vs 26, 16 rows 75 vs 28)."""
+    5.0 ms; Qwen2.5-1.5B's Q6_K head 1 row 7.3 vs 24 ms, 6 rows 28 vs 26, 16 rows 75 vs 28),
+    except a panel head with int8 activations (Q4_K8, Q6_K8): it keeps its own limit (the
+    1.5B's Q6_K head on a Zen 4 core pair against the prepacked bf16 one: 8 rows 13.8 vs 23.6
+    ms, 16 rows 22.7 vs 28.0, 40 rows 51.6 vs 53.4)."""
     if not linear_mod.UPCAST_BF16:
+        if isinstance(head, quant.NativePanels) and head.fmt in panels.INT8_FORMATS:
+            return head.max_rows
         return min(head.max_rows, 9 if isinstance(head, quant.NativeQ8) else 6)
     return head.max_rows
 
