@@ -15,6 +15,7 @@ from pagellm.attention.base import AttentionMetadata
 from pagellm.kernels.packed_rows import PackedRowChoice
 from pagellm.engine.scheduler import SchedulerOutput
 from pagellm.layers import quant
+from pagellm.sampling.sampler import reads_argmax_only
 
 
 def kv_bytes_per_block(config, block_size: int, dtype: torch.dtype, tp_size: int = 1) -> int:
@@ -185,11 +186,17 @@ class ModelRunner:
         # dense products: prefill keeps each packed form's own limit, so that a prompt's
         # numerics do not depend on what the machine measured so far.
         decode = all(n == 1 + len(s.spec_token_ids) for s, n in zip(out.seqs, out.num_tokens))
-        return self.forward(*self.prepare(out), logit_rows, choose_path=decode)
+        argmax_only = all(not s.spec_token_ids and reads_argmax_only(
+            s.params, s.num_output_tokens, s.constraint is not None) for s in out.seqs)
+        return self.forward(*self.prepare(out), logit_rows, choose_path=decode,
+                            argmax_only=argmax_only)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata,
-                logit_rows: list[int] | None, choose_path: bool = False) -> torch.Tensor | None:
+                logit_rows: list[int] | None, choose_path: bool = False,
+                argmax_only: bool = False) -> torch.Tensor | None:
+        """argmax_only: every row's sampling reads only its argmax (the logits may be right
+        only there: `LlamaModel.compute_logits`)."""
         choice = self.packed_rows if choose_path else None
         if choice is None:
             hidden = self.model(input_ids, positions, md)
@@ -203,4 +210,4 @@ class ModelRunner:
         if logit_rows is None:  # a tensor-parallel worker: rank 0 computes the logits
             return None
         rows = upload(torch.tensor(logit_rows, dtype=torch.long), hidden.device)
-        return self.model.compute_logits(hidden.index_select(0, rows))
+        return self.model.compute_logits(hidden.index_select(0, rows), argmax_only=argmax_only)

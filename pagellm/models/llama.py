@@ -14,7 +14,7 @@ from torch import nn
 from pagellm.attention.base import AttentionBackend, AttentionMetadata
 from pagellm.kernels.cpu_layer import FusedDecodeLayer, gate_up_silu_bf16
 from pagellm.kernels.cpu_wide_layer import WideLayer
-from pagellm.layers import onednn, panels, quant
+from pagellm.layers import greedy_head, onednn, panels, quant
 from pagellm.layers.embedding import BlockEmbedding
 from pagellm.layers.attention import PagedSelfAttention
 from pagellm.layers import linear as linear_mod
@@ -198,19 +198,33 @@ class LlamaForCausalLM(nn.Module):
         7.0 -> 4.6 ms; Qwen2.5-1.5B's 151936 x 1536 at 6 / 16 rows 16.5 -> 8.6 / 23.2 -> 13.4
         ms; bit-identical). An untied head's dense weight goes to the meta device (the
         prepacked copy holds the same bytes); a tied one stays, as the embedding, beside it.
-        Returns whether the head was prepacked."""
+        A Q8_0 head also gets its greedy form (layers/greedy_head.py), which argmax-only
+        steps take instead. Returns whether the head was prepacked."""
         head = self._head()
         if (linear_mod.UPCAST_BF16 or not onednn.available() or head.dtype != torch.bfloat16
                 or head.device.type != "cpu" or self.head_onednn is not None):
             return False
         self.head_onednn = onednn.OneDNNLinear(head.data)
+        if isinstance(self.head_packed, quant.NativeQ8) and greedy_head.available():
+            self.head_greedy = greedy_head.GreedyHeadQ8(self.head_packed)
         if self.lm_head is not None:
             self.lm_head.weight = nn.Parameter(torch.empty(head.shape, dtype=head.dtype,
                                                            device="meta"), requires_grad=False)
         return True
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[num_rows, hidden] -> [num_rows, vocab] float32."""
+    # A Q8_0 head's int8 form for steps whose rows read only their argmax (prepack_head).
+    head_greedy: greedy_head.GreedyHeadQ8 | None = None
+
+    def compute_logits(self, hidden: torch.Tensor, argmax_only: bool = False) -> torch.Tensor:
+        """[num_rows, hidden] -> [num_rows, vocab] float32. argmax_only: the caller reads
+        nothing of a row but its argmax (greedy rows, nothing applied to the logits); where
+        the bf16 head would run, the greedy head then gives logits whose argmax is the exact
+        product's, and only that."""
+        if (argmax_only and self.head_greedy is not None and self.vocab_limit is None
+                and hidden.shape[0] >= head_max_rows(self.head_packed)):
+            logits = self.head_greedy(hidden)
+            if logits is not None:  # None: a value that is not finite; the head below
+                return logits
         if self.vocab_limit is not None:
             n, full = self.vocab_limit, None
             out = torch.full((hidden.shape[0], self._head().shape[0]), float("-inf"),
@@ -278,6 +292,7 @@ class LlamaForCausalLM(nn.Module):
         if isinstance(self.embed_tokens, BlockEmbedding):  # the file's blocks, no parameter
             packed += self.embed_tokens.nbytes
         packed += self.head_onednn.nbytes if self.head_onednn is not None else 0
+        packed += self.head_greedy.nbytes if self.head_greedy is not None else 0
         # a limited head's prepacked copy of its first rows (the packed one is a view)
         packed += self._head_sub_onednn.nbytes if self._head_sub_onednn is not None else 0
         head = getattr(self, "_head_f32", None)

@@ -130,6 +130,16 @@ def _apply_top_k_top_p_min_p(logits: torch.Tensor, rows: list[SamplingRow]) -> N
         logits.masked_fill_(probs < threshold, float("-inf"))
 
 
+def reads_argmax_only(params: SamplingParams, num_output_tokens: int, constrained: bool) -> bool:
+    """Whether sampling a row reads nothing of its logits but their argmax: a greedy row
+    without logprobs that processed_logits leaves as it is (no logit bias, no penalties,
+    min_tokens met, no grammar). The model may then give logits right only at their argmax
+    (`LlamaModel.compute_logits`)."""
+    return (params.greedy and params.logprobs is None and not params.logit_bias
+            and not params.needs_penalties and num_output_tokens >= params.min_tokens
+            and not constrained)
+
+
 def _changes(row: SamplingRow) -> bool:
     """Whether processed_logits may change this row's logits."""
     p = row.params

@@ -230,8 +230,8 @@ class EarlyExitModel:
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, md) -> torch.Tensor:
         return self.target(input_ids, positions, md, num_layers=len(self.layers))
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.target.compute_logits(hidden)
+    def compute_logits(self, hidden: torch.Tensor, argmax_only: bool = False) -> torch.Tensor:
+        return self.target.compute_logits(hidden, argmax_only=argmax_only)
 
 
 class EarlyExitProposer(DraftModelProposer):

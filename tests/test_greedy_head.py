@@ -1,0 +1,158 @@
+"""The greedy LM head (kernels/cpu_greedy_head.c, layers/greedy_head.py): the argmax of its
+logits is the exact (float64) product's for every row, equal maxima going to the first index
+as torch.argmax sends them; every other logit stays within the int8 activations' bound; one
+and two threads give the same bits; the engine takes it for steps whose every row reads only
+its argmax (`sampler.reads_argmax_only`), and for no other step."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagellm import LLM, SamplingParams
+from pagellm.layers import greedy_head, quant
+from pagellm.sampling.sampler import reads_argmax_only
+from tests.helpers import outputs_on_one_and_two_threads
+
+needs_kernel = pytest.mark.skipif(not greedy_head.available(),
+                                  reason="needs AVX-512 VNNI and bf16 units (and a C compiler)")
+
+
+def _q8_head(n: int, k: int, seed: int) -> quant.NativeQ8:
+    """A random Q8_0 head: codes in [-127, 127], fp16 scales of a few magnitudes."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    scale = (torch.rand(n, k // 32, generator=g) * 0.004 + 1e-4).half().float()
+    return quant.NativeQ8(quant.Int8Blocks(q, scale))
+
+
+def _exact(h: torch.Tensor, head: quant.NativeQ8) -> torch.Tensor:
+    n, k = head.codes.shape
+    w = (head.codes.double().view(n, k // 32, 32) * head.scale.double()[..., None]).view(n, k)
+    return h.double() @ w.t()
+
+
+def _hidden(rows: int, k: int, seed: int) -> torch.Tensor:
+    """Normal values with a few large channels, as hidden states have."""
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(rows, k, generator=g)
+    h[:, 5] *= 30
+    h[:, k // 2] *= -12
+    return h
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 5, 6, 13, 64])
+@pytest.mark.parametrize("n", [96, 1000])  # 1000: a last panel of 8 outputs
+def test_the_argmax_is_the_exact_products(rows, n):
+    head = _q8_head(n, 128, seed=rows + n)
+    h = _hidden(rows, 128, seed=rows)
+    greedy = greedy_head.GreedyHeadQ8(head)
+    logits = greedy(h)
+    exact = _exact(h, head)
+    assert logits.shape == (rows, n) and logits.dtype == torch.float32
+    assert torch.equal(logits.argmax(dim=1), exact.argmax(dim=1))
+    assert torch.equal(greedy.last_ids, exact.argmax(dim=1))
+    assert bool((greedy.last_counts >= 1).all())  # the largest y itself is always computed
+
+
+@needs_kernel
+def test_equal_maxima_go_to_the_first_index_and_near_ties_to_the_larger():
+    head = _q8_head(300, 64, seed=3)
+    codes, scale = head.codes.clone(), torch.full((300, 2), 0.002).half().float()
+    codes[250] = codes[40]  # 40 and 250: the same output
+    codes[260] = codes[41]  # 41 and 260: one code apart
+    codes[41, 0], codes[260, 0] = 20, 21
+    head = quant.NativeQ8(quant.Int8Blocks(codes, scale))
+    w = head.codes.float() * scale[0, 0]
+    # row 0 points at output 250 (its twin 40 comes first); row 1 at 260, whose one larger
+    # code puts it 21 * 0.002^2 above 41: far inside the int8 values' error
+    h = torch.stack([w[250], w[260]])
+    greedy = greedy_head.GreedyHeadQ8(head)
+    logits = greedy(h)
+    exact = _exact(h, head)
+    assert exact[0, 40] == exact[0, 250] == exact[0].max()
+    assert int(exact[1].argmax()) == 260 and 0 < float(exact[1, 260] - exact[1, 41]) < 1e-4
+    assert logits.argmax(dim=1).tolist() == [40, 260]
+    assert int(greedy.last_counts[1]) >= 2
+
+
+@needs_kernel
+def test_the_other_logits_stay_within_the_int8_bound():
+    head = _q8_head(700, 256, seed=5)
+    h = _hidden(20, 256, seed=6)
+    logits = greedy_head.GreedyHeadQ8(head)(h).double()
+    exact = _exact(h, head)
+    n, k = head.codes.shape
+    a = (head.codes.double().abs().view(n, k // 32, 32).sum(-1) * head.scale.double())  # [N, G]
+    step = h.double().abs().view(20, k // 32, 32).amax(-1) / 127  # [R, G]
+    bound = 0.5002 * step @ a.t() + 1e-6 * exact.abs() + 1e-9  # and float32's rounding
+    assert bool(((logits - exact).abs() <= bound).all())
+    assert float((logits - exact).abs().max()) > 0  # the int8 values, not exact ones
+
+
+@needs_kernel
+def test_one_and_two_threads_give_the_same_bits():
+    head = greedy_head.GreedyHeadQ8(_q8_head(1000, 128, seed=7))
+    h = _hidden(30, 128, seed=8)
+    one, two = outputs_on_one_and_two_threads(head, h)
+    assert torch.equal(one, two)
+
+
+@needs_kernel
+def test_a_hidden_value_that_is_not_finite_leaves_it_to_the_other_head():
+    head = greedy_head.GreedyHeadQ8(_q8_head(96, 64, seed=9))
+    h = _hidden(8, 64, seed=10)
+    h[3, 7] = float("nan")
+    assert head(h) is None
+    h[3, 7] = float("inf")
+    assert head(h) is None
+
+
+def test_only_rows_that_read_their_argmax_alone_qualify():
+    greedy = SamplingParams(temperature=0.0)
+    assert reads_argmax_only(greedy, 0, constrained=False)
+    assert not reads_argmax_only(SamplingParams(temperature=0.7), 0, False)
+    assert not reads_argmax_only(SamplingParams(temperature=0.0, logprobs=2), 0, False)
+    assert not reads_argmax_only(SamplingParams(temperature=0.0, logit_bias={3: 5.0}), 0, False)
+    assert not reads_argmax_only(SamplingParams(temperature=0.0, repetition_penalty=1.2), 0, False)
+    assert not reads_argmax_only(SamplingParams(temperature=0.0, presence_penalty=0.5), 0, False)
+    assert not reads_argmax_only(greedy, 0, constrained=True)
+    at_least = SamplingParams(temperature=0.0, min_tokens=3)
+    assert not reads_argmax_only(at_least, 2, False)  # its end tokens are still masked
+    assert reads_argmax_only(at_least, 3, False)
+
+
+@needs_kernel
+def test_the_engine_takes_it_for_argmax_only_steps_and_gets_the_exact_argmax():
+    """The default model (its Q8_0 head): 12 greedy requests decode through the greedy head,
+    each step's tokens the exact product's argmax of the step's hidden states; a step with one
+    request asking for logprobs does not take it."""
+    llm = LLM(kv_cache_memory="64MiB")
+    model = llm.engine.model
+    assert model.head_greedy is not None
+    calls = []
+    real = model.head_greedy
+
+    class Spy:
+        def __call__(self, hidden):
+            logits = real(hidden)
+            calls.append((hidden.clone(), logits.argmax(dim=1)))
+            return logits
+
+        nbytes = real.nbytes
+
+    model.head_greedy = Spy()
+    prompts = [[1, 2 + i, 30 + 3 * i, 7, 400 + i] for i in range(12)]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True),
+                        use_tqdm=False)
+    assert len(calls) >= 4  # the decode steps (12 rows each); the prefill's too
+    for hidden, ids in calls:
+        assert torch.equal(ids, _exact(hidden, model.head_packed).argmax(dim=1))
+    decode_ids = [ids for hidden, ids in calls if hidden.shape[0] == 12]
+    assert [o.outputs[0].token_ids[-1] for o in outs] == decode_ids[-1].tolist()
+    calls.clear()
+    params = [SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True,
+                             logprobs=1 if i == 0 else None)
+              for i in range(12)]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert calls == [] and outs[0].outputs[0].logprobs is not None
