@@ -62,7 +62,8 @@ static int quantize_row(const float *h, int64_t K, uint8_t *xu, float *dx) {
  * top[r * ldt]: each row's largest y over the panel */
 static inline __attribute__((always_inline)) void tile(
         int RB, const uint8_t *xu, const float *dx, int64_t K, const int8_t *c, const float *d,
-        const int32_t *nc, float *y, int64_t ldy, int cols, float *top, int64_t ldt) {
+        const int32_t *nc, float *y, int64_t ldy, int cols, float *top, int64_t ldt,
+        const char *pf, int64_t npf) {
     const int64_t G = K / 32;
     __m512 acc[GH_TILE_R][2];
     for (int r = 0; r < RB; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
@@ -71,6 +72,8 @@ static inline __attribute__((always_inline)) void tile(
         __m512i s[GH_TILE_R][2];
         for (int r = 0; r < RB; r++) s[r][0] = n0, s[r][1] = n1;
         const int8_t *cb = c + g * 32 * 32;
+        for (int64_t l = g * npf / G; l < (g + 1) * npf / G; l++)
+            _mm_prefetch(pf + l * 64, _MM_HINT_T0);
         for (int kq = 0; kq < 8; kq++) {
             const __m512i w0 = _mm512_loadu_si512(cb + kq * 128);
             const __m512i w1 = _mm512_loadu_si512(cb + kq * 128 + 64);
@@ -102,8 +105,16 @@ static inline __attribute__((always_inline)) void tile(
     }
 }
 
+/* Each tile of a panel sends its share of the next panel's codes (K / 2 lines) into L1, a
+ * few lines a block: the first tile of a panel otherwise waited on memory for its codes
+ * (as in cpu_q32.c) */
+#define GH_PER ((K / 2 + (R + GH_TILE_R - 1) / GH_TILE_R - 1) / ((R + GH_TILE_R - 1) / GH_TILE_R))
+#define GH_LINES(r) (p + 1 >= P || (r) / GH_TILE_R * GH_PER >= K / 2 ? 0 \
+                     : (r) / GH_TILE_R * GH_PER + GH_PER <= K / 2 ? GH_PER \
+                     : K / 2 - (r) / GH_TILE_R * GH_PER)
 #define GH_TILE(RB) tile(RB, xu + r * K, dx + r * G, K, cp, dp, np, \
-                         logits + r * N + p * GH_PANEL, N, cols, top + r * PT + p, PT)
+                         logits + r * N + p * GH_PANEL, N, cols, top + r * PT + p, PT, \
+                         (const char *)cp + GH_PANEL * K + r / GH_TILE_R * GH_PER * 64, GH_LINES(r))
 
 /* h . w_o in double precision: codes q [K] int8, scale [K / 32] */
 static double exact_q8(const float *h, const int8_t *q, const float *scale, int64_t K) {
