@@ -82,7 +82,7 @@ class LLM:
         with tqdm(total=len(ids), desc="generate", unit="req", disable=not use_tqdm) as bar:
             try:
                 while wanted - finished.keys():
-                    for out in self.engine.step():
+                    for out in self.engine.step(finished_only=True):
                         if out.finished and out.request_id in wanted:
                             finished[out.request_id] = out
                             bar.update(1)

@@ -307,6 +307,25 @@ def make_tokenizer():
                                    eos_token="</s>")
 
 
+@pytest.mark.parametrize("clean_up", [False, True])
+def test_the_detokenizers_decode_is_the_tokenizers_own(clean_up):
+    """append_text decodes with the Rust backend where that is the same text (no clean-up of
+    spaces), else with tokenizer.decode: the same strings either way, special tokens
+    skipped or kept."""
+    from pagellm.engine.detokenizer import _decode_fn
+
+    tok = make_tokenizer()
+    tok.clean_up_tokenization_spaces = clean_up
+    decode = _decode_fn(tok)
+    assert (decode == tok.backend_tokenizer.decode) is (not clean_up)
+    g = torch.Generator().manual_seed(0)
+    for n in (1, 2, 5, 17):
+        for _ in range(40):
+            ids = torch.randint(0, len(tok), (n,), generator=g).tolist()
+            for skip in (False, True):
+                assert decode(ids, skip_special_tokens=skip) == tok.decode(ids, skip_special_tokens=skip)
+
+
 @pytest.fixture(scope="module")
 def text_llm(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny_text")

@@ -9,12 +9,23 @@ from __future__ import annotations
 from pagellm.sequence import Sequence
 
 
+def _decode_fn(tokenizer):
+    """tokenizer.decode, or its Rust backend's decode where that gives the same text (a fast
+    tokenizer that cleans up no spaces): ~0.8 us a call against ~3.3, twice a token of every
+    running sequence."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and getattr(tokenizer, "clean_up_tokenization_spaces", True) is False:
+        return backend.decode
+    return tokenizer.decode
+
+
 def append_text(tokenizer, seq: Sequence) -> str:
     """Decode the sequence's newest tokens into seq.text; return the new text."""
     ids = seq.output_token_ids
     skip = seq.params.skip_special_tokens
-    prefix = tokenizer.decode(ids[seq.prefix_offset:seq.read_offset], skip_special_tokens=skip)
-    full = tokenizer.decode(ids[seq.prefix_offset:], skip_special_tokens=skip)
+    decode = _decode_fn(tokenizer)
+    prefix = decode(ids[seq.prefix_offset:seq.read_offset], skip_special_tokens=skip)
+    full = decode(ids[seq.prefix_offset:], skip_special_tokens=skip)
     if len(full) <= len(prefix) or full.endswith("\ufffd"):
         return ""
     delta = full[len(prefix):]

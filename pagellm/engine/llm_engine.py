@@ -223,12 +223,14 @@ class LLMEngine:
         return len(self.scheduler.waiting)
 
     # ---- the step --------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    def step(self, finished_only: bool = False) -> list[RequestOutput]:
         """One scheduling step. A failure inside it ends only the request that caused it
         (finish_reason "error", every sequence of the request, blocks returned): a failed
         forward is retried one sequence at a time, sampling and token processing are per
         request. A lost tensor-parallel worker ends every request, marks the engine dead and
-        is raised."""
+        is raised. Returns the outputs of the requests the step touched; finished_only: of
+        those that finished (offline generation reads no others: building 64 requests'
+        outputs every step cost ~0.4 ms)."""
         if self.dead is not None:
             raise RuntimeError(self.dead)
         start = time.perf_counter()
@@ -236,7 +238,7 @@ class LLMEngine:
             self.spec.propose(self.scheduler.running)
         out = self.scheduler.schedule()
         try:
-            outputs = self._run_batch(out)  # ... and verify after the forward (_verify)
+            outputs = self._run_batch(out, finished_only)  # ... and verify after the forward
             if self.spec is not None:
                 self.spec.observe(len(out.seqs), time.perf_counter() - start)
             return outputs
@@ -250,7 +252,7 @@ class LLMEngine:
             failed = {s.request_id for s in out.seqs}
         for rid in failed:
             self._fail_request(rid)
-        outputs = self._collect_outputs(failed)
+        outputs = self._collect_outputs(failed, finished_only)
         if self.dead is not None:
             raise lost
         return outputs
@@ -266,17 +268,17 @@ class LLMEngine:
             if not seq.is_finished:
                 self._finish(seq, "error")
 
-    def _run_batch(self, out: SchedulerOutput) -> list[RequestOutput]:
+    def _run_batch(self, out: SchedulerOutput, finished_only: bool = False) -> list[RequestOutput]:
         self.runner.copy_blocks(self.scheduler.take_pending_copies())
         if not out.seqs:
             self._fail_unschedulable()
-            return self._collect_outputs(set())
+            return self._collect_outputs(set(), finished_only)
         out, logits, failed = self._forward(out)
         self.block_manager.commit()  # the KV of this step's newly cached blocks is written
         _, owners = self._logit_rows(out)
         self.scheduler.advance(out)
         touched = self._process_samples(owners, logits)
-        return self._collect_outputs(touched | failed)
+        return self._collect_outputs(touched | failed, finished_only)
 
     def _forward(self, out: SchedulerOutput):
         """The step's forward. If it fails, each sequence runs alone and the requests whose
@@ -567,11 +569,11 @@ class LLMEngine:
             for sibling in req.pending_forks if req else []:
                 self._finish(sibling, "length")
 
-    def _collect_outputs(self, touched: set[str]) -> list[RequestOutput]:
+    def _collect_outputs(self, touched: set[str], finished_only: bool = False) -> list[RequestOutput]:
         outputs = []
         for rid in list(self.requests):
             req = self.requests[rid]
-            if rid in touched or req.finished:
+            if req.finished or (rid in touched and not finished_only):
                 outputs.append(self.make_output(req))
                 if req.finished:
                     del self.requests[rid]
