@@ -152,15 +152,20 @@ def test_packed_model_on_a_cpu_with_bf16_units(monkeypatch):
         return y
 
     monkeypatch.setattr(q32.Q32Linear, "__call__", watching_q32)
-    from pagellm.kernels.cpu_wide_layer import WideLayer
+    from pagellm.kernels.cpu_wide_layer import WideLayer, WideStack
 
-    orig_one_call = WideLayer._call_q32
+    orig_one_call, orig_stack = WideLayer._call_q32, WideStack.__call__
 
     def watching_one_call(self, *args):  # a layer of four q32 products in one native call
         products.extend([(torch.bfloat16, torch.bfloat16)] * 4)
         return orig_one_call(self, *args)
 
+    def watching_stack(self, *args):  # every such layer in one native call
+        products.extend([(torch.bfloat16, torch.bfloat16)] * 4 * len(self.wides))
+        return orig_stack(self, *args)
+
     monkeypatch.setattr(WideLayer, "_call_q32", watching_one_call)
+    monkeypatch.setattr(WideStack, "__call__", watching_stack)
     long_prompt = list(range(100, 160))  # a 60-row prefill: dense bf16 products
     sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     out = llm.generate([long_prompt], sp, use_tqdm=False)[0].outputs[0].token_ids

@@ -112,6 +112,45 @@ def test_wide_layer_output_equals_module_output_per_step():
 
 
 @pytest.mark.skipif(not q32.available(), reason="needs the q32 products (AVX-512 VNNI, bf16 units)")
+def test_every_layer_in_one_call_gives_the_per_layer_calls_tokens_and_logprobs(monkeypatch):
+    """The default model's layers are all one-call q32 layers: a many-row step runs them all
+    in one native call (WideStack, wide_layers_q32), with the same tokens and log-probabilities,
+    bit for bit, as layer by layer (prefill chunks, one after cached keys, and a 44-row decode
+    batch); a step whose rows take the packed kernels (the fused layer) does not."""
+    from pagellm.kernels.cpu_wide_layer import WideStack
+
+    llm = _engine()
+    model = llm.engine.model
+    stack = model.wide_stack
+    assert isinstance(stack, WideStack) and len(stack.wides) == len(model.layers)
+    rows = []
+    orig = WideStack.__call__
+
+    def counting(self, positions, x, md):
+        rows.append(x.shape[0])
+        return orig(self, positions, x, md)
+
+    monkeypatch.setattr(WideStack, "__call__", counting)
+    sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=2)
+    prompts = _prompts()
+    try:
+        one_call = llm.generate(prompts, sp, use_tqdm=False)
+        stacked = list(rows)
+        model.wide_stack = None
+        per_layer = llm.generate(prompts, sp, use_tqdm=False)
+        model.wide_stack = stack
+        (few,) = llm.generate([prompts[0]], sp, use_tqdm=False)  # a few rows a step
+    finally:
+        llm.shutdown()
+    # 512-row prefill chunks and a decode batch of 40+ rows took it
+    assert max(stacked) == 512 and any(40 < r < 64 for r in stacked), stacked
+    for a, b in zip(one_call, per_layer):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].logprobs == b.outputs[0].logprobs
+    assert rows == stacked and len(few.outputs[0].token_ids) == 4  # the fused layer's steps
+
+
+@pytest.mark.skipif(not q32.available(), reason="needs the q32 products (AVX-512 VNNI, bf16 units)")
 @pytest.mark.parametrize("kind", ["32-value", "K-quant"])
 def test_one_call_layer_with_a_qkv_bias_equals_the_module_path(tmp_path, monkeypatch, kind):
     """A Qwen2 layer (q|k|v bias) whose projections are all q32 ones (32-value types, or a
@@ -152,18 +191,25 @@ def test_wide_layer_gives_the_module_paths_tokens_and_logprobs():
     layers = llm.engine.model.layers
     saved = [layer.wide_layer for layer in layers]
     calls = []
-    orig = type(saved[0]).__call__
+    # layer by layer, or every layer in one call (WideStack) where all are one-call layers
+    kinds = [type(saved[0])] + ([type(llm.engine.model.wide_stack)]
+                                if llm.engine.model.wide_stack is not None else [])
+    origs = [k.__call__ for k in kinds]
 
-    def counting(self, *args):
-        calls.append(1)
-        return orig(self, *args)
+    def counting(orig):
+        def call(self, *args):
+            calls.append(1)
+            return orig(self, *args)
+        return call
 
     try:
-        type(saved[0]).__call__ = counting
+        for k, orig in zip(kinds, origs):
+            k.__call__ = counting(orig)
         try:
             wide = llm.generate(_prompts(), sp, use_tqdm=False)
         finally:
-            type(saved[0]).__call__ = orig
+            for k, orig in zip(kinds, origs):
+                k.__call__ = orig
         for layer in layers:
             layer.wide_layer = None
         plain = llm.generate(_prompts(), sp, use_tqdm=False)

@@ -31,6 +31,7 @@
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #include <immintrin.h>
+#include "q32_block.h"
 
 #define GH_TILE_R 6
 #define GH_PANEL 32
@@ -71,20 +72,7 @@ static inline __attribute__((always_inline)) void tile(
         const __m512i n0 = _mm512_loadu_si512(nc + g * 32), n1 = _mm512_loadu_si512(nc + g * 32 + 16);
         __m512i s[GH_TILE_R][2];
         for (int r = 0; r < RB; r++) s[r][0] = n0, s[r][1] = n1;
-        const int8_t *cb = c + g * 32 * 32;
-        for (int64_t l = g * npf / G; l < (g + 1) * npf / G; l++)
-            _mm_prefetch(pf + l * 64, _MM_HINT_T0);
-        for (int kq = 0; kq < 8; kq++) {
-            const __m512i w0 = _mm512_loadu_si512(cb + kq * 128);
-            const __m512i w1 = _mm512_loadu_si512(cb + kq * 128 + 64);
-            for (int r = 0; r < RB; r++) {
-                int32_t word;
-                memcpy(&word, xu + r * K + g * 32 + kq * 4, 4);
-                const __m512i xb = _mm512_set1_epi32(word);
-                s[r][0] = _mm512_dpbusd_epi32(s[r][0], xb, w0);
-                s[r][1] = _mm512_dpbusd_epi32(s[r][1], xb, w1);
-            }
-        }
+        block_products(RB, 0, xu, K, g, G, c + g * 32 * 32, s, pf, npf);
         const __m512 d0 = _mm512_loadu_ps(d + g * 32), d1 = _mm512_loadu_ps(d + g * 32 + 16);
         for (int r = 0; r < RB; r++) {
             const __m512 a = _mm512_set1_ps(dx[r * G + g]);

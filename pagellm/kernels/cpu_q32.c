@@ -25,6 +25,7 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #include <immintrin.h>
 #include "vec_math.h"
+#include "q32_block.h"
 
 #define Q32_TILE_R 6
 #define Q32_ROWS 192  /* rows whose activations (192 x K bytes) stay in L2 over every panel */
@@ -116,20 +117,7 @@ static inline __attribute__((always_inline)) void tile(
     for (int64_t g = 0; g < G; g++) {
         __m512i s[Q32_TILE_R][2];
         for (int r = 0; r < RB; r++) s[r][0] = s[r][1] = _mm512_setzero_si512();
-        const uint8_t *cb = c + g * 32 * 32;
-        for (int64_t l = g * npf / G; l < (g + 1) * npf / G; l++)  /* spread over the blocks */
-            _mm_prefetch(pf + l * 64, _MM_HINT_T0);
-        for (int kq = 0; kq < 8; kq++) {
-            const __m512i w0 = _mm512_loadu_si512(cb + kq * 128);
-            const __m512i w1 = _mm512_loadu_si512(cb + kq * 128 + 64);
-            for (int r = 0; r < RB; r++) {
-                int32_t word;
-                memcpy(&word, xq + r * K + g * 32 + kq * 4, 4);
-                const __m512i xb = _mm512_set1_epi32(word);
-                s[r][0] = _mm512_dpbusd_epi32(s[r][0], w0, xb);
-                s[r][1] = _mm512_dpbusd_epi32(s[r][1], w1, xb);
-            }
-        }
+        block_products(RB, 1, xq, K, g, G, c + g * 32 * 32, s, pf, npf);
         const __m512 d0 = _mm512_loadu_ps(d + g * 32), d1 = _mm512_loadu_ps(d + g * 32 + 16);
         const __m512 m0 = _mm512_loadu_ps(m + g * 32), m1 = _mm512_loadu_ps(m + g * 32 + 16);
         for (int r = 0; r < RB; r++) {

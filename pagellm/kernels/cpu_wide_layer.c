@@ -206,3 +206,18 @@ done:
     free(adx); free(asx);
     return rc;
 }
+
+/* Every layer of a model whose layers are all wide_layer_q32 ones, in order, in one call
+ * (kc[l], vc[l]: layer l's pools; the rest as wide_layer_q32's): the per-layer Python and
+ * ctypes arguments once a step. Returns 0, or -1 when out of memory. */
+int wide_layers_q32(const wide_q32_t *const *L, int64_t n_layers, float *x, int64_t T,
+                    const int64_t *positions, void *const *kc, void *const *vc, int64_t NB,
+                    int64_t BS, const int64_t *slots, const int32_t *tables, int64_t MB,
+                    const int32_t *seq_lens, const int32_t *qstart, const int32_t *seqs,
+                    int64_t n_seqs, int kv_bf16, int threads) {
+    for (int64_t l = 0; l < n_layers; l++)
+        if (wide_layer_q32(L[l], x, T, positions, kc[l], vc[l], NB, BS, slots, tables, MB,
+                           seq_lens, qstart, seqs, n_seqs, kv_bf16, threads))
+            return -1;
+    return 0;
+}

@@ -47,6 +47,8 @@ SIGNATURES = {
     "q32_linear_gated_q": ([_P, _P, _P, _I64, _I64, _P, _P, _P, _I64, _P, _P, _P, _I32], None),
     "wide_layer_q32": ([_P, _P, _I64, _P, _P, _P, _I64, _I64, _P, _P, _I64, _P, _P, _P, _I64,
                         _I32, _I32], ctypes.c_int),
+    "wide_layers_q32": ([_P, _I64, _P, _I64, _P, _P, _P, _I64, _I64, _P, _P, _I64, _P, _P, _P,
+                         _I64, _I32, _I32], ctypes.c_int),
     "argmax_rows": ([_P, _I64, _I64, _P, _I32], None),
     "greedy_head_available": ([], ctypes.c_int),
     "greedy_head_q8": ([_P, _I64, _I64, _P, _P, _P, _P, _P, _P, _P, _I64, _P, _P, _P, _I32],

@@ -13,7 +13,7 @@ from torch import nn
 
 from pagellm.attention.base import AttentionBackend, AttentionMetadata
 from pagellm.kernels.cpu_layer import FusedDecodeLayer, gate_up_silu_bf16
-from pagellm.kernels.cpu_wide_layer import WideLayer
+from pagellm.kernels.cpu_wide_layer import WideLayer, WideStack
 from pagellm.layers import greedy_head, onednn, panels, quant
 from pagellm.layers.embedding import BlockEmbedding
 from pagellm.layers.attention import PagedSelfAttention
@@ -133,7 +133,11 @@ class LlamaForCausalLM(nn.Module):
         bf16 products with native steps between them (kernels/cpu_wide_layer.py), where the
         layer allows it (float32 activations, prepacked projections, one process). Returns the
         number of layers that do."""
-        return self._give_layers("wide_layer", WideLayer)
+        n = self._give_layers("wide_layer", WideLayer)
+        self.wide_stack = WideStack.of(self.layers)
+        return n
+
+    wide_stack = None  # a WideStack (kernels/cpu_wide_layer.py) once wide layers are enabled
 
     def _give_layers(self, attr: str, kind) -> int:
         """Each layer that `kind` supports gets kind(layer) as its `attr`; how many did."""
@@ -154,6 +158,9 @@ class LlamaForCausalLM(nn.Module):
         x = self.embed_tokens(input_ids)
         if self.act_dtype is not None:
             x = x.to(self.act_dtype)
+        stack = self.wide_stack if num_layers is None else None
+        if stack is not None and stack.usable(positions, x, md):
+            return self.norm(stack(positions, x, md))  # every layer in one native call
         for layer in self.layers[:num_layers]:
             x = layer(positions, x, md)
         return self.norm(x)

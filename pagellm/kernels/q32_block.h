@@ -1,0 +1,35 @@
+/* One 32-input block of a 6 x 32 vpdpbusd tile, shared by cpu_q32.c and cpu_greedy_head.c.
+ * Included after <immintrin.h> and <string.h>, inside their AVX-512 VNNI sections. */
+#ifndef PAGELLM_Q32_BLOCK_H
+#define PAGELLM_Q32_BLOCK_H
+
+/* s[r][0..1] += block g's byte products for rows [0, RB) (x: their bytes, row stride K) x a
+ * panel's 32 outputs (cb: the block's codes, [8][32][4] bytes: 4 consecutive inputs of an
+ * output a lane). codes_unsigned: the codes are vpdpbusd's unsigned operand and the
+ * activations its signed one (q32: u8 codes, int8 activations), else the reverse (the greedy
+ * head: Q8_0's int8 codes, activations + 128). Meanwhile this block's share of npf cache
+ * lines from pf (G blocks share them) goes into L1. */
+static inline __attribute__((always_inline)) void block_products(
+        int RB, int codes_unsigned, const void *x, int64_t K, int64_t g, int64_t G,
+        const void *cb, __m512i s[][2], const char *pf, int64_t npf) {
+    for (int64_t l = g * npf / G; l < (g + 1) * npf / G; l++)
+        _mm_prefetch(pf + l * 64, _MM_HINT_T0);
+    for (int kq = 0; kq < 8; kq++) {
+        const __m512i w0 = _mm512_loadu_si512((const char *)cb + kq * 128);
+        const __m512i w1 = _mm512_loadu_si512((const char *)cb + kq * 128 + 64);
+        for (int r = 0; r < RB; r++) {
+            int32_t word;
+            memcpy(&word, (const char *)x + r * K + g * 32 + kq * 4, 4);
+            const __m512i xb = _mm512_set1_epi32(word);
+            if (codes_unsigned) {
+                s[r][0] = _mm512_dpbusd_epi32(s[r][0], w0, xb);
+                s[r][1] = _mm512_dpbusd_epi32(s[r][1], w1, xb);
+            } else {
+                s[r][0] = _mm512_dpbusd_epi32(s[r][0], xb, w0);
+                s[r][1] = _mm512_dpbusd_epi32(s[r][1], xb, w1);
+            }
+        }
+    }
+}
+
+#endif
