@@ -127,10 +127,10 @@ def run_batch(llm, prompts, params) -> tuple[float, int, int, float]:
     engine = llm.engine
     step, stats = engine.step, {"steps": 0, "seconds": 0.0}
 
-    def counted():
+    def counted(**kw):
         t = time.perf_counter()
         try:
-            return step()
+            return step(**kw)
         finally:
             stats["steps"] += 1
             stats["seconds"] += time.perf_counter() - t
