@@ -181,11 +181,11 @@ def test_the_controller_never_sees_a_draft_catch_up(tiny_llama):
     slowed, steps, rounds = [], [], []
     execute, observe_step, observe_draft = runner.execute, controller.observe_decode_step, controller.observe_draft
 
-    def slow_catch_up(out, rows):
+    def slow_catch_up(out, rows, **kw):
         if max(out.num_tokens) > 2:
             slowed.append(1)
             time.sleep(0.3)
-        return execute(out, rows)
+        return execute(out, rows, **kw)
 
     def step(batch, seconds, *args, **kw):
         steps.append(seconds)
@@ -262,9 +262,9 @@ def test_the_draft_catches_up_past_its_prefix_cache(tiny_llama, prefix_caching):
     computed = []
     execute = proposer.runner.execute
 
-    def counting(out, rows):
+    def counting(out, rows, **kw):
         computed.append(sum(out.num_tokens))
-        return execute(out, rows)
+        return execute(out, rows, **kw)
 
     proposer.runner.execute = counting
     got = []
@@ -295,11 +295,11 @@ def test_a_failed_draft_round_leaves_nothing_in_its_prefix_cache(tiny_llama):
     proposer = llm.engine.spec.proposer
     execute, failed = proposer.runner.execute, []
 
-    def failing_catch_up(out, rows):
+    def failing_catch_up(out, rows, **kw):
         if not failed and max(out.num_tokens) > 2:
             failed.append(1)
             raise RuntimeError("draft forward failed")
-        return execute(out, rows)
+        return execute(out, rows, **kw)
 
     proposer.runner.execute = failing_catch_up
     out = llm.generate([prompt], sp, use_tqdm=False)[0]

@@ -108,6 +108,25 @@ def test_a_hidden_value_that_is_not_finite_leaves_it_to_the_other_head():
     assert head(h) is None
 
 
+@needs_kernel
+def test_rows_where_no_bound_holds_leave_it_to_the_other_head():
+    """A block of subnormal values (127 / its largest overflows) and finite values whose
+    products overflow float32 give no bound on the int8 products: the other head runs. A
+    head with a non-finite scale gets no greedy form (the model loads without one)."""
+    head = greedy_head.GreedyHeadQ8(_q8_head(96, 64, seed=11))
+    h = _hidden(4, 64, seed=12)
+    h[2, :32] = 1e-39  # a subnormal block
+    assert head(h) is None
+    h = _hidden(4, 64, seed=12)
+    h[1] = 3e38  # finite, but its products overflow
+    assert head(h) is None
+    ok, q8 = _hidden(4, 64, seed=12), _q8_head(96, 64, seed=11)
+    assert torch.equal(head(ok).argmax(-1), _exact(ok, q8).argmax(-1))
+    assert greedy_head.GreedyHeadQ8.supports(q8)
+    q8.scale[5, 1] = float("inf")
+    assert not greedy_head.GreedyHeadQ8.supports(q8)
+
+
 def test_only_rows_that_read_their_argmax_alone_qualify():
     greedy = SamplingParams(temperature=0.0)
     assert reads_argmax_only(greedy, 0, constrained=False)

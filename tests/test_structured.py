@@ -137,6 +137,29 @@ def test_n_samples_preemption_and_prefix_cache_keep_the_constraint(chat_path):
             assert comp.finish_reason == "stop" and valid(comp.text), comp.text
 
 
+
+def test_draft_rounds_under_a_grammar_get_full_logits(engines, monkeypatch):
+    """A draft's shadow sequences carry no constraint of their own: its forwards for a greedy
+    request under a grammar must still ask for full logits (the proposals are the argmax of
+    the masked logits, which an argmax-only head does not give), and its unconstrained greedy
+    rows may take the argmax-only head."""
+    llm = engines["draft"]
+    runner = llm.engine.spec.proposer.runner
+    seen = []
+    forward = runner.forward
+
+    def spy(*args, **kw):
+        seen.append(kw.get("argmax_only", False))
+        return forward(*args, **kw)
+
+    monkeypatch.setattr(runner, "forward", spy)
+    _run(llm, SO(json=SCHEMA), 0.0, max_tokens=20)
+    assert seen and not any(seen)
+    seen.clear()
+    llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
+                 use_tqdm=False)
+    assert any(seen)
+
 # ---- the sampled distribution -----------------------------------------------------------------
 def _exact_paths(chat_path, llm, prompt_ids, so, top_k=0,
                  logit_bias=None) -> dict[tuple[int, ...], float]:

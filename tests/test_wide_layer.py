@@ -148,6 +148,17 @@ def test_every_layer_in_one_call_gives_the_per_layer_calls_tokens_and_logprobs(m
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         assert a.outputs[0].logprobs == b.outputs[0].logprobs
     assert rows == stacked and len(few.outputs[0].token_ids) == 4  # the fused layer's steps
+    # The engine's profiling pass runs the stack over a temporary pool, which must be freed
+    # once the pass lets it go (the CPU's KV budget is read from the memory left after it):
+    # the stack keeps no reference to a pool.
+    import weakref
+
+    from pagellm.engine.model_runner import profile_forward
+
+    eng = llm.engine
+    profile_forward(model, 512, 1, eng.config.cache.block_size, eng.kv_dtype, eng.device)
+    held = [r() if isinstance(r, weakref.ref) else r for r in stack._pools[0]]
+    assert len(held) == 2 * len(model.layers) and all(t is None for t in held)
 
 
 @pytest.mark.skipif(not q32.available(), reason="needs the q32 products (AVX-512 VNNI, bf16 units)")

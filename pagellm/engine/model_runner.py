@@ -145,8 +145,9 @@ class ModelRunner:
         i32 = torch.zeros(2 * num_seqs + 1 + num_seqs * width, dtype=torch.int32)
         qsl, lens = i32[: num_seqs + 1], i32[num_seqs + 1: 2 * num_seqs + 1]
         tables = i32[2 * num_seqs + 1:].view(num_seqs, width)
-        for i, table in enumerate(block_tables):
-            tables[i, : len(table)] = torch.tensor(table, dtype=torch.int32)
+        # one tensor from the rows padded with zeros (a tensor a row: 0.38 ms for 64 rows)
+        tables.copy_(torch.tensor([t if len(t) == width else t + [0] * (width - len(t))
+                                   for t in block_tables], dtype=torch.int32))
         torch.cumsum(torch.tensor(query_lens, dtype=torch.int32), 0, out=qsl[1:])
         lens.copy_(torch.tensor(seq_lens, dtype=torch.int32))
         # int64: input_ids [num_tokens] | positions [num_tokens] | slot_mapping [num_tokens]
@@ -178,16 +179,20 @@ class ModelRunner:
             shapes.append((n, q))
         return shapes
 
-    def execute(self, out: SchedulerOutput, logit_rows: list[int]) -> torch.Tensor:
+    def execute(self, out: SchedulerOutput, logit_rows: list[int], *,
+                constrained: list[bool] | None = None) -> torch.Tensor:
         """Run the step; return float32 logits [len(logit_rows), vocab] for the given rows of
         the flat token batch, on the model's device (sampling runs there: a GPU step copies no
-        logits to the host)."""
+        logits to the host). constrained: which sequences sample under a grammar (default:
+        each one's own constraint; a draft's shadow sequences carry none of their requests')."""
         # Decode steps only (each sequence's latest token and its proposals) pick packed or
         # dense products: prefill keeps each packed form's own limit, so that a prompt's
         # numerics do not depend on what the machine measured so far.
         decode = all(n == 1 + len(s.spec_token_ids) for s, n in zip(out.seqs, out.num_tokens))
+        if constrained is None:
+            constrained = [s.constraint is not None for s in out.seqs]
         argmax_only = all(not s.spec_token_ids and reads_argmax_only(
-            s.params, s.num_output_tokens, s.constraint is not None) for s in out.seqs)
+            s.params, s.num_output_tokens, c) for s, c in zip(out.seqs, constrained))
         return self.forward(*self.prepare(out), logit_rows, choose_path=decode,
                             argmax_only=argmax_only)
 

@@ -24,6 +24,7 @@
  * A panel is searched for such outputs only if its largest y plus c times a bound of its B
  * (from A's largest value over the panel per block) reaches the bar: a few panels a row.
  */
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -39,7 +40,7 @@
 int greedy_head_available(void) { return 1; }
 
 /* h [K] float32 -> xu [K] (int8 codes + 128) and dx [K / 32]; returns 0, or -1 where a
- * value is not finite */
+ * value is not finite or a block's largest is subnormal */
 static int quantize_row(const float *h, int64_t K, uint8_t *xu, float *dx) {
     const __m512i bias = _mm512_set1_epi32(128);
     for (int64_t g = 0; g < K / 32; g++) {
@@ -49,6 +50,7 @@ static int quantize_row(const float *h, int64_t K, uint8_t *xu, float *dx) {
             return -1;
         const float mx = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0),
                                                             _mm512_abs_ps(v1)));
+        if (mx > 0.f && mx < FLT_MIN) return -1;  /* 127 / mx could overflow: no bound */
         const __m512 inv = _mm512_set1_ps(mx > 0.f ? 127.f / mx : 0.f);
         const __m512i q0 = _mm512_add_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(v0, inv)), bias);
         const __m512i q1 = _mm512_add_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(v1, inv)), bias);
@@ -120,7 +122,8 @@ static double exact_q8(const float *h, const int8_t *q, const float *scale, int6
 }
 
 /* One row's search: the bar, the panels that may hold the argmax, their outputs that may be
- * it, computed exactly into yr. Returns the exact argmax; *count: outputs computed. */
+ * it, computed exactly into yr. Returns the exact argmax (-1 where the largest y is not
+ * finite); *count: outputs computed. */
 static int64_t search_row(const float *h, const float *dxr, int64_t K, const float *A,
                           const float *Amax, const int8_t *q, const float *scale, int64_t N,
                           const float *topr, int64_t PT, double c, float *yr, uint8_t *hitp,
@@ -130,6 +133,7 @@ static int64_t search_row(const float *h, const float *dxr, int64_t K, const flo
     int64_t pt = 0;
     for (int64_t p = 1; p < P; p++)
         if (topr[p] > topr[pt]) pt = p;
+    if (!isfinite(topr[pt])) return -1;  /* overflowed products: no bound holds */
     int64_t t = pt * GH_PANEL;
     while (yr[t] != topr[pt]) t++;
     double bt = 0.0;
@@ -195,8 +199,9 @@ static int64_t search_row(const float *h, const float *dxr, int64_t K, const flo
  * (d times the sum of |codes| per block); Amax [K / 32][PT] (A's largest over each panel; PT
  * = P rounded up to 16); the file's codes q [N, K] and scales [N, K / 32] -> logits [R, N]
  * whose argmax per row is the exact product's, ids [R] that argmax, counts [R] the outputs
- * computed exactly. Returns 0, 1 when a hidden value is not finite (nothing is written), or
- * -1 when out of memory. */
+ * computed exactly. Returns 0, 1 when a hidden value is not finite or no bound holds (a
+ * subnormal block, overflowed products: the caller's own head runs instead), or -1 when out
+ * of memory. */
 int greedy_head_q8(const float *h, int64_t R, int64_t K, const int8_t *c, const float *d,
                    const int32_t *nc, const float *A, const float *Amax, const int8_t *q,
                    const float *scale, int64_t N, float *logits, int64_t *ids,
@@ -239,6 +244,8 @@ int greedy_head_q8(const float *h, int64_t R, int64_t K, const int8_t *c, const 
             ids[r] = search_row(h + r * K, dx + r * G, K, A, Amax, q, scale, N, top + r * PT, PT,
                                 cb, logits + r * N, hits + r * PT, counts + r);
     }
+    for (int64_t r = 0; r < R; r++)
+        if (ids[r] < 0) rc = 1;
 done:
     free(xu);
     free(dx);

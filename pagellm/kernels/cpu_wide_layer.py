@@ -11,6 +11,7 @@ steps, compute-bound, unchanged)."""
 from __future__ import annotations
 
 import ctypes
+import weakref
 
 import torch
 
@@ -173,7 +174,9 @@ class WideStack:
         self.layers, self.wides = list(layers), wides
         self._structs = (ctypes.POINTER(_WideQ32) * len(wides))(
             *[ctypes.pointer(w._q32) for w in wides])
-        self._pools = None  # (k caches, v caches, their pointer arrays), made at first use
+        # (weak references to the k and v caches, their pointer arrays), made at first use:
+        # weak, so that a pool the runner lets go (the profiling pass's) is freed at once
+        self._pools = None
 
     @classmethod
     def of(cls, layers) -> WideStack | None:
@@ -206,7 +209,7 @@ class WideStack:
         pools are alike (dtype, shape, head-major)."""
         ks = [lay.self_attn.k_cache for lay in self.layers]
         vs = [lay.self_attn.v_cache for lay in self.layers]
-        if self._pools is not None and all(a is b for a, b in zip(ks + vs, self._pools[0])):
+        if self._pools is not None and all(r() is t for r, t in zip(self._pools[0], ks + vs)):
             return self._pools
         first = ks[0]
         if any(t is None or t.dtype != first.dtype or t.shape != first.shape
@@ -214,7 +217,8 @@ class WideStack:
             self._pools = None
             return None
         n = len(ks)
-        self._pools = (ks + vs, (ctypes.c_void_p * n)(*[t.data_ptr() for t in ks]),
+        self._pools = ([weakref.ref(t) for t in ks + vs],
+                       (ctypes.c_void_p * n)(*[t.data_ptr() for t in ks]),
                        (ctypes.c_void_p * n)(*[t.data_ptr() for t in vs]))
         return self._pools
 

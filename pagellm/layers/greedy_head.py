@@ -38,10 +38,15 @@ class GreedyHeadQ8:
     file's codes stay shared with the NativeQ8 (views): the exact outputs are computed from
     them. Extra memory: the codes again in panels (1 byte a weight) and 12 bytes per 32."""
 
+    @staticmethod
+    def supports(head: quant.NativeQ8) -> bool:
+        """Inputs a multiple of 32 and finite scales (the bound is built from them)."""
+        return head.codes.shape[1] % q32.BLOCK == 0 and bool(torch.isfinite(head.scale).all())
+
     def __init__(self, head: quant.NativeQ8):
         codes, scale = head.codes, head.scale
         n, k = codes.shape
-        if k % q32.BLOCK or not bool(torch.isfinite(scale).all()):
+        if not self.supports(head):
             raise ValueError("greedy head: inputs must be a multiple of 32 and scales finite")
         self.codes, self.scale = codes, scale
         self.out_features, self.in_features = n, k

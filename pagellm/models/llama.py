@@ -212,7 +212,8 @@ class LlamaForCausalLM(nn.Module):
                 or head.device.type != "cpu" or self.head_onednn is not None):
             return False
         self.head_onednn = onednn.OneDNNLinear(head.data)
-        if isinstance(self.head_packed, quant.NativeQ8) and greedy_head.available():
+        if (isinstance(self.head_packed, quant.NativeQ8) and greedy_head.available()
+                and greedy_head.GreedyHeadQ8.supports(self.head_packed)):
             self.head_greedy = greedy_head.GreedyHeadQ8(self.head_packed)
         if self.lm_head is not None:
             self.lm_head.weight = nn.Parameter(torch.empty(head.shape, dtype=head.dtype,

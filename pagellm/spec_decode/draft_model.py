@@ -108,7 +108,11 @@ class DraftModelProposer(Proposer):
             rows = list(torch.tensor(counts).cumsum(0) - 1)
             not_own = self._score_own_text([b[0] for b in batch])
             try:
-                logits = self.runner.execute(out, [int(r) for r in rows])
+                # a grammar masks the request's proposals (the shadow has none of its own):
+                # its rows need logits right beyond their argmax
+                logits = self.runner.execute(
+                    out, [int(r) for r in rows],
+                    constrained=[b[0].constraint is not None for b in batch])
             except BaseException:
                 self._written(False)
                 raise
