@@ -91,12 +91,13 @@ def test_native_attention_matches_reference(block_size, kvh, group, kv_dtype):
 
 
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
-@pytest.mark.parametrize("d", [8, 20, 40, 64, 80, 128])
+@pytest.mark.parametrize("d", [8, 20, 40, 64, 80, 128, 192, 256])
 def test_head_sizes_take_every_vector_path(d, kv_dtype):
-    """head_dim 64 and 128 (the 32-wide register blocks of V; 64-wide with AVX-512), 80 (a
-    64-wide block and a 16-wide tail), 40 and 8 (the 8-wide tail; not a multiple of 16, so
-    256-bit registers with AVX-512 too), 20 (not a multiple of 8: the plain loops); key counts
-    not a multiple of 4 included."""
+    """head_dim 64 and 128 (the 32-wide register blocks of V; 64-wide with AVX-512; over a
+    bf16 pool with AVX-512 BW, unpacked rows, up to 256), 80 (a 64-wide block and a 16-wide
+    tail), 40 and 8 (the 8-wide tail; not a multiple of 16, so 256-bit registers with AVX-512
+    too), 20 (not a multiple of 8: the plain loops); key counts not a multiple of 4 or 8
+    included."""
     seq_lens, qlens = [1, 38, 23, 70], [1, 2, 5, 4]
     backend, q, kc, vc, md, tables = _case(16, 3, 3, seq_lens, qlens, seed=d, d=d,
                                            kv_dtype=kv_dtype)
