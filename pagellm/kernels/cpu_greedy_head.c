@@ -95,16 +95,14 @@ static inline __attribute__((always_inline)) void tile(
     }
 }
 
-/* Each tile of a panel sends its share of the next panel's codes (K / 2 lines) into L1, a
- * few lines a block: the first tile of a panel otherwise waited on memory for its codes
- * (as in cpu_q32.c) */
-#define GH_PER ((K / 2 + (R + GH_TILE_R - 1) / GH_TILE_R - 1) / ((R + GH_TILE_R - 1) / GH_TILE_R))
-#define GH_LINES(r) (p + 1 >= P || (r) / GH_TILE_R * GH_PER >= K / 2 ? 0 \
-                     : (r) / GH_TILE_R * GH_PER + GH_PER <= K / 2 ? GH_PER \
-                     : K / 2 - (r) / GH_TILE_R * GH_PER)
-#define GH_TILE(RB) tile(RB, xu + r * K, dx + r * G, K, cp, dp, np, \
-                         logits + r * N + p * GH_PANEL, N, cols, top + r * PT + p, PT, \
-                         (const char *)cp + GH_PANEL * K + r / GH_TILE_R * GH_PER * 64, GH_LINES(r))
+/* Each tile of a panel sends its share of the next panel's codes into L1, a few lines a
+ * block (next_panel_share): the first tile of a panel otherwise waited on memory for its
+ * codes (as in cpu_q32.c) */
+#define GH_TILE(RB) do { \
+        int64_t pf; \
+        const int64_t npf = next_panel_share(K, GH_TILE_R, R, r, p + 1 >= P, &pf); \
+        tile(RB, xu + r * K, dx + r * G, K, cp, dp, np, logits + r * N + p * GH_PANEL, N, cols, \
+             top + r * PT + p, PT, (const char *)cp + GH_PANEL * K + pf * 64, npf); } while (0)
 
 /* h . w_o in double precision: codes q [K] int8, scale [K / 32] */
 static double exact_q8(const float *h, const int8_t *q, const float *scale, int64_t K) {

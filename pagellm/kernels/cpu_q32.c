@@ -139,21 +139,17 @@ static inline __attribute__((always_inline)) void tile(
     }
 }
 
-/* Each tile of a panel sends its share of the next panel's codes (32 K bytes: K / 2 lines)
- * into L1, a few lines a block. The weights stream from memory (a decode step reads every
+/* Each tile of a panel sends its share of the next panel's codes into L1, a few lines a
+ * block (next_panel_share). The weights stream from memory (a decode step reads every
  * layer's), and without it a panel's first tile waited on its codes: measured on one Zen 4
  * core, 6 x 32 tiles over 60 rows, K = 576 / 1536, weights from DRAM: 64% / 63% of vpdpbusd's
  * peak -> 71% / 71% (72% with every panel in L2); the default model's 64-row decode step 3%
- * faster. Tile t of the panel's rows [r0, r1) sends lines [t * PF_PER, (t + 1) * PF_PER). */
-#define PF_PER ((K / 2 + (r1 - r0 + Q32_TILE_R - 1) / Q32_TILE_R - 1) \
-                / ((r1 - r0 + Q32_TILE_R - 1) / Q32_TILE_R))
-#define PF_FROM ((r - r0) / Q32_TILE_R * PF_PER)
-#define PF_AT(panel) ((const char *)(panel) + 32 * K + PF_FROM * 64)
-#define PF_LINES (p + 1 >= P || PF_FROM >= K / 2 ? 0 \
-                  : PF_FROM + PF_PER <= K / 2 ? PF_PER : K / 2 - PF_FROM)
-
-#define Q32_TILE(RB) tile(RB, xq + r * K, dx + r * G, sx + r * G, K, cp, dp, mp, \
-                          y + r * N + p * 32, N, cols, PF_AT(cp), PF_LINES)
+ * faster. */
+#define Q32_TILE(RB) do { \
+        int64_t pf; \
+        const int64_t npf = next_panel_share(K, Q32_TILE_R, r1 - r0, r - r0, p + 1 >= P, &pf); \
+        tile(RB, xq + r * K, dx + r * G, sx + r * G, K, cp, dp, mp, y + r * N + p * 32, N, \
+             cols, (const char *)cp + 32 * K + pf * 64, npf); } while (0)
 
 /* xq, dx, sx (q32_quantize) of R rows; codes, d, m of N outputs in panels (N rounded up to
  * 32 in the panels) -> y [R, N] bf16. K a multiple of 32. */
@@ -189,8 +185,12 @@ void q32_linear(const int8_t *xq, const float *dx, const float *sx, int64_t R, i
  * [R, 2I] product written and read back, nor a second pass (at 2,048 rows of the default
  * model that pass took 2 ms a layer). */
 #define Q32_GATED_TILE(RB) do { \
-        tile(RB, xq + r * K, dx + r * G, sx + r * G, K, cg, dg, mg, gbuf, 32, 32, PF_AT(cg), PF_LINES); \
-        tile(RB, xq + r * K, dx + r * G, sx + r * G, K, cu, du, mu, ubuf, 32, 32, PF_AT(cu), PF_LINES); \
+        int64_t pf; \
+        const int64_t npf = next_panel_share(K, Q32_TILE_R, r1 - r0, r - r0, p + 1 >= P, &pf); \
+        tile(RB, xq + r * K, dx + r * G, sx + r * G, K, cg, dg, mg, gbuf, 32, 32, \
+             (const char *)cg + 32 * K + pf * 64, npf); \
+        tile(RB, xq + r * K, dx + r * G, sx + r * G, K, cu, du, mu, ubuf, 32, 32, \
+             (const char *)cu + 32 * K + pf * 64, npf); \
         gate_rows(RB, gbuf, ubuf, r, p, I, a, aq, adx, asx); } while (0)
 
 /* Rows r0 .. r0 + rb of panel p: a = silu(g) * u rounded to bf16 into a [R, I] when given;

@@ -162,7 +162,6 @@ class WideLayer:
             raise MemoryError("rms_norm_bf16: out of memory for its buffers")
 
 
-
 class WideStack:
     """Every layer's many-row step in one native call (wide_layers_q32) where all layers are
     alike one-call q32 layers: the checks and ctypes arguments of 30 layers cost ~2.3 ms of a

@@ -32,4 +32,15 @@ static inline __attribute__((always_inline)) void block_products(
     }
 }
 
+/* The next panel's codes (32 K bytes: K / 2 lines) go into L1 while a panel's rows [0, rows)
+ * pass in tiles of TR: tile r / TR sends its share, lines [*first, *first + the count
+ * returned), so that each line goes once a panel; none after the last panel (`last`). */
+static inline int64_t next_panel_share(int64_t K, int64_t TR, int64_t rows, int64_t r,
+                                       int last, int64_t *first) {
+    const int64_t lines = K / 2, tiles = (rows + TR - 1) / TR;
+    const int64_t per = (lines + tiles - 1) / tiles, from = r / TR * per;
+    *first = from;
+    return last || from >= lines ? 0 : from + per <= lines ? per : lines - from;
+}
+
 #endif

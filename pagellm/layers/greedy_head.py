@@ -68,11 +68,14 @@ class GreedyHeadQ8:
         amax = self.abs_w.amax(dim=2).t()  # [G, P]
         self.abs_max = torch.zeros(g, pt, dtype=torch.float32)
         self.abs_max[:, :p] = amax
-        self.last_counts: torch.Tensor | None = None  # outputs computed exactly, per row
+        # the last call's argmax and outputs computed exactly, per row
+        self.last_ids: torch.Tensor | None = None
+        self.last_counts: torch.Tensor | None = None
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """hidden [R, K] -> float32 logits [R, N] whose argmax is the exact product's, or None
-        where a hidden value is not finite (the caller's own head then runs)."""
+        where no bound holds (a hidden value not finite, a subnormal block, overflowed
+        products): the caller's own head then runs."""
         h = hidden.float().contiguous()
         rows = h.shape[0]
         logits = torch.empty(rows, self.out_features, dtype=torch.float32)

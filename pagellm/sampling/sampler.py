@@ -130,21 +130,23 @@ def _apply_top_k_top_p_min_p(logits: torch.Tensor, rows: list[SamplingRow]) -> N
         logits.masked_fill_(probs < threshold, float("-inf"))
 
 
+def _leaves_logits(params: SamplingParams, num_output_tokens: int, constrained: bool) -> bool:
+    """Whether processed_logits leaves a row's logits as they are: greedy, no logit bias, no
+    penalties, min_tokens met, no grammar."""
+    return (params.greedy and not params.logit_bias and not params.needs_penalties
+            and num_output_tokens >= params.min_tokens and not constrained)
+
+
 def reads_argmax_only(params: SamplingParams, num_output_tokens: int, constrained: bool) -> bool:
-    """Whether sampling a row reads nothing of its logits but their argmax: a greedy row
-    without logprobs that processed_logits leaves as it is (no logit bias, no penalties,
-    min_tokens met, no grammar). The model may then give logits right only at their argmax
-    (`LlamaModel.compute_logits`)."""
-    return (params.greedy and params.logprobs is None and not params.logit_bias
-            and not params.needs_penalties and num_output_tokens >= params.min_tokens
-            and not constrained)
+    """Whether sampling a row reads nothing of its logits but their argmax: a row whose logits
+    processed_logits leaves as they are, without logprobs. The model may then give logits
+    right only at their argmax (`LlamaModel.compute_logits`)."""
+    return params.logprobs is None and _leaves_logits(params, num_output_tokens, constrained)
 
 
 def _changes(row: SamplingRow) -> bool:
     """Whether processed_logits may change this row's logits."""
-    p = row.params
-    return bool(p.logit_bias or p.needs_penalties or len(row.output_ids) < p.min_tokens
-                or row.grammar_bias is not None or not p.greedy)
+    return not _leaves_logits(row.params, len(row.output_ids), row.grammar_bias is not None)
 
 
 def processed_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
