@@ -37,16 +37,19 @@ def outputs_on_one_and_two_threads(fn, *args):
     return one, two
 
 
-def layer_path_and_module_path(layer, attr: str, path, positions, x, md):
+def layer_path_and_module_path(layer, attr: str, path, positions, x, md, *out_rows):
     """A native form of a decoder layer (`path`, kept as layer.<attr>) and the module path on
     the same input and KV cache: (path's output, the module path's, path's K and V caches).
     The native form runs first, on the cache as the step found it (run second, the module
     path's own writes would hide one that wrote none); the module path then runs from that
-    cache with layer.<attr> off, and leaves its own K/V in the layer's caches."""
+    cache with layer.<attr> off, and leaves its own K/V in the layer's caches. With out_rows
+    (the last layer's rows carried past its attention), path's output is compared with those
+    rows of the module path's over every row: the values they have without out_rows (the
+    module path's own pruning would multiply fewer rows, which may take a few-row kernel)."""
     attn = layer.self_attn
     before = attn.k_cache.clone(), attn.v_cache.clone()
     inp = x.clone()
-    out = path(positions, x, md).clone()
+    out = path(positions, x, md, *out_rows).clone()
     path_kv = attn.k_cache.clone(), attn.v_cache.clone()
     attn.k_cache.copy_(before[0])
     attn.v_cache.copy_(before[1])
@@ -54,6 +57,8 @@ def layer_path_and_module_path(layer, attr: str, path, positions, x, md):
     setattr(layer, attr, None)
     try:
         ref = layer(positions, inp, md)
+        if out_rows:
+            ref = ref.index_select(0, out_rows[0])
     finally:
         setattr(layer, attr, kept)
     return out, ref, path_kv

@@ -62,9 +62,9 @@ def _compare_per_step(llm, layer_index: int, prompts, max_tokens: int = 4):
         def positions_ok(self, positions, md):
             return wide.positions_ok(positions, md)
 
-        def __call__(self, positions, x, md):
+        def __call__(self, positions, x, md, *out_rows):
             out, ref, wide_kv = layer_path_and_module_path(layer, "wide_layer", wide, positions,
-                                                           x, md)
+                                                           x, md, *out_rows)
             rows.append((list(md.query_lens_cpu), list(md.seq_lens_cpu)))
             if not torch.equal(out, ref):
                 mismatches.append(("out", x.shape[0], (out - ref).abs().max().item()))
@@ -126,9 +126,9 @@ def test_every_layer_in_one_call_gives_the_per_layer_calls_tokens_and_logprobs(m
     rows = []
     orig = WideStack.__call__
 
-    def counting(self, positions, x, md):
+    def counting(self, positions, x, md, *rest):
         rows.append(x.shape[0])
-        return orig(self, positions, x, md)
+        return orig(self, positions, x, md, *rest)
 
     monkeypatch.setattr(WideStack, "__call__", counting)
     sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=2)

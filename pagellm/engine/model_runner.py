@@ -11,6 +11,7 @@ import time
 
 import torch
 
+from pagellm import parallel
 from pagellm.attention.base import AttentionMetadata
 from pagellm.kernels.packed_rows import PackedRowChoice
 from pagellm.engine.scheduler import SchedulerOutput
@@ -33,6 +34,14 @@ def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type == "cpu":
         return host
     return host.pin_memory().to(device, non_blocking=True)
+
+
+def _prunable(logit_rows: list[int], num_tokens: int) -> bool:
+    """Whether the model's last layer may carry only the logit rows: fewer rows than the
+    step's, strictly increasing, and one process (tensor-parallel ranks run every collective
+    over the same rows, and only rank 0 knows the logit rows)."""
+    return (len(logit_rows) < num_tokens and parallel.tp_size() == 1
+            and all(a < b for a, b in zip(logit_rows, logit_rows[1:])))
 
 
 def profile_forward(model, num_tokens: int, num_logit_rows: int, block_size: int,
@@ -203,16 +212,22 @@ class ModelRunner:
         """argmax_only: every row's sampling reads only its argmax (the logits may be right
         only there: `LlamaModel.compute_logits`)."""
         choice = self.packed_rows if choose_path else None
+        rows = out_rows = None
+        if logit_rows is not None:
+            rows = upload(torch.tensor(logit_rows, dtype=torch.long), input_ids.device)
+            if _prunable(logit_rows, input_ids.shape[0]):
+                out_rows = rows  # the last layer carries only these rows past its attention
         if choice is None:
-            hidden = self.model(input_ids, positions, md)
+            hidden = self.model(input_ids, positions, md, out_rows=out_rows)
         else:  # packed or dense products for this many rows: the faster one measured
-            rows = input_ids.shape[0]
-            dense_from = choice.choose(rows)
+            n = input_ids.shape[0]
+            dense_from = choice.choose(n)
             start = time.perf_counter()
             with quant.dense_from(dense_from):
-                hidden = self.model(input_ids, positions, md)
-            choice.observe(rows, dense_from, time.perf_counter() - start)
+                hidden = self.model(input_ids, positions, md, out_rows=out_rows)
+            choice.observe(n, dense_from, time.perf_counter() - start)
         if logit_rows is None:  # a tensor-parallel worker: rank 0 computes the logits
             return None
-        rows = upload(torch.tensor(logit_rows, dtype=torch.long), hidden.device)
-        return self.model.compute_logits(hidden.index_select(0, rows), argmax_only=argmax_only)
+        if out_rows is None:
+            hidden = hidden.index_select(0, rows)
+        return self.model.compute_logits(hidden, argmax_only=argmax_only)

@@ -167,13 +167,16 @@ typedef struct {
  * and the products in the same order, with each product's activations quantized where they
  * are made (the norms' rows, the attention's float32 output, the gated product's tiles)
  * instead of in passes of their own. Every value is the step-by-step path's. x [T, D] is
- * updated in place; the attention arguments are paged_attention's. Returns 0, or -1 when out
- * of memory. */
+ * updated in place; the attention arguments are paged_attention's. With n_out >= 0
+ * (out_rows: n_out strictly increasing rows of T; -1: all rows), every row's K and V still go
+ * into the pools, but only those rows go on past the attention: their values, the same as
+ * with all rows, end in x [0, n_out) (a model's last layer, where the other rows' outputs are
+ * never read). Returns 0, or -1 when out of memory. */
 int wide_layer_q32(const wide_q32_t *L, float *x, int64_t T, const int64_t *positions,
                    void *kc, void *vc, int64_t NB, int64_t BS, const int64_t *slots,
                    const int32_t *tables, int64_t MB, const int32_t *seq_lens,
                    const int32_t *qstart, const int32_t *seqs, int64_t n_seqs, int kv_bf16,
-                   int threads) {
+                   const int64_t *out_rows, int64_t n_out, int threads) {
     const int64_t D = L->D, nq = L->H * L->hd, I = L->I;
     const int64_t widest = nq > D ? nq : D;  /* xq holds a norm's rows, then the attention's */
     uint16_t *h = malloc(sizeof(uint16_t) * T * D), *qkv = malloc(sizeof(uint16_t) * T * L->qkv.n);
@@ -191,6 +194,14 @@ int wide_layer_q32(const wide_q32_t *L, float *x, int64_t T, const int64_t *posi
                       kc, vc, NB, BS, slots, kv_bf16, threads)) goto done;
     if (paged_attention(q, a, kc, vc, L->H, L->KVH, L->hd, NB, BS, tables, MB, seq_lens,
                         qstart, seqs, n_seqs, L->scale, threads, kv_bf16)) goto done;
+    if (n_out >= 0) {  /* only these rows go on: theirs to the front of a and x, in order */
+        for (int64_t i = 0; i < n_out; i++)
+            if (out_rows[i] != i) {
+                memmove(a + i * nq, a + out_rows[i] * nq, sizeof(float) * nq);
+                memmove(x + i * D, x + out_rows[i] * D, sizeof(float) * D);
+            }
+        T = n_out;
+    }
     q32_quantize_f32(a, T, nq, xq, dx, sx, threads);
     q32_linear(xq, dx, sx, T, nq, L->o.codes, L->o.d, L->o.m, L->o.n, y, threads);
     if (norm_rows(x, y, L->norm_post, h, xq, dx, sx, T, D, L->eps, threads)) goto done;  /* x += o */
@@ -208,16 +219,21 @@ done:
 }
 
 /* Every layer of a model whose layers are all wide_layer_q32 ones, in order, in one call
- * (kc[l], vc[l]: layer l's pools; the rest as wide_layer_q32's): the per-layer Python and
- * ctypes arguments once a step. Returns 0, or -1 when out of memory. */
+ * (kc[l], vc[l]: layer l's pools; out_rows, n_out: the last layer's; the rest as
+ * wide_layer_q32's): the per-layer Python and ctypes arguments once a step. Returns 0, or -1
+ * when out of memory. */
 int wide_layers_q32(const wide_q32_t *const *L, int64_t n_layers, float *x, int64_t T,
                     const int64_t *positions, void *const *kc, void *const *vc, int64_t NB,
                     int64_t BS, const int64_t *slots, const int32_t *tables, int64_t MB,
                     const int32_t *seq_lens, const int32_t *qstart, const int32_t *seqs,
-                    int64_t n_seqs, int kv_bf16, int threads) {
-    for (int64_t l = 0; l < n_layers; l++)
+                    int64_t n_seqs, int kv_bf16, const int64_t *out_rows, int64_t n_out,
+                    int threads) {
+    for (int64_t l = 0; l < n_layers; l++) {
+        const int last = l == n_layers - 1;
         if (wide_layer_q32(L[l], x, T, positions, kc[l], vc[l], NB, BS, slots, tables, MB,
-                           seq_lens, qstart, seqs, n_seqs, kv_bf16, threads))
+                           seq_lens, qstart, seqs, n_seqs, kv_bf16, out_rows,
+                           last ? n_out : -1, threads))
             return -1;
+    }
     return 0;
 }

@@ -35,6 +35,14 @@ class _WideQ32(ctypes.Structure):  # cpu_wide_layer.c wide_q32_t
                 ("gate_up", _Q32), ("down", _Q32)]
 
 
+def _out_rows_args(out_rows: torch.Tensor | None) -> tuple:
+    """(pointer, count) of the rows the native layer carries past its attention (None: all)."""
+    if out_rows is None:
+        return None, -1
+    assert out_rows.dtype == torch.int64 and out_rows.is_contiguous() and out_rows.device.type == "cpu"
+    return out_rows.data_ptr(), out_rows.numel()
+
+
 class WideLayer:
     """Runs one DecoderLayer's many-row steps (prefill chunks, large decode batches) where
     every projection has a prepacked bf16 form. x is updated in place, like the fused decode
@@ -113,7 +121,11 @@ class WideLayer:
                      or 0 <= int(positions.min()) <= int(positions.max()) < self._tables[0].shape[0]))
         return ok
 
-    def __call__(self, positions: torch.Tensor, x: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
+    def __call__(self, positions: torch.Tensor, x: torch.Tensor, md: AttentionMetadata,
+                 out_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, D] -> the layer's output rows, x itself updated in place; with out_rows
+        (strictly increasing int64 rows), every row's K and V are written but only those rows
+        go past the attention: [len(out_rows), D], the values they have without it."""
         layer = self.layer
         attn, mlp = layer.self_attn, layer.mlp
         lib, threads = native.library(), torch.get_num_threads()
@@ -121,7 +133,7 @@ class WideLayer:
             # the attention in C exactly where the backend would attend natively
             seqs = native_seqs(attn.k_cache, attn.v_cache, md)
             if seqs is not None:
-                return self._call_q32(lib, positions, x, md, seqs, threads)
+                return self._call_q32(lib, positions, x, md, seqs, threads, out_rows)
         T, D = x.shape
         h = torch.empty(T, D, dtype=torch.bfloat16, device="cpu")
         self._norm(lib, x, None, layer.input_layernorm, h, threads)
@@ -136,13 +148,16 @@ class WideLayer:
                 attn.v_cache.data_ptr(), nb, bs, md.slot_mapping.data_ptr(),
                 attn.k_cache.dtype == torch.bfloat16, threads) != 0:
             raise MemoryError("rope_qkv_bf16: out of memory for its buffers")
-        a = attn.backend.forward(q, attn.k_cache, attn.v_cache, md, attn.scale)
-        o = attn.o_proj.bf16_wide(a.view(T, -1))  # [T, D] bf16
+        a = attn.backend.forward(q, attn.k_cache, attn.v_cache, md, attn.scale).view(T, -1)
+        if out_rows is not None:
+            a, x = a.index_select(0, out_rows), x.index_select(0, out_rows)
+            h = h[:len(out_rows)]
+        o = attn.o_proj.bf16_wide(a)  # [T, D] bf16
         self._norm(lib, x, o, layer.post_attention_layernorm, h, threads)  # x += o
         d = mlp.down_proj.bf16_wide(gate_up_silu_bf16(mlp.gate_up_proj, h))
         return x.add_(d)
 
-    def _call_q32(self, lib, positions, x, md, seqs, threads) -> torch.Tensor:
+    def _call_q32(self, lib, positions, x, md, seqs, threads, out_rows) -> torch.Tensor:
         attn = self.layer.self_attn
         _, nb, bs, _ = attn.k_cache.permute(2, 0, 1, 3).shape
         if lib.wide_layer_q32(
@@ -150,9 +165,10 @@ class WideLayer:
                 attn.k_cache.data_ptr(), attn.v_cache.data_ptr(), nb, bs,
                 md.slot_mapping.data_ptr(), md.block_tables.data_ptr(), md.block_tables.shape[1],
                 md.seq_lens.data_ptr(), md.query_start_loc.data_ptr(), seqs.data_ptr(),
-                seqs.numel(), attn.k_cache.dtype == torch.bfloat16, threads) != 0:
+                seqs.numel(), attn.k_cache.dtype == torch.bfloat16,
+                *_out_rows_args(out_rows), threads) != 0:
             raise MemoryError("wide_layer_q32: out of memory for its buffers")
-        return x
+        return x if out_rows is None else x[:out_rows.numel()]
 
     def _norm(self, lib, x, add, norm, out, threads) -> None:
         add = None if add is None else add.contiguous()  # held until the call returns
@@ -221,7 +237,10 @@ class WideStack:
                        (ctypes.c_void_p * n)(*[t.data_ptr() for t in vs]))
         return self._pools
 
-    def __call__(self, positions: torch.Tensor, x: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
+    def __call__(self, positions: torch.Tensor, x: torch.Tensor, md: AttentionMetadata,
+                 out_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, D] -> the last layer's output rows (out_rows: as WideLayer's, for the last
+        layer), x updated in place."""
         attn = self.layers[0].self_attn
         seqs = native_seqs(attn.k_cache, attn.v_cache, md)
         _, kcs, vcs = self._pools
@@ -231,6 +250,6 @@ class WideStack:
                 kcs, vcs, nb, bs, md.slot_mapping.data_ptr(), md.block_tables.data_ptr(),
                 md.block_tables.shape[1], md.seq_lens.data_ptr(), md.query_start_loc.data_ptr(),
                 seqs.data_ptr(), seqs.numel(), attn.k_cache.dtype == torch.bfloat16,
-                torch.get_num_threads()) != 0:
+                *_out_rows_args(out_rows), torch.get_num_threads()) != 0:
             raise MemoryError("wide_layers_q32: out of memory for its buffers")
-        return x
+        return x if out_rows is None else x[:out_rows.numel()]

@@ -38,7 +38,8 @@ class PagedSelfAttention(nn.Module):
         positions: torch.Tensor,  # [num_tokens]
         x: torch.Tensor,  # [num_tokens, hidden]
         md: AttentionMetadata,
-    ) -> torch.Tensor:  # [num_tokens, hidden]
+        out_rows: torch.Tensor | None = None,  # only these rows' outputs are wanted
+    ) -> torch.Tensor:  # [num_tokens, hidden], or [len(out_rows), hidden]
         n = x.shape[0]
         qkv = self.qkv_proj(x)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -48,5 +49,5 @@ class PagedSelfAttention(nn.Module):
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, q_size + kv_size :].view(n, self.num_kv_heads, self.head_dim)
         self.backend.write_kv(k, v, self.k_cache, self.v_cache, md.slot_mapping)
-        o = self.backend.forward(q, self.k_cache, self.v_cache, md, self.scale)
-        return self.o_proj(o.reshape(n, q_size))
+        o = self.backend.forward(q, self.k_cache, self.v_cache, md, self.scale).reshape(n, q_size)
+        return self.o_proj(o if out_rows is None else o.index_select(0, out_rows))

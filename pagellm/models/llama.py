@@ -75,15 +75,24 @@ class DecoderLayer(nn.Module):
     fused = None  # a FusedDecodeLayer (kernels/cpu_layer.py) once enabled
     wide_layer = None  # a WideLayer (kernels/cpu_wide_layer.py) once enabled
 
-    def forward(self, positions, x, md):
+    def forward(self, positions, x, md, out_rows=None):
+        """out_rows (strictly increasing int64 rows, or None for all): the rows whose output
+        is wanted, [len(out_rows), hidden]. Every row's K and V are still written; the others
+        stop after the attention (a model's last layer in a prefill step, where only each
+        prompt's last row is sampled). The one-call q32 layer gives those rows the bits of the
+        whole step; the module path multiplies them as a step of that many rows."""
         if positions.dtype == torch.int64:
-            if self.fused is not None and self.fused.usable(x, md):
-                return self.fused(positions, x, md)
+            if self.fused is not None and self.fused.usable(x, md):  # few rows: all of them
+                x = self.fused(positions, x, md)
+                return x if out_rows is None else x.index_select(0, out_rows)
             if (self.wide_layer is not None and self.wide_layer.usable(x, md)
                     and self.wide_layer.positions_ok(positions, md)):
-                return self.wide_layer(positions, x, md)
+                if out_rows is None:
+                    return self.wide_layer(positions, x, md)
+                return self.wide_layer(positions, x, md, out_rows)
+        a = self.self_attn(positions, self.input_layernorm(x), md, out_rows)
         x, h = self.post_attention_layernorm.add_forward(
-            x, self.self_attn(positions, self.input_layernorm(x), md))
+            x if out_rows is None else x.index_select(0, out_rows), a)
         return x + self.mlp(h)
 
 
@@ -154,15 +163,21 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,  # [num_tokens]
         md: AttentionMetadata,
         num_layers: int | None = None,  # only the first ones (an early-exit draft)
-    ) -> torch.Tensor:  # [num_tokens, hidden]
+        out_rows: torch.Tensor | None = None,  # only these rows' hidden states are wanted
+    ) -> torch.Tensor:  # [num_tokens, hidden], or [len(out_rows), hidden]
+        """out_rows (strictly increasing int64 rows of the step): the last layer carries only
+        these rows past its attention (DecoderLayer.forward), as llama.cpp's graphs do; a
+        prefill chunk's other rows need only their K and V. At 2,048 prompt rows that is most
+        of a layer of 30's products."""
         x = self.embed_tokens(input_ids)
         if self.act_dtype is not None:
             x = x.to(self.act_dtype)
         stack = self.wide_stack if num_layers is None else None
         if stack is not None and stack.usable(positions, x, md):
-            return self.norm(stack(positions, x, md))  # every layer in one native call
-        for layer in self.layers[:num_layers]:
-            x = layer(positions, x, md)
+            return self.norm(stack(positions, x, md, out_rows))  # every layer in one native call
+        layers = self.layers[:num_layers]
+        for i, layer in enumerate(layers):
+            x = layer(positions, x, md, out_rows if i == len(layers) - 1 else None)
         return self.norm(x)
 
     def limit_vocab(self, n: int | None) -> None:

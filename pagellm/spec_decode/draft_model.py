@@ -231,8 +231,10 @@ class EarlyExitModel:
         self.target, self.config = target, target.config
         self.layers = target.layers[:num_layers]
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, md) -> torch.Tensor:
-        return self.target(input_ids, positions, md, num_layers=len(self.layers))
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, md,
+                 out_rows: torch.Tensor | None = None) -> torch.Tensor:
+        return self.target(input_ids, positions, md, num_layers=len(self.layers),
+                           out_rows=out_rows)
 
     def compute_logits(self, hidden: torch.Tensor, argmax_only: bool = False) -> torch.Tensor:
         return self.target.compute_logits(hidden, argmax_only=argmax_only)
