@@ -24,7 +24,6 @@ import torch.nn.functional as F
 
 from pagellm.attention.base import AttentionBackend, AttentionMetadata
 from pagellm.kernels import cpu_attention, native
-from pagellm.kernels.malloc import zeros_on_huge_pages
 from pagellm.layers.linear import upcast
 
 # Sequences whose query is at most this long go through the batched path.
@@ -150,11 +149,8 @@ class TorchPagedAttention(AttentionBackend):
     def allocate_kv_cache(self, num_blocks, block_size, num_kv_heads, head_dim, dtype, device):
         # Zeroed, not empty: attention multiplies masked-out (probability 0) slots by their
         # values, and 0 * NaN from uninitialised memory would poison the output.
-        shape = (num_kv_heads, num_blocks, block_size, head_dim)
-        if torch.device(device).type == "cpu":  # on huge pages: a block a TLB miss otherwise
-            store = zeros_on_huge_pages(*shape, dtype=dtype)
-        else:
-            store = torch.zeros(*shape, dtype=dtype, device=device)
+        store = torch.zeros(num_kv_heads, num_blocks, block_size, head_dim, dtype=dtype,
+                            device=device)
         return store.permute(1, 2, 0, 3)
 
     def write_kv(self, key, value, k_cache, v_cache, slot_mapping):
