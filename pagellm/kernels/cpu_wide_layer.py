@@ -123,9 +123,9 @@ class WideLayer:
 
     def __call__(self, positions: torch.Tensor, x: torch.Tensor, md: AttentionMetadata,
                  out_rows: torch.Tensor | None = None) -> torch.Tensor:
-        """x [T, D] -> the layer's output rows, x itself updated in place; with out_rows
-        (strictly increasing int64 rows), every row's K and V are written but only those rows
-        go past the attention: [len(out_rows), D], the values they have without it."""
+        """x [T, D] -> the layer's output (x itself, updated in place, where every row goes
+        on); with out_rows (strictly increasing int64 rows), every row's K and V are written
+        but only those rows go past the attention: [len(out_rows), D]."""
         layer = self.layer
         attn, mlp = layer.self_attn, layer.mlp
         lib, threads = native.library(), torch.get_num_threads()
