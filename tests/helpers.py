@@ -37,7 +37,7 @@ def outputs_on_one_and_two_threads(fn, *args):
     return one, two
 
 
-def layer_path_and_module_path(layer, attr: str, path, positions, x, md, *out_rows):
+def layer_path_and_module_path(layer, attr: str, path, positions, x, md, out_rows=None):
     """A native form of a decoder layer (`path`, kept as layer.<attr>) and the module path on
     the same input and KV cache: (path's output, the module path's, path's K and V caches).
     The native form runs first, on the cache as the step found it (run second, the module
@@ -49,7 +49,8 @@ def layer_path_and_module_path(layer, attr: str, path, positions, x, md, *out_ro
     attn = layer.self_attn
     before = attn.k_cache.clone(), attn.v_cache.clone()
     inp = x.clone()
-    out = path(positions, x, md, *out_rows).clone()
+    out = (path(positions, x, md) if out_rows is None
+           else path(positions, x, md, out_rows)).clone()
     path_kv = attn.k_cache.clone(), attn.v_cache.clone()
     attn.k_cache.copy_(before[0])
     attn.v_cache.copy_(before[1])
@@ -57,8 +58,8 @@ def layer_path_and_module_path(layer, attr: str, path, positions, x, md, *out_ro
     setattr(layer, attr, None)
     try:
         ref = layer(positions, inp, md)
-        if out_rows:
-            ref = ref.index_select(0, out_rows[0])
+        if out_rows is not None:
+            ref = ref.index_select(0, out_rows)
     finally:
         setattr(layer, attr, kept)
     return out, ref, path_kv

@@ -62,9 +62,9 @@ def _compare_per_step(llm, layer_index: int, prompts, max_tokens: int = 4):
         def positions_ok(self, positions, md):
             return wide.positions_ok(positions, md)
 
-        def __call__(self, positions, x, md, *out_rows):
+        def __call__(self, positions, x, md, out_rows=None):
             out, ref, wide_kv = layer_path_and_module_path(layer, "wide_layer", wide, positions,
-                                                           x, md, *out_rows)
+                                                           x, md, out_rows)
             rows.append((list(md.query_lens_cpu), list(md.seq_lens_cpu)))
             if not torch.equal(out, ref):
                 mismatches.append(("out", x.shape[0], (out - ref).abs().max().item()))

@@ -87,8 +87,6 @@ class DecoderLayer(nn.Module):
                 return x if out_rows is None else x.index_select(0, out_rows)
             if (self.wide_layer is not None and self.wide_layer.usable(x, md)
                     and self.wide_layer.positions_ok(positions, md)):
-                if out_rows is None:
-                    return self.wide_layer(positions, x, md)
                 return self.wide_layer(positions, x, md, out_rows)
         a = self.self_attn(positions, self.input_layernorm(x), md, out_rows)
         x, h = self.post_attention_layernorm.add_forward(
