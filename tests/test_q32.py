@@ -106,6 +106,32 @@ def test_k_quant_parts_fused_with_each_other_on_one_and_two_threads():
     _check(one, x.float(), product, w)
 
 
+def test_panels_whose_min_is_a_fixed_multiple_of_d_fold_it_into_the_integer_sum():
+    """Q4_0 (m = -8 d), Q5_0 (-16 d) and Q8_0 (-128 d) panels start each block's sum from -z
+    times its activations' sum; Q4_1, Q5_1 and K-quant panels keep the float min term. Folded
+    or not, a product is the same sum: the same bf16 outputs but for float32's roundings (at
+    most one step of bf16 apart), and within the int8 bound."""
+    parts = [random_blocks(Q.Q4_1, 64, 128, seed=21), random_blocks(Q.Q4_0, 32, 128, seed=22),
+             random_blocks(Q.Q5_0, 32, 128, seed=23), random_blocks(Q.Q8_0, 40, 128, seed=24)]
+    product = q32.Q32Linear(parts)
+    # panels: two of Q4_1, one of Q4_0, one of Q5_0, then Q8_0 and its padding
+    assert product.zeros.tolist() == [0, 0, 8, 16, 128, 128]
+    assert q32.Q32Linear([random_blocks(Q.Q5_1, 32, 128, seed=25)]).zeros is None
+    unfolded = q32.Q32Linear(parts)
+    unfolded.zeros = None
+    w = torch.cat([p.dequantize() for p in parts])
+    g = torch.Generator().manual_seed(26)
+    for rows in [1, 7, 197]:
+        x = (torch.randn(rows, 128, generator=g) * 3).to(torch.bfloat16)
+        folded, plain = product(x), unfolded(x)
+        _check(folded, x.float(), product, w)
+        step = plain.float().abs() * 2 ** -7 + 1e-30  # one bf16 step at most
+        assert bool(((folded.float() - plain.float()).abs() <= step).all())
+        assert torch.equal(folded[:, :64], plain[:, :64])  # Q4_1 panels: the same operations
+    one, two = outputs_on_one_and_two_threads(product, x)
+    assert torch.equal(one, two)
+
+
 def test_the_gated_product_is_the_product_then_silu_mul_bit_for_bit():
     """gated(x): gate | up panels gated in the product's tiles give exactly the bits of the
     product's bf16 output through silu_mul_bf16, for every tile shape, past a 192-row chunk,
@@ -222,9 +248,9 @@ def test_the_gated_products_quantized_output_is_its_output_quantized():
         adx, asx = torch.empty(rows, 2), torch.empty(rows, 2)
         for threads in (1, 2):
             aq.fill_(99), adx.fill_(-1.0), asx.fill_(-1.0)  # nothing left from the last run
-            native.library().q32_linear_gated_q(
+            assert native.library().q32_linear_gated_q(
                 xq.data_ptr(), dx.data_ptr(), sx.data_ptr(), rows, 96, product.codes.data_ptr(),
-                product.d.data_ptr(), product.m.data_ptr(), 128, aq.data_ptr(), adx.data_ptr(),
-                asx.data_ptr(), threads)
+                product.d.data_ptr(), product.m.data_ptr(), product.zeros_ptr(), 128,
+                aq.data_ptr(), adx.data_ptr(), asx.data_ptr(), threads) == 0
             assert torch.equal(aq, want[0]) and _same(adx, want[1]) and _same(asx, want[2])
         assert torch.isnan(adx[-1]).all()

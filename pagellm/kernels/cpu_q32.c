@@ -12,6 +12,12 @@
  * product does per instruction), then scaled in float32. The only rounding beyond float32's
  * is the activations' (half a step of max|x| / 127 per value).
  *
+ * Where m = -z d with an integer z for every block of a panel (Q4_0: 8, Q5_0: 16, Q8_0: 128),
+ * the min term joins the integer sum instead: d dx (sum_j u_j xq_j - z sum_j xq_j), the block's
+ * sum starting from -z sum_j xq_j (exact in int32), and the tile does one multiply and one FMA
+ * per 16 outputs and block where it did three (a 64-row product of K = 576 and 1,536 on two
+ * Zen 4 cores: ~10% faster; 2,048 rows ~8%). The same value, with one float32 rounding less.
+ *
  * Codes are stored in panels of 32 outputs: [N / 32][K / 4][32][4] (each 4-byte lane holds 4
  * consecutive inputs of one output: vpdpbusd's unit), d and m as [N / 32][K / 32][32]. A tile
  * is 6 rows x 32 outputs: 12 int32 sums for the block and 12 float32 accumulators stay in
@@ -20,6 +26,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
@@ -108,26 +115,33 @@ void q32_quantize_f32(const float *x, int64_t R, int64_t K, int8_t *xq, float *d
  * ldy; the first `cols` of the 32 columns are written); meanwhile npf cache lines from pf
  * (the next panel's codes) go into L1. */
 static inline __attribute__((always_inline)) void tile(
-        int RB, const int8_t *xq, const float *dx, const float *sx, int64_t K, const uint8_t *c,
-        const float *d, const float *m, uint16_t *y, int64_t ldy, int cols, const char *pf,
-        int64_t npf) {
+        int RB, int FOLD, const int8_t *xq, const float *dx, const float *sx, const int32_t *xs,
+        int32_t z, int64_t K, const uint8_t *c, const float *d, const float *m, uint16_t *y,
+        int64_t ldy, int cols, const char *pf, int64_t npf) {
     const int64_t G = K / 32;
     __m512 acc[Q32_TILE_R][2];
     for (int r = 0; r < RB; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
     for (int64_t g = 0; g < G; g++) {
         __m512i s[Q32_TILE_R][2];
-        for (int r = 0; r < RB; r++) s[r][0] = s[r][1] = _mm512_setzero_si512();
+        for (int r = 0; r < RB; r++)  /* FOLD: m = -z d, its term in the integer sum */
+            s[r][0] = s[r][1] = FOLD ? _mm512_set1_epi32(-z * xs[r * G + g])
+                                     : _mm512_setzero_si512();
         block_products(RB, 1, xq, K, g, G, c + g * 32 * 32, s, pf, npf);
         const __m512 d0 = _mm512_loadu_ps(d + g * 32), d1 = _mm512_loadu_ps(d + g * 32 + 16);
-        const __m512 m0 = _mm512_loadu_ps(m + g * 32), m1 = _mm512_loadu_ps(m + g * 32 + 16);
         for (int r = 0; r < RB; r++) {
-            const __m512 a = _mm512_set1_ps(dx[r * G + g]), b = _mm512_set1_ps(sx[r * G + g]);
+            const __m512 a = _mm512_set1_ps(dx[r * G + g]);
             acc[r][0] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(s[r][0]), a), d0,
                                         acc[r][0]);
             acc[r][1] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(s[r][1]), a), d1,
                                         acc[r][1]);
-            acc[r][0] = _mm512_fmadd_ps(m0, b, acc[r][0]);
-            acc[r][1] = _mm512_fmadd_ps(m1, b, acc[r][1]);
+        }
+        if (!FOLD) {
+            const __m512 m0 = _mm512_loadu_ps(m + g * 32), m1 = _mm512_loadu_ps(m + g * 32 + 16);
+            for (int r = 0; r < RB; r++) {
+                const __m512 b = _mm512_set1_ps(sx[r * G + g]);
+                acc[r][0] = _mm512_fmadd_ps(m0, b, acc[r][0]);
+                acc[r][1] = _mm512_fmadd_ps(m1, b, acc[r][1]);
+            }
         }
     }
     for (int r = 0; r < RB; r++) {
@@ -148,21 +162,53 @@ static inline __attribute__((always_inline)) void tile(
 #define Q32_TILE(RB) do { \
         int64_t pf; \
         const int64_t npf = next_panel_share(K, Q32_TILE_R, r1 - r0, r - r0, p + 1 >= P, &pf); \
-        tile(RB, xq + r * K, dx + r * G, sx + r * G, K, cp, dp, mp, y + r * N + p * 32, N, \
-             cols, (const char *)cp + 32 * K + pf * 64, npf); } while (0)
+        if (z) \
+            tile(RB, 1, xq + r * K, dx + r * G, sx + r * G, xs + r * G, z, K, cp, dp, mp, \
+                 y + r * N + p * 32, N, cols, (const char *)cp + 32 * K + pf * 64, npf); \
+        else \
+            tile(RB, 0, xq + r * K, dx + r * G, sx + r * G, xs + r * G, 0, K, cp, dp, mp, \
+                 y + r * N + p * 32, N, cols, (const char *)cp + 32 * K + pf * 64, npf); \
+    } while (0)
+
+/* xs [R, K / 32]: each block's sum of xq (for panels whose min term folds), or NULL where
+ * no panel folds (zeros NULL, or all 0). Returns 0, or -1 when out of memory. */
+static int block_sums(const int8_t *xq, int64_t R, int64_t K, int64_t P, const int32_t *zeros,
+                      int32_t **xs, int threads) {
+    *xs = NULL;
+    int any = 0;
+    for (int64_t p = 0; zeros && p < P && !any; p++) any = zeros[p] != 0;
+    if (!any) return 0;
+    const int64_t G = K / 32;
+    int32_t *out = malloc(sizeof(int32_t) * (R * G > 0 ? R * G : 1));
+    if (!out) return -1;
+    const __m256i flip = _mm256_set1_epi8((char)0x80);
+    #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && R >= 64)
+    for (int64_t i = 0; i < R * G; i++) {  /* sum of (x + 128) by sad against 0, less 32 * 128 */
+        const __m256i v = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(xq + i * 32)), flip);
+        const __m256i t = _mm256_sad_epu8(v, _mm256_setzero_si256());
+        out[i] = (int32_t)(_mm256_extract_epi64(t, 0) + _mm256_extract_epi64(t, 1) +
+                           _mm256_extract_epi64(t, 2) + _mm256_extract_epi64(t, 3)) - 32 * 128;
+    }
+    *xs = out;
+    return 0;
+}
 
 /* xq, dx, sx (q32_quantize) of R rows; codes, d, m of N outputs in panels (N rounded up to
- * 32 in the panels) -> y [R, N] bf16. K a multiple of 32. */
-void q32_linear(const int8_t *xq, const float *dx, const float *sx, int64_t R, int64_t K,
-                const uint8_t *c, const float *d, const float *m, int64_t N, uint16_t *y,
-                int threads) {
+ * 32 in the panels), zeros [P] (z where every m of panel p is -z d, else 0; or NULL) -> y
+ * [R, N] bf16. K a multiple of 32. Returns 0, or -1 when out of memory. */
+int q32_linear(const int8_t *xq, const float *dx, const float *sx, int64_t R, int64_t K,
+               const uint8_t *c, const float *d, const float *m, const int32_t *zeros,
+               int64_t N, uint16_t *y, int threads) {
     const int64_t P = (N + 31) / 32, G = K / 32;
+    int32_t *xs;
+    if (block_sums(xq, R, K, P, zeros, &xs, threads)) return -1;
     for (int64_t r0 = 0; r0 < R; r0 += Q32_ROWS) {
         const int64_t r1 = r0 + Q32_ROWS < R ? r0 + Q32_ROWS : R;
         #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
         for (int64_t p = 0; p < P; p++) {
             const uint8_t *cp = c + p * 32 * K;
             const float *dp = d + p * G * 32, *mp = m + p * G * 32;
+            const int32_t z = xs ? zeros[p] : 0;
             const int cols = N - p * 32 < 32 ? (int)(N - p * 32) : 32;
             int64_t r = r0;
             for (; r + Q32_TILE_R <= r1; r += Q32_TILE_R) Q32_TILE(Q32_TILE_R);
@@ -176,6 +222,8 @@ void q32_linear(const int8_t *xq, const float *dx, const float *sx, int64_t R, i
             }
         }
     }
+    free(xs);
+    return 0;
 }
 
 /* The MLP's gate|up product with its gating: N = 2I outputs (gate panels, then up panels;
@@ -187,10 +235,18 @@ void q32_linear(const int8_t *xq, const float *dx, const float *sx, int64_t R, i
 #define Q32_GATED_TILE(RB) do { \
         int64_t pf; \
         const int64_t npf = next_panel_share(K, Q32_TILE_R, r1 - r0, r - r0, p + 1 >= P, &pf); \
-        tile(RB, xq + r * K, dx + r * G, sx + r * G, K, cg, dg, mg, gbuf, 32, 32, \
-             (const char *)cg + 32 * K + pf * 64, npf); \
-        tile(RB, xq + r * K, dx + r * G, sx + r * G, K, cu, du, mu, ubuf, 32, 32, \
-             (const char *)cu + 32 * K + pf * 64, npf); \
+        if (zg) \
+            tile(RB, 1, xq + r * K, dx + r * G, sx + r * G, xs + r * G, zg, K, cg, dg, mg, \
+                 gbuf, 32, 32, (const char *)cg + 32 * K + pf * 64, npf); \
+        else \
+            tile(RB, 0, xq + r * K, dx + r * G, sx + r * G, xs + r * G, 0, K, cg, dg, mg, \
+                 gbuf, 32, 32, (const char *)cg + 32 * K + pf * 64, npf); \
+        if (zu) \
+            tile(RB, 1, xq + r * K, dx + r * G, sx + r * G, xs + r * G, zu, K, cu, du, mu, \
+                 ubuf, 32, 32, (const char *)cu + 32 * K + pf * 64, npf); \
+        else \
+            tile(RB, 0, xq + r * K, dx + r * G, sx + r * G, xs + r * G, 0, K, cu, du, mu, \
+                 ubuf, 32, 32, (const char *)cu + 32 * K + pf * 64, npf); \
         gate_rows(RB, gbuf, ubuf, r, p, I, a, aq, adx, asx); } while (0)
 
 /* Rows r0 .. r0 + rb of panel p: a = silu(g) * u rounded to bf16 into a [R, I] when given;
@@ -212,10 +268,12 @@ static inline void gate_rows(int rb, const uint16_t *g, const uint16_t *u, int64
     }
 }
 
-static void gated(const int8_t *xq, const float *dx, const float *sx, int64_t R, int64_t K,
-                  const uint8_t *c, const float *d, const float *m, int64_t N, uint16_t *a,
-                  int8_t *aq, float *adx, float *asx, int threads) {
+static int gated(const int8_t *xq, const float *dx, const float *sx, int64_t R, int64_t K,
+                 const uint8_t *c, const float *d, const float *m, const int32_t *zeros,
+                 int64_t N, uint16_t *a, int8_t *aq, float *adx, float *asx, int threads) {
     const int64_t I = N / 2, P = I / 32, G = K / 32;
+    int32_t *xs;
+    if (block_sums(xq, R, K, 2 * P, zeros, &xs, threads)) return -1;
     for (int64_t r0 = 0; r0 < R; r0 += Q32_ROWS) {
         const int64_t r1 = r0 + Q32_ROWS < R ? r0 + Q32_ROWS : R;
         #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
@@ -223,6 +281,7 @@ static void gated(const int8_t *xq, const float *dx, const float *sx, int64_t R,
             const uint8_t *cg = c + p * 32 * K, *cu = c + (p + P) * 32 * K;
             const float *dg = d + p * G * 32, *mg = m + p * G * 32;
             const float *du = d + (p + P) * G * 32, *mu = m + (p + P) * G * 32;
+            const int32_t zg = xs ? zeros[p] : 0, zu = xs ? zeros[p + P] : 0;
             uint16_t gbuf[Q32_TILE_R * 32], ubuf[Q32_TILE_R * 32];
             int64_t r = r0;
             for (; r + Q32_TILE_R <= r1; r += Q32_TILE_R) Q32_GATED_TILE(Q32_TILE_R);
@@ -236,20 +295,24 @@ static void gated(const int8_t *xq, const float *dx, const float *sx, int64_t R,
             }
         }
     }
+    free(xs);
+    return 0;
 }
 
-void q32_linear_gated(const int8_t *xq, const float *dx, const float *sx, int64_t R, int64_t K,
-                      const uint8_t *c, const float *d, const float *m, int64_t N, uint16_t *a,
-                      int threads) {
-    gated(xq, dx, sx, R, K, c, d, m, N, a, NULL, NULL, NULL, threads);
+/* Returns 0, or -1 when out of memory (as q32_linear_gated_q). */
+int q32_linear_gated(const int8_t *xq, const float *dx, const float *sx, int64_t R, int64_t K,
+                     const uint8_t *c, const float *d, const float *m, const int32_t *zeros,
+                     int64_t N, uint16_t *a, int threads) {
+    return gated(xq, dx, sx, R, K, c, d, m, zeros, N, a, NULL, NULL, NULL, threads);
 }
 
 /* The gated product's output as the next product's int8 activations only: aq [R, N / 2],
  * adx and asx [R, N / 64], the values q32_linear_gated then q32_quantize give. */
-void q32_linear_gated_q(const int8_t *xq, const float *dx, const float *sx, int64_t R,
-                        int64_t K, const uint8_t *c, const float *d, const float *m, int64_t N,
-                        int8_t *aq, float *adx, float *asx, int threads) {
-    gated(xq, dx, sx, R, K, c, d, m, N, NULL, aq, adx, asx, threads);
+int q32_linear_gated_q(const int8_t *xq, const float *dx, const float *sx, int64_t R,
+                       int64_t K, const uint8_t *c, const float *d, const float *m,
+                       const int32_t *zeros, int64_t N, int8_t *aq, float *adx, float *asx,
+                       int threads) {
+    return gated(xq, dx, sx, R, K, c, d, m, zeros, N, NULL, aq, adx, asx, threads);
 }
 #else
 /* Without AVX-512 VNNI these products are not offered (layers/q32.py asks first). */
@@ -269,24 +332,28 @@ void q32_quantize_f32(const float *x, int64_t R, int64_t K, int8_t *xq, float *d
     (void)x; (void)R; (void)K; (void)xq; (void)dx; (void)sx; (void)threads;
 }
 
-void q32_linear_gated_q(const int8_t *xq, const float *dx, const float *sx, int64_t R,
-                        int64_t K, const uint8_t *c, const float *d, const float *m, int64_t N,
-                        int8_t *aq, float *adx, float *asx, int threads) {
-    (void)xq; (void)dx; (void)sx; (void)R; (void)K; (void)c; (void)d; (void)m; (void)N;
-    (void)aq; (void)adx; (void)asx; (void)threads;
+int q32_linear_gated_q(const int8_t *xq, const float *dx, const float *sx, int64_t R,
+                       int64_t K, const uint8_t *c, const float *d, const float *m,
+                       const int32_t *zeros, int64_t N, int8_t *aq, float *adx, float *asx,
+                       int threads) {
+    (void)xq; (void)dx; (void)sx; (void)R; (void)K; (void)c; (void)d; (void)m; (void)zeros;
+    (void)N; (void)aq; (void)adx; (void)asx; (void)threads;
+    return -1;
 }
 
-void q32_linear(const int8_t *xq, const float *dx, const float *sx, int64_t R, int64_t K,
-                const uint8_t *c, const float *d, const float *m, int64_t N, uint16_t *y,
-                int threads) {
-    (void)xq; (void)dx; (void)sx; (void)R; (void)K; (void)c; (void)d; (void)m; (void)N;
-    (void)y; (void)threads;
+int q32_linear(const int8_t *xq, const float *dx, const float *sx, int64_t R, int64_t K,
+               const uint8_t *c, const float *d, const float *m, const int32_t *zeros,
+               int64_t N, uint16_t *y, int threads) {
+    (void)xq; (void)dx; (void)sx; (void)R; (void)K; (void)c; (void)d; (void)m; (void)zeros;
+    (void)N; (void)y; (void)threads;
+    return -1;
 }
 
-void q32_linear_gated(const int8_t *xq, const float *dx, const float *sx, int64_t R, int64_t K,
-                      const uint8_t *c, const float *d, const float *m, int64_t N, uint16_t *y,
-                      int threads) {
-    (void)xq; (void)dx; (void)sx; (void)R; (void)K; (void)c; (void)d; (void)m; (void)N;
-    (void)y; (void)threads;
+int q32_linear_gated(const int8_t *xq, const float *dx, const float *sx, int64_t R, int64_t K,
+                     const uint8_t *c, const float *d, const float *m, const int32_t *zeros,
+                     int64_t N, uint16_t *y, int threads) {
+    (void)xq; (void)dx; (void)sx; (void)R; (void)K; (void)c; (void)d; (void)m; (void)zeros;
+    (void)N; (void)y; (void)threads;
+    return -1;
 }
 #endif

@@ -125,6 +125,7 @@ class Q32Linear:
         self.codes = u.view(p, PANEL, k // 4, 4).permute(0, 2, 1, 3).contiguous()
         self.d = d.view(p, PANEL, k // BLOCK).permute(0, 2, 1).contiguous()
         self.m = m.view(p, PANEL, k // BLOCK).permute(0, 2, 1).contiguous()
+        self.zeros = folded_zeros(self.d, self.m)
 
     @classmethod
     def from_parts(cls, parts: list) -> Q32Linear | None:
@@ -156,10 +157,16 @@ class Q32Linear:
         rows = xq.shape[0]
         y = torch.empty(rows, width, dtype=torch.bfloat16)
         lib, threads = native.library(), torch.get_num_threads()
-        getattr(lib, kernel)(xq.data_ptr(), dx.data_ptr(), sx.data_ptr(), rows, k,
-                             self.codes.data_ptr(), self.d.data_ptr(), self.m.data_ptr(),
-                             self.out_features, y.data_ptr(), threads)
+        rc = getattr(lib, kernel)(xq.data_ptr(), dx.data_ptr(), sx.data_ptr(), rows, k,
+                                  self.codes.data_ptr(), self.d.data_ptr(), self.m.data_ptr(),
+                                  self.zeros_ptr(), self.out_features, y.data_ptr(), threads)
+        if rc != 0:
+            raise MemoryError(f"{kernel}: out of memory for its block sums")
         return y.view(*lead, width)
+
+    def zeros_ptr(self) -> int | None:
+        """The kernels' `zeros` argument: None where no panel folds its min term."""
+        return self.zeros.data_ptr() if self.zeros is not None else None
 
     def dequantize(self) -> torch.Tensor:  # [N, K] float32: the weights these codes hold
         p, kq, _, _ = self.codes.shape
@@ -172,7 +179,18 @@ class Q32Linear:
 
     @property
     def nbytes(self) -> int:
-        return self.codes.numel() + (self.d.numel() + self.m.numel()) * 4
+        zeros = self.zeros.numel() if self.zeros is not None else 0
+        return self.codes.numel() + (self.d.numel() + self.m.numel() + zeros) * 4
+
+
+def folded_zeros(d: torch.Tensor, m: torch.Tensor) -> torch.Tensor | None:
+    """d, m [P, K / 32, 32] -> [P] int32: z where every m of panel p is -z d (Q4_0: 8, Q5_0:
+    16, Q8_0: 128: the kernel then adds the min term inside the block's integer sum, one
+    multiply-add less per 16 outputs and block), else 0; None where no panel has one."""
+    zeros = torch.zeros(d.shape[0], dtype=torch.int32)
+    for z in (128, 16, 8):  # padding panels (d = m = 0) fit any z
+        zeros[(m == -z * d).flatten(1).all(dim=1)] = z
+    return zeros if bool(zeros.any()) else None
 
 
 def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
