@@ -153,6 +153,17 @@ static inline __attribute__((always_inline)) void tile(
     }
 }
 
+/* tile() for a panel whose zero z is known only at run time (0: its float min term) */
+static inline __attribute__((always_inline)) void tile_z(
+        int RB, int32_t z, const int8_t *xq, const float *dx, const float *sx,
+        const int32_t *xs, int64_t K, const uint8_t *c, const float *d, const float *m,
+        uint16_t *y, int64_t ldy, int cols, const char *pf, int64_t npf) {
+    if (z)
+        tile(RB, 1, xq, dx, sx, xs, z, K, c, d, m, y, ldy, cols, pf, npf);
+    else
+        tile(RB, 0, xq, dx, sx, xs, 0, K, c, d, m, y, ldy, cols, pf, npf);
+}
+
 /* Each tile of a panel sends its share of the next panel's codes into L1, a few lines a
  * block (next_panel_share). The weights stream from memory (a decode step reads every
  * layer's), and without it a panel's first tile waited on its codes: measured on one Zen 4
@@ -162,12 +173,8 @@ static inline __attribute__((always_inline)) void tile(
 #define Q32_TILE(RB) do { \
         int64_t pf; \
         const int64_t npf = next_panel_share(K, Q32_TILE_R, r1 - r0, r - r0, p + 1 >= P, &pf); \
-        if (z) \
-            tile(RB, 1, xq + r * K, dx + r * G, sx + r * G, xs + r * G, z, K, cp, dp, mp, \
-                 y + r * N + p * 32, N, cols, (const char *)cp + 32 * K + pf * 64, npf); \
-        else \
-            tile(RB, 0, xq + r * K, dx + r * G, sx + r * G, xs + r * G, 0, K, cp, dp, mp, \
-                 y + r * N + p * 32, N, cols, (const char *)cp + 32 * K + pf * 64, npf); \
+        tile_z(RB, z, xq + r * K, dx + r * G, sx + r * G, xs + r * G, K, cp, dp, mp, \
+               y + r * N + p * 32, N, cols, (const char *)cp + 32 * K + pf * 64, npf); \
     } while (0)
 
 /* xs [R, K / 32]: each block's sum of xq (for panels whose min term folds), or NULL where
@@ -235,18 +242,10 @@ int q32_linear(const int8_t *xq, const float *dx, const float *sx, int64_t R, in
 #define Q32_GATED_TILE(RB) do { \
         int64_t pf; \
         const int64_t npf = next_panel_share(K, Q32_TILE_R, r1 - r0, r - r0, p + 1 >= P, &pf); \
-        if (zg) \
-            tile(RB, 1, xq + r * K, dx + r * G, sx + r * G, xs + r * G, zg, K, cg, dg, mg, \
-                 gbuf, 32, 32, (const char *)cg + 32 * K + pf * 64, npf); \
-        else \
-            tile(RB, 0, xq + r * K, dx + r * G, sx + r * G, xs + r * G, 0, K, cg, dg, mg, \
-                 gbuf, 32, 32, (const char *)cg + 32 * K + pf * 64, npf); \
-        if (zu) \
-            tile(RB, 1, xq + r * K, dx + r * G, sx + r * G, xs + r * G, zu, K, cu, du, mu, \
-                 ubuf, 32, 32, (const char *)cu + 32 * K + pf * 64, npf); \
-        else \
-            tile(RB, 0, xq + r * K, dx + r * G, sx + r * G, xs + r * G, 0, K, cu, du, mu, \
-                 ubuf, 32, 32, (const char *)cu + 32 * K + pf * 64, npf); \
+        tile_z(RB, zg, xq + r * K, dx + r * G, sx + r * G, xs + r * G, K, cg, dg, mg, gbuf, \
+               32, 32, (const char *)cg + 32 * K + pf * 64, npf); \
+        tile_z(RB, zu, xq + r * K, dx + r * G, sx + r * G, xs + r * G, K, cu, du, mu, ubuf, \
+               32, 32, (const char *)cu + 32 * K + pf * 64, npf); \
         gate_rows(RB, gbuf, ubuf, r, p, I, a, aq, adx, asx); } while (0)
 
 /* Rows r0 .. r0 + rb of panel p: a = silu(g) * u rounded to bf16 into a [R, I] when given;
