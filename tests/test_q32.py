@@ -132,6 +132,31 @@ def test_panels_whose_min_is_a_fixed_multiple_of_d_fold_it_into_the_integer_sum(
     assert torch.equal(one, two)
 
 
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q4_K], ids=lambda t: t.name)
+def test_four_bit_codes_are_kept_two_a_byte_with_the_same_products(qtype):
+    """4-bit codes are kept in nibbles (half the bytes) and multiply exactly as the same codes
+    one a byte: the same bits for every tile shape, past a 192-row chunk, gated too, on 1 and
+    2 threads. Wider codes (Q5_0, Q8_0, a 4-bit part fused with a Q8_0 one) stay bytes."""
+    k = _cols(qtype, 3)
+    blocks = random_blocks(qtype, 128, k, seed=int(qtype) + 40)
+    packed, plain = q32.Q32Linear([blocks]), q32.Q32Linear([blocks], pack_nibbles=False)
+    assert packed.nibbles and not plain.nibbles
+    assert packed.codes.numel() * 2 == plain.codes.numel()
+    assert torch.equal(packed.unpacked_codes(), plain.codes)
+    assert torch.equal(packed.dequantize(), blocks.dequantize())
+    g = torch.Generator().manual_seed(int(qtype))
+    for rows in [1, 5, 6, 7, 13, 197]:
+        x = (torch.randn(rows, k, generator=g) * 3).to(torch.bfloat16)
+        want = plain(x)
+        one, two = outputs_on_one_and_two_threads(packed, x)
+        assert torch.equal(one.view(torch.int16), want.view(torch.int16))
+        assert torch.equal(two.view(torch.int16), want.view(torch.int16))
+        assert torch.equal(packed.gated(x).view(torch.int16), plain.gated(x).view(torch.int16))
+    for parts in ([random_blocks(Q.Q5_0, 32, 64, seed=41)], [random_blocks(Q.Q8_0, 32, 64, seed=42)],
+                  [random_blocks(Q.Q4_1, 32, 64, seed=43), random_blocks(Q.Q8_0, 32, 64, seed=44)]):
+        assert not q32.Q32Linear(parts).nibbles
+
+
 def test_the_gated_product_is_the_product_then_silu_mul_bit_for_bit():
     """gated(x): gate | up panels gated in the product's tiles give exactly the bits of the
     product's bf16 output through silu_mul_bf16, for every tile shape, past a 192-row chunk,
@@ -250,7 +275,8 @@ def test_the_gated_products_quantized_output_is_its_output_quantized():
             aq.fill_(99), adx.fill_(-1.0), asx.fill_(-1.0)  # nothing left from the last run
             assert native.library().q32_linear_gated_q(
                 xq.data_ptr(), dx.data_ptr(), sx.data_ptr(), rows, 96, product.codes.data_ptr(),
-                product.d.data_ptr(), product.m.data_ptr(), product.zeros_ptr(), 128,
+                product.d.data_ptr(), product.m.data_ptr(), product.zeros_ptr(),
+                int(product.nibbles), 128,
                 aq.data_ptr(), adx.data_ptr(), asx.data_ptr(), threads) == 0
             assert torch.equal(aq, want[0]) and _same(adx, want[1]) and _same(asx, want[2])
         assert torch.isnan(adx[-1]).all()

@@ -74,7 +74,7 @@ static inline __attribute__((always_inline)) void tile(
         const __m512i n0 = _mm512_loadu_si512(nc + g * 32), n1 = _mm512_loadu_si512(nc + g * 32 + 16);
         __m512i s[GH_TILE_R][2];
         for (int r = 0; r < RB; r++) s[r][0] = n0, s[r][1] = n1;
-        block_products(RB, 0, xu, K, g, G, c + g * 32 * 32, s, pf, npf);
+        block_products(RB, 0, 0, xu, K, g, G, c + g * 32 * 32, s, pf, npf);
         const __m512 d0 = _mm512_loadu_ps(d + g * 32), d1 = _mm512_loadu_ps(d + g * 32 + 16);
         for (int r = 0; r < RB; r++) {
             const __m512 a = _mm512_set1_ps(dx[r * G + g]);
@@ -109,7 +109,7 @@ static inline __attribute__((always_inline)) void tile(
  * codes (as in cpu_q32.c) */
 #define GH_TILE(RB) do { \
         int64_t pf; \
-        const int64_t npf = next_panel_share(K, GH_TILE_R, R, r, p + 1 >= P, &pf); \
+        const int64_t npf = next_panel_share(GH_PANEL * K, GH_TILE_R, R, r, p + 1 >= P, &pf); \
         tile(RB, xu + r * K, dx + r * G, K, cp, dp, np, logits + r * N + p * GH_PANEL, N, cols, \
              top + r * PT + p, PT, (const char *)cp + GH_PANEL * K + pf * 64, npf); } while (0)
 

@@ -115,7 +115,7 @@ void q32_quantize_f32(const float *x, int64_t R, int64_t K, int8_t *xq, float *d
  * ldy; the first `cols` of the 32 columns are written); meanwhile npf cache lines from pf
  * (the next panel's codes) go into L1. */
 static inline __attribute__((always_inline)) void tile(
-        int RB, int FOLD, const int8_t *xq, const float *dx, const float *sx, const int32_t *xs,
+        int RB, int FOLD, int NIB, const int8_t *xq, const float *dx, const float *sx, const int32_t *xs,
         int32_t z, int64_t K, const uint8_t *c, const float *d, const float *m, uint16_t *y,
         int64_t ldy, int cols, const char *pf, int64_t npf) {
     const int64_t G = K / 32;
@@ -126,7 +126,7 @@ static inline __attribute__((always_inline)) void tile(
         for (int r = 0; r < RB; r++)  /* FOLD: m = -z d, its term in the integer sum */
             s[r][0] = s[r][1] = FOLD ? _mm512_set1_epi32(-z * xs[r * G + g])
                                      : _mm512_setzero_si512();
-        block_products(RB, 1, xq, K, g, G, c + g * 32 * 32, s, pf, npf);
+        block_products(RB, 1, NIB, xq, K, g, G, c + g * 32 * (NIB ? 16 : 32), s, pf, npf);
         const __m512 d0 = _mm512_loadu_ps(d + g * 32), d1 = _mm512_loadu_ps(d + g * 32 + 16);
         for (int r = 0; r < RB; r++) {
             const __m512 a = _mm512_set1_ps(dx[r * G + g]);
@@ -153,15 +153,20 @@ static inline __attribute__((always_inline)) void tile(
     }
 }
 
-/* tile() for a panel whose zero z is known only at run time (0: its float min term) */
+/* tile() for a panel whose zero z (0: its float min term) and code width (nib: 4-bit codes
+ * two a byte) are known only at run time */
 static inline __attribute__((always_inline)) void tile_z(
-        int RB, int32_t z, const int8_t *xq, const float *dx, const float *sx,
+        int RB, int32_t z, int nib, const int8_t *xq, const float *dx, const float *sx,
         const int32_t *xs, int64_t K, const uint8_t *c, const float *d, const float *m,
         uint16_t *y, int64_t ldy, int cols, const char *pf, int64_t npf) {
-    if (z)
-        tile(RB, 1, xq, dx, sx, xs, z, K, c, d, m, y, ldy, cols, pf, npf);
+    if (nib && z)
+        tile(RB, 1, 1, xq, dx, sx, xs, z, K, c, d, m, y, ldy, cols, pf, npf);
+    else if (nib)
+        tile(RB, 0, 1, xq, dx, sx, xs, 0, K, c, d, m, y, ldy, cols, pf, npf);
+    else if (z)
+        tile(RB, 1, 0, xq, dx, sx, xs, z, K, c, d, m, y, ldy, cols, pf, npf);
     else
-        tile(RB, 0, xq, dx, sx, xs, 0, K, c, d, m, y, ldy, cols, pf, npf);
+        tile(RB, 0, 0, xq, dx, sx, xs, 0, K, c, d, m, y, ldy, cols, pf, npf);
 }
 
 /* Each tile of a panel sends its share of the next panel's codes into L1, a few lines a
@@ -172,9 +177,9 @@ static inline __attribute__((always_inline)) void tile_z(
  * faster. */
 #define Q32_TILE(RB) do { \
         int64_t pf; \
-        const int64_t npf = next_panel_share(K, Q32_TILE_R, r1 - r0, r - r0, p + 1 >= P, &pf); \
-        tile_z(RB, z, xq + r * K, dx + r * G, sx + r * G, xs + r * G, K, cp, dp, mp, \
-               y + r * N + p * 32, N, cols, (const char *)cp + 32 * K + pf * 64, npf); \
+        const int64_t npf = next_panel_share(pb, Q32_TILE_R, r1 - r0, r - r0, p + 1 >= P, &pf); \
+        tile_z(RB, z, nibbles, xq + r * K, dx + r * G, sx + r * G, xs + r * G, K, cp, dp, mp, \
+               y + r * N + p * 32, N, cols, (const char *)cp + pb + pf * 64, npf); \
     } while (0)
 
 /* xs [R, K / 32]: each block's sum of xq (for panels whose min term folds), or NULL where
@@ -201,19 +206,20 @@ static int block_sums(const int8_t *xq, int64_t R, int64_t K, int64_t P, const i
 }
 
 /* xq, dx, sx (q32_quantize) of R rows; codes, d, m of N outputs in panels (N rounded up to
- * 32 in the panels), zeros [P] (z where every m of panel p is -z d, else 0; or NULL) -> y
- * [R, N] bf16. K a multiple of 32. Returns 0, or -1 when out of memory. */
+ * 32 in the panels; nibbles: every code 4-bit, two a byte), zeros [P] (z where every m of
+ * panel p is -z d, else 0; or NULL) -> y [R, N] bf16. K a multiple of 32. Returns 0, or -1
+ * when out of memory. */
 int q32_linear(const int8_t *xq, const float *dx, const float *sx, int64_t R, int64_t K,
                const uint8_t *c, const float *d, const float *m, const int32_t *zeros,
-               int64_t N, uint16_t *y, int threads) {
-    const int64_t P = (N + 31) / 32, G = K / 32;
+               int nibbles, int64_t N, uint16_t *y, int threads) {
+    const int64_t P = (N + 31) / 32, G = K / 32, pb = (nibbles ? 16 : 32) * K;
     int32_t *xs;
     if (block_sums(xq, R, K, P, zeros, &xs, threads)) return -1;
     for (int64_t r0 = 0; r0 < R; r0 += Q32_ROWS) {
         const int64_t r1 = r0 + Q32_ROWS < R ? r0 + Q32_ROWS : R;
         #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
         for (int64_t p = 0; p < P; p++) {
-            const uint8_t *cp = c + p * 32 * K;
+            const uint8_t *cp = c + p * pb;
             const float *dp = d + p * G * 32, *mp = m + p * G * 32;
             const int32_t z = xs ? zeros[p] : 0;
             const int cols = N - p * 32 < 32 ? (int)(N - p * 32) : 32;
@@ -241,11 +247,11 @@ int q32_linear(const int8_t *xq, const float *dx, const float *sx, int64_t R, in
  * model that pass took 2 ms a layer). */
 #define Q32_GATED_TILE(RB) do { \
         int64_t pf; \
-        const int64_t npf = next_panel_share(K, Q32_TILE_R, r1 - r0, r - r0, p + 1 >= P, &pf); \
-        tile_z(RB, zg, xq + r * K, dx + r * G, sx + r * G, xs + r * G, K, cg, dg, mg, gbuf, \
-               32, 32, (const char *)cg + 32 * K + pf * 64, npf); \
-        tile_z(RB, zu, xq + r * K, dx + r * G, sx + r * G, xs + r * G, K, cu, du, mu, ubuf, \
-               32, 32, (const char *)cu + 32 * K + pf * 64, npf); \
+        const int64_t npf = next_panel_share(pb, Q32_TILE_R, r1 - r0, r - r0, p + 1 >= P, &pf); \
+        tile_z(RB, zg, nibbles, xq + r * K, dx + r * G, sx + r * G, xs + r * G, K, cg, dg, mg, \
+               gbuf, 32, 32, (const char *)cg + pb + pf * 64, npf); \
+        tile_z(RB, zu, nibbles, xq + r * K, dx + r * G, sx + r * G, xs + r * G, K, cu, du, mu, \
+               ubuf, 32, 32, (const char *)cu + pb + pf * 64, npf); \
         gate_rows(RB, gbuf, ubuf, r, p, I, a, aq, adx, asx); } while (0)
 
 /* Rows r0 .. r0 + rb of panel p: a = silu(g) * u rounded to bf16 into a [R, I] when given;
@@ -269,15 +275,16 @@ static inline void gate_rows(int rb, const uint16_t *g, const uint16_t *u, int64
 
 static int gated(const int8_t *xq, const float *dx, const float *sx, int64_t R, int64_t K,
                  const uint8_t *c, const float *d, const float *m, const int32_t *zeros,
-                 int64_t N, uint16_t *a, int8_t *aq, float *adx, float *asx, int threads) {
-    const int64_t I = N / 2, P = I / 32, G = K / 32;
+                 int nibbles, int64_t N, uint16_t *a, int8_t *aq, float *adx, float *asx,
+                 int threads) {
+    const int64_t I = N / 2, P = I / 32, G = K / 32, pb = (nibbles ? 16 : 32) * K;
     int32_t *xs;
     if (block_sums(xq, R, K, 2 * P, zeros, &xs, threads)) return -1;
     for (int64_t r0 = 0; r0 < R; r0 += Q32_ROWS) {
         const int64_t r1 = r0 + Q32_ROWS < R ? r0 + Q32_ROWS : R;
         #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
         for (int64_t p = 0; p < P; p++) {
-            const uint8_t *cg = c + p * 32 * K, *cu = c + (p + P) * 32 * K;
+            const uint8_t *cg = c + p * pb, *cu = c + (p + P) * pb;
             const float *dg = d + p * G * 32, *mg = m + p * G * 32;
             const float *du = d + (p + P) * G * 32, *mu = m + (p + P) * G * 32;
             const int32_t zg = xs ? zeros[p] : 0, zu = xs ? zeros[p + P] : 0;
@@ -301,17 +308,17 @@ static int gated(const int8_t *xq, const float *dx, const float *sx, int64_t R, 
 /* Returns 0, or -1 when out of memory (as q32_linear_gated_q). */
 int q32_linear_gated(const int8_t *xq, const float *dx, const float *sx, int64_t R, int64_t K,
                      const uint8_t *c, const float *d, const float *m, const int32_t *zeros,
-                     int64_t N, uint16_t *a, int threads) {
-    return gated(xq, dx, sx, R, K, c, d, m, zeros, N, a, NULL, NULL, NULL, threads);
+                     int nibbles, int64_t N, uint16_t *a, int threads) {
+    return gated(xq, dx, sx, R, K, c, d, m, zeros, nibbles, N, a, NULL, NULL, NULL, threads);
 }
 
 /* The gated product's output as the next product's int8 activations only: aq [R, N / 2],
  * adx and asx [R, N / 64], the values q32_linear_gated then q32_quantize give. */
 int q32_linear_gated_q(const int8_t *xq, const float *dx, const float *sx, int64_t R,
                        int64_t K, const uint8_t *c, const float *d, const float *m,
-                       const int32_t *zeros, int64_t N, int8_t *aq, float *adx, float *asx,
-                       int threads) {
-    return gated(xq, dx, sx, R, K, c, d, m, zeros, N, NULL, aq, adx, asx, threads);
+                       const int32_t *zeros, int nibbles, int64_t N, int8_t *aq, float *adx,
+                       float *asx, int threads) {
+    return gated(xq, dx, sx, R, K, c, d, m, zeros, nibbles, N, NULL, aq, adx, asx, threads);
 }
 #else
 /* Without AVX-512 VNNI these products are not offered (layers/q32.py asks first). */
@@ -333,26 +340,26 @@ void q32_quantize_f32(const float *x, int64_t R, int64_t K, int8_t *xq, float *d
 
 int q32_linear_gated_q(const int8_t *xq, const float *dx, const float *sx, int64_t R,
                        int64_t K, const uint8_t *c, const float *d, const float *m,
-                       const int32_t *zeros, int64_t N, int8_t *aq, float *adx, float *asx,
-                       int threads) {
+                       const int32_t *zeros, int nibbles, int64_t N, int8_t *aq, float *adx,
+                       float *asx, int threads) {
     (void)xq; (void)dx; (void)sx; (void)R; (void)K; (void)c; (void)d; (void)m; (void)zeros;
-    (void)N; (void)aq; (void)adx; (void)asx; (void)threads;
+    (void)nibbles; (void)N; (void)aq; (void)adx; (void)asx; (void)threads;
     return -1;
 }
 
 int q32_linear(const int8_t *xq, const float *dx, const float *sx, int64_t R, int64_t K,
                const uint8_t *c, const float *d, const float *m, const int32_t *zeros,
-               int64_t N, uint16_t *y, int threads) {
+               int nibbles, int64_t N, uint16_t *y, int threads) {
     (void)xq; (void)dx; (void)sx; (void)R; (void)K; (void)c; (void)d; (void)m; (void)zeros;
-    (void)N; (void)y; (void)threads;
+    (void)nibbles; (void)N; (void)y; (void)threads;
     return -1;
 }
 
 int q32_linear_gated(const int8_t *xq, const float *dx, const float *sx, int64_t R, int64_t K,
                      const uint8_t *c, const float *d, const float *m, const int32_t *zeros,
-                     int64_t N, uint16_t *y, int threads) {
+                     int nibbles, int64_t N, uint16_t *y, int threads) {
     (void)xq; (void)dx; (void)sx; (void)R; (void)K; (void)c; (void)d; (void)m; (void)zeros;
-    (void)N; (void)y; (void)threads;
+    (void)nibbles; (void)N; (void)y; (void)threads;
     return -1;
 }
 #endif

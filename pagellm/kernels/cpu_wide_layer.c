@@ -35,11 +35,11 @@ void q32_quantize_f32(const float *x, int64_t R, int64_t K, int8_t *xq, float *d
                       int threads);
 int q32_linear(const int8_t *xq, const float *dx, const float *sx, int64_t R, int64_t K,
                const uint8_t *c, const float *d, const float *m, const int32_t *zeros,
-               int64_t N, uint16_t *y, int threads);
+               int nibbles, int64_t N, uint16_t *y, int threads);
 int q32_linear_gated_q(const int8_t *xq, const float *dx, const float *sx, int64_t R,
                        int64_t K, const uint8_t *c, const float *d, const float *m,
-                       const int32_t *zeros, int64_t N, int8_t *aq, float *adx, float *asx,
-                       int threads);
+                       const int32_t *zeros, int nibbles, int64_t N, int8_t *aq, float *adx,
+                       float *asx, int threads);
 
 static void round_row(const float *src, uint16_t *dst, int64_t n) {
     int64_t i = 0;
@@ -149,13 +149,13 @@ int rope_qkv_bf16(const uint16_t *qkv, const float *bias, int64_t T, int64_t H, 
     return failed ? -1 : 0;
 }
 
-/* A q32 product's weights (layers/q32.py Q32Linear): codes, d, m of n outputs, and each
- * panel's folded zero (or NULL). */
+/* A q32 product's weights (layers/q32.py Q32Linear): codes (nibbles: 4-bit, two a byte), d,
+ * m of n outputs, and each panel's folded zero (or NULL). */
 typedef struct {
     const uint8_t *codes;
     const float *d, *m;
     const int32_t *zeros;
-    int64_t n;
+    int64_t nibbles, n;
 } q32_t;
 
 /* A layer whose four products all have q32 forms (kernels/cpu_wide_layer.py WideQ32). */
@@ -192,8 +192,8 @@ int wide_layer_q32(const wide_q32_t *L, float *x, int64_t T, const int64_t *posi
     if (!h || !qkv || !y || !q || !a || !xq || !aq || !dx || !sx || !adx || !asx) goto done;
 
     if (norm_rows(x, NULL, L->norm_in, h, xq, dx, sx, T, D, L->eps, threads)) goto done;
-    if (q32_linear(xq, dx, sx, T, D, L->qkv.codes, L->qkv.d, L->qkv.m, L->qkv.zeros, L->qkv.n,
-                   qkv, threads)) goto done;
+    if (q32_linear(xq, dx, sx, T, D, L->qkv.codes, L->qkv.d, L->qkv.m, L->qkv.zeros,
+                   (int)L->qkv.nibbles, L->qkv.n, qkv, threads)) goto done;
     if (rope_qkv_bf16(qkv, L->qkv_bias, T, L->H, L->KVH, L->hd, L->cos, L->ssin, positions, q,
                       kc, vc, NB, BS, slots, kv_bf16, threads)) goto done;
     if (paged_attention(q, a, kc, vc, L->H, L->KVH, L->hd, NB, BS, tables, MB, seq_lens,
@@ -207,13 +207,14 @@ int wide_layer_q32(const wide_q32_t *L, float *x, int64_t T, const int64_t *posi
         T = n_out;
     }
     q32_quantize_f32(a, T, nq, xq, dx, sx, threads);
-    if (q32_linear(xq, dx, sx, T, nq, L->o.codes, L->o.d, L->o.m, L->o.zeros, L->o.n, y,
-                   threads)) goto done;
+    if (q32_linear(xq, dx, sx, T, nq, L->o.codes, L->o.d, L->o.m, L->o.zeros,
+                   (int)L->o.nibbles, L->o.n, y, threads)) goto done;
     if (norm_rows(x, y, L->norm_post, h, xq, dx, sx, T, D, L->eps, threads)) goto done;  /* x += o */
     if (q32_linear_gated_q(xq, dx, sx, T, D, L->gate_up.codes, L->gate_up.d, L->gate_up.m,
-                           L->gate_up.zeros, L->gate_up.n, aq, adx, asx, threads)) goto done;
+                           L->gate_up.zeros, (int)L->gate_up.nibbles, L->gate_up.n, aq,
+                           adx, asx, threads)) goto done;
     if (q32_linear(aq, adx, asx, T, I, L->down.codes, L->down.d, L->down.m, L->down.zeros,
-                   L->down.n, y, threads)) goto done;
+                   (int)L->down.nibbles, L->down.n, y, threads)) goto done;
     #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && T > 1)
     for (int64_t t = 0; t < T; t++)  /* x += d: the bf16 product widened, one float32 add */
         for (int64_t j = 0; j < D; j++) x[t * D + j] += bf16_to_f32(y[t * D + j]);

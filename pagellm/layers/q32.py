@@ -105,7 +105,7 @@ class Q32Linear:
     """y = x W^T for W [N, K] from 32-value blocks (one or more fused parts, in order): bf16
     activations in and out, like OneDNNLinear, which it replaces."""
 
-    def __init__(self, parts: list):
+    def __init__(self, parts: list, pack_nibbles: bool = True):
         decoded = [unsigned_blocks(p) for p in parts]
         if any(x is None for x in decoded):
             raise ValueError("q32: every part must be a 32-value block type")
@@ -122,7 +122,14 @@ class Q32Linear:
         p = (n + pad) // PANEL
         self.out_features, self.in_features = n, k
         # [P, 32, K / 4, 4] -> [P, K / 4, 32, 4]: 4 consecutive inputs of an output per lane
-        self.codes = u.view(p, PANEL, k // 4, 4).permute(0, 2, 1, 3).contiguous()
+        codes = u.view(p, PANEL, k // 4, 4).permute(0, 2, 1, 3)
+        # 4-bit codes (every part Q4_0, Q4_1, Q4_K or int4): two a byte, outputs o and o + 16
+        # of a panel in one byte's low and high nibble ([P, K / 4, 16, 4]): half the memory
+        # and half the bytes a step streams; the kernel unpacks with a shift and two masks
+        self.nibbles = bool(pack_nibbles and int(u.max()) < 16) if u.numel() else False
+        if self.nibbles:
+            codes = codes[:, :, :PANEL // 2] | (codes[:, :, PANEL // 2:] << 4)
+        self.codes = codes.contiguous()
         self.d = d.view(p, PANEL, k // BLOCK).permute(0, 2, 1).contiguous()
         self.m = m.view(p, PANEL, k // BLOCK).permute(0, 2, 1).contiguous()
         self.zeros = folded_zeros(self.d, self.m)
@@ -159,7 +166,8 @@ class Q32Linear:
         lib, threads = native.library(), torch.get_num_threads()
         rc = getattr(lib, kernel)(xq.data_ptr(), dx.data_ptr(), sx.data_ptr(), rows, k,
                                   self.codes.data_ptr(), self.d.data_ptr(), self.m.data_ptr(),
-                                  self.zeros_ptr(), self.out_features, y.data_ptr(), threads)
+                                  self.zeros_ptr(), int(self.nibbles), self.out_features,
+                                  y.data_ptr(), threads)
         if rc != 0:
             raise MemoryError(f"{kernel}: out of memory for its block sums")
         return y.view(*lead, width)
@@ -168,10 +176,18 @@ class Q32Linear:
         """The kernels' `zeros` argument: None where no panel folds its min term."""
         return self.zeros.data_ptr() if self.zeros is not None else None
 
+    def unpacked_codes(self) -> torch.Tensor:
+        """[P, K / 4, 32, 4] uint8: the codes one a byte, whether or not they are kept in
+        nibbles."""
+        if not self.nibbles:
+            return self.codes
+        return torch.cat([self.codes & 0xF, self.codes >> 4], dim=2)
+
     def dequantize(self) -> torch.Tensor:  # [N, K] float32: the weights these codes hold
-        p, kq, _, _ = self.codes.shape
+        codes = self.unpacked_codes()
+        p, kq, _, _ = codes.shape
         k = kq * 4
-        u = self.codes.permute(0, 2, 1, 3).reshape(p * PANEL, k).float()
+        u = codes.permute(0, 2, 1, 3).reshape(p * PANEL, k).float()
         d = self.d.permute(0, 2, 1).reshape(p * PANEL, k // BLOCK)
         m = self.m.permute(0, 2, 1).reshape(p * PANEL, k // BLOCK)
         w = u.view(-1, k // BLOCK, BLOCK) * d[..., None] + m[..., None]
