@@ -152,8 +152,9 @@ def test_four_bit_codes_are_kept_two_a_byte_with_the_same_products(qtype):
         assert torch.equal(one.view(torch.int16), want.view(torch.int16))
         assert torch.equal(two.view(torch.int16), want.view(torch.int16))
         assert torch.equal(packed.gated(x).view(torch.int16), plain.gated(x).view(torch.int16))
-    for parts in ([random_blocks(Q.Q5_0, 32, 64, seed=41)], [random_blocks(Q.Q8_0, 32, 64, seed=42)],
-                  [random_blocks(Q.Q4_1, 32, 64, seed=43), random_blocks(Q.Q8_0, 32, 64, seed=44)]):
+    wider = ([random_blocks(Q.Q5_0, 32, 64, seed=41)], [random_blocks(Q.Q8_0, 32, 64, seed=42)],
+             [random_blocks(Q.Q4_1, 32, 64, seed=43), random_blocks(Q.Q8_0, 32, 64, seed=44)])
+    for parts in wider:
         assert not q32.Q32Linear(parts).nibbles
 
 

@@ -15,14 +15,16 @@
  * Where m = -z d with an integer z for every block of a panel (Q4_0: 8, Q5_0: 16, Q8_0: 128),
  * the min term joins the integer sum instead: d dx (sum_j u_j xq_j - z sum_j xq_j), the block's
  * sum starting from -z sum_j xq_j (exact in int32), and the tile does one multiply and one FMA
- * per 16 outputs and block where it did three (a 64-row product of K = 576 and 1,536 on two
- * Zen 4 cores: ~10% faster; 2,048 rows ~8%). The same value, with one float32 rounding less.
+ * per 16 outputs and block where it did three (Q4_0 / Q8_0 products of the default model's
+ * shapes, folded and not alternated in one process, two Zen 4 cores: 1.05-1.07x at 64 rows,
+ * 1.05-1.09x at 2,048). The same value, with one float32 rounding less.
  *
  * Codes are stored in panels of 32 outputs: [N / 32][K / 4][32][4] (each 4-byte lane holds 4
- * consecutive inputs of one output: vpdpbusd's unit), d and m as [N / 32][K / 32][32]. A tile
- * is 6 rows x 32 outputs: 12 int32 sums for the block and 12 float32 accumulators stay in
- * registers; per 4 inputs it loads 2 code registers and broadcasts 6 activation words for
- * 12 vpdpbusd.
+ * consecutive inputs of one output: vpdpbusd's unit; where every code is 4-bit, two a byte,
+ * [N / 32][K / 4][16][4], outputs o and o + 16 in a byte's low and high nibble), d and m as
+ * [N / 32][K / 32][32]. A tile is 6 rows x 32 outputs: 12 int32 sums for the block and 12
+ * float32 accumulators stay in registers; per 4 inputs it loads 2 code registers (or one of
+ * nibbles) and broadcasts 6 activation words for 12 vpdpbusd.
  */
 #include <math.h>
 #include <stdint.h>
@@ -111,13 +113,14 @@ void q32_quantize_f32(const float *x, int64_t R, int64_t K, int8_t *xq, float *d
         }
 }
 
-/* Rows [0, RB) x the panel's 32 outputs (RB a literal after inlining) into y (row stride
- * ldy; the first `cols` of the 32 columns are written); meanwhile npf cache lines from pf
- * (the next panel's codes) go into L1. */
+/* Rows [0, RB) x the panel's 32 outputs (RB, FOLD, NIB literals after inlining) into y (row
+ * stride ldy; the first `cols` of the 32 columns are written); meanwhile npf cache lines from
+ * pf (the next panel's codes) go into L1. FOLD: the panel's m is -z d, each block's sum
+ * starts from -z xs (the rows' block sums of xq) and m is not read; NIB: codes in nibbles. */
 static inline __attribute__((always_inline)) void tile(
-        int RB, int FOLD, int NIB, const int8_t *xq, const float *dx, const float *sx, const int32_t *xs,
-        int32_t z, int64_t K, const uint8_t *c, const float *d, const float *m, uint16_t *y,
-        int64_t ldy, int cols, const char *pf, int64_t npf) {
+        int RB, int FOLD, int NIB, const int8_t *xq, const float *dx, const float *sx,
+        const int32_t *xs, int32_t z, int64_t K, const uint8_t *c, const float *d,
+        const float *m, uint16_t *y, int64_t ldy, int cols, const char *pf, int64_t npf) {
     const int64_t G = K / 32;
     __m512 acc[Q32_TILE_R][2];
     for (int r = 0; r < RB; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
@@ -196,7 +199,8 @@ static int block_sums(const int8_t *xq, int64_t R, int64_t K, int64_t P, const i
     const __m256i flip = _mm256_set1_epi8((char)0x80);
     #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && R >= 64)
     for (int64_t i = 0; i < R * G; i++) {  /* sum of (x + 128) by sad against 0, less 32 * 128 */
-        const __m256i v = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(xq + i * 32)), flip);
+        const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + i * 32));
+        const __m256i v = _mm256_xor_si256(x, flip);
         const __m256i t = _mm256_sad_epu8(v, _mm256_setzero_si256());
         out[i] = (int32_t)(_mm256_extract_epi64(t, 0) + _mm256_extract_epi64(t, 1) +
                            _mm256_extract_epi64(t, 2) + _mm256_extract_epi64(t, 3)) - 32 * 128;
