@@ -109,6 +109,7 @@ class Sequence:
     def reset_for_recompute(self) -> None:
         """Preempted: its KV is gone; it will recompute prompt and outputs from scratch."""
         self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # its next admission's hits, if any, count instead
         self.block_table = []
         self.spec_token_ids = []
         self.status = SequenceStatus.WAITING

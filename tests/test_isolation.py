@@ -12,6 +12,7 @@ import pytest
 
 from pagellm import LLM, SamplingParams
 from pagellm.engine import llm_engine
+from tests.helpers import assert_no_leaks
 
 PROMPTS = {
     "a": [5, 17, 33, 42, 61, 7, 9, 120, 44, 3],
@@ -58,10 +59,10 @@ def poison_runner(monkeypatch, eng, bad: str, when=lambda out: True):
     """The runner fails every forward whose batch holds request `bad` (and `when` holds)."""
     real = eng.runner.execute
 
-    def execute(out, rows):
+    def execute(out, rows, **kw):
         if any(s.request_id == bad for s in out.seqs) and when(out):
             raise RuntimeError("injected forward failure")
-        return real(out, rows)
+        return real(out, rows, **kw)
 
     monkeypatch.setattr(eng.runner, "execute", execute)
 
@@ -177,6 +178,48 @@ def test_a_failed_forward_leaves_no_cached_prefix_it_did_not_write(engine, alone
     assert late.outputs[0].token_ids == alone["shared1"]
 
 
+def test_a_step_whose_batch_call_always_fails_still_finishes_every_request(engine, alone,
+                                                                          monkeypatch):
+    """Every step's first forward fails and the retries alone succeed (a failure tied to the
+    batch). shared2 is admitted with hits on blocks shared1's failed forward was to write, so
+    it recomputes; readmitted, its hits from the first admission no longer count, so the
+    blocks it registers itself and loses with the next failed batch call do not send it
+    back again: every request finishes (it used to recompute forever) with its own tokens."""
+    engine.block_manager.cached.clear()  # nothing from the `alone` runs
+    for b in engine.block_manager.blocks:
+        b.block_hash = b.token_ids = b.parent = None
+    real = engine.runner.execute
+    retry = {"alone": False}
+
+    def execute(out, rows, **kw):
+        if not retry["alone"]:  # each step's batch call; the retries alone follow it
+            retry["alone"] = True
+            raise RuntimeError("injected failure of the batch")
+        return real(out, rows, **kw)
+
+    def step_start(*a, **k):
+        retry["alone"] = False
+        return schedule(*a, **k)
+
+    schedule = engine.scheduler.schedule
+    monkeypatch.setattr(engine.runner, "execute", execute)
+    monkeypatch.setattr(engine.scheduler, "schedule", step_start)
+    engine.add_request("shared1", SHARED + [1, 2], greedy())
+    engine.add_request("shared2", SHARED + [3, 4, 5], greedy())
+    finished, steps = {}, 0
+    while engine.has_unfinished_requests():
+        steps += 1
+        assert steps < 100, "a request recomputes forever"
+        for o in engine.step():
+            if o.finished:
+                finished[o.request_id] = o
+    assert finished["shared1"].outputs[0].token_ids == alone["shared1"]
+    assert finished["shared2"].outputs[0].token_ids == alone["shared2"]
+    assert finished["shared2"].metrics.num_preemptions == 1
+    assert finished["shared2"].num_cached_tokens == 0  # its second admission had no hits
+    assert_no_leaks(engine)
+
+
 def test_a_batch_failure_retried_alone_gives_every_request_its_tokens(engine, alone,
                                                                        monkeypatch):
     """A failure of the batch as a whole that does not recur alone (a transient one): every
@@ -184,11 +227,11 @@ def test_a_batch_failure_retried_alone_gives_every_request_its_tokens(engine, al
     real = engine.runner.execute
     calls = {"n": 0}
 
-    def execute(out, rows):
+    def execute(out, rows, **kw):
         calls["n"] += 1
         if calls["n"] == 3:
             raise RuntimeError("injected transient failure")
-        return real(out, rows)
+        return real(out, rows, **kw)
 
     monkeypatch.setattr(engine.runner, "execute", execute)
     finished = run(engine, {rid: (PROMPTS[rid], greedy()) for rid in "abc"})
