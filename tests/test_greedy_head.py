@@ -56,6 +56,29 @@ def test_the_argmax_is_the_exact_products(rows, n):
 
 
 @needs_kernel
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("rows,n", [(1, 96), (7, 1000), (64, 1000), (13, 4096)])
+def test_ids_only_gives_the_same_argmax_and_counts_without_logits(rows, n, threads):
+    """ids_only recomputes the few panels each row's search reads instead of keeping [R, N]
+    logits: the same ids and the same outputs computed exactly, row for row."""
+    head = _q8_head(n, 128, seed=7 * rows + n)
+    h = _hidden(rows, 128, seed=rows + 1)
+    greedy = greedy_head.GreedyHeadQ8(head)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        logits = greedy(h)
+        ids_full, counts_full = greedy.last_ids.clone(), greedy.last_counts.clone()
+        ids = greedy(h, ids_only=True)
+    finally:
+        torch.set_num_threads(before)
+    assert ids.shape == (rows,) and ids.dtype == torch.int64
+    assert torch.equal(ids, ids_full) and torch.equal(ids, logits.argmax(dim=1))
+    assert torch.equal(ids, _exact(h, head).argmax(dim=1))
+    assert torch.equal(greedy.last_counts, counts_full)
+
+
+@needs_kernel
 def test_equal_maxima_go_to_the_first_index_and_near_ties_to_the_larger():
     head = _q8_head(300, 64, seed=3)
     codes, scale = head.codes.clone(), torch.full((300, 2), 0.002).half().float()
@@ -74,6 +97,7 @@ def test_equal_maxima_go_to_the_first_index_and_near_ties_to_the_larger():
     assert int(exact[1].argmax()) == 260 and 0 < float(exact[1, 260] - exact[1, 41]) < 1e-4
     assert logits.argmax(dim=1).tolist() == [40, 260]
     assert int(greedy.last_counts[1]) >= 2
+    assert greedy(h, ids_only=True).tolist() == [40, 260]  # its tie check without logits
 
 
 @needs_kernel
@@ -153,10 +177,10 @@ def test_the_engine_takes_it_for_argmax_only_steps_and_gets_the_exact_argmax():
     real = model.head_greedy
 
     class Spy:
-        def __call__(self, hidden):
-            logits = real(hidden)
-            calls.append((hidden.clone(), logits.argmax(dim=1)))
-            return logits
+        def __call__(self, hidden, ids_only=False):
+            out = real(hidden, ids_only=ids_only)
+            calls.append((hidden.clone(), out if ids_only else out.argmax(dim=1)))
+            return out
 
         nbytes = real.nbytes
 
@@ -175,3 +199,48 @@ def test_the_engine_takes_it_for_argmax_only_steps_and_gets_the_exact_argmax():
               for i in range(12)]
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert calls == [] and outs[0].outputs[0].logprobs is not None
+
+
+@pytest.mark.parametrize("model", ["tiny", "default"])
+def test_all_greedy_steps_get_their_tokens_not_logits(model, tmp_path, monkeypatch):
+    """The engine asks each step for its tokens (ModelRunner.execute(ids=True)): a step whose
+    every row reads only its argmax returns them, [rows] int64, through the greedy head where
+    the model has one (the default model) or the argmax of the logits (a tiny float32 model);
+    a step with a row that reads more (a sampled row, logprobs) gets logits. The tokens are
+    those of the logits path, for a mix of such requests."""
+    from pagellm.engine.model_runner import ModelRunner
+    from tests.helpers import make_tiny_model
+
+    if model == "tiny":
+        make_tiny_model(tmp_path)
+        llm = LLM(str(tmp_path), dtype="float32", kv_cache_memory="16MiB")
+    else:
+        llm = LLM(kv_cache_memory="64MiB")
+    llm.engine.runner.packed_rows = None  # no path chosen by timing: runs comparable
+    prompts = [[1, 2 + i, 30 + 3 * i, 7, 40 + i] for i in range(12)]  # 12: the greedy head's
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    mixed = [greedy] * 11 + [SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True,
+                                           logprobs=1)]
+
+    def run(params, ids_allowed: bool):
+        kinds = []
+        real = ModelRunner.execute
+
+        def execute(self, out, rows, *, constrained=None, ids=False):
+            res = real(self, out, rows, constrained=constrained, ids=ids and ids_allowed)
+            kinds.append(res.dim())
+            return res
+
+        with monkeypatch.context() as m:
+            m.setattr(ModelRunner, "execute", execute)
+            outs = llm.generate(prompts, params, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs], kinds
+
+    tokens, kinds = run(greedy, True)
+    assert set(kinds) == {1} and len(kinds) >= 6
+    assert tokens == run(greedy, False)[0]
+    if model == "default" and greedy_head.available():
+        assert llm.engine.model.head_greedy.last_ids is not None
+    tokens, kinds = run(mixed, True)
+    assert set(kinds) == {2}  # the logprobs row reads more than its argmax
+    assert tokens == run(mixed, False)[0]

@@ -75,9 +75,9 @@ def test_n_greedy_samples_identical_and_prefill_once(tiny_llama):
     sp = SamplingParams(n=4, temperature=0, max_tokens=8, ignore_eos=True)
     computed, execute = [], llm.engine.runner.execute
 
-    def counting(out, rows):
+    def counting(out, rows, **kw):
         computed.append(out.total_tokens)
-        return execute(out, rows)
+        return execute(out, rows, **kw)
 
     llm.engine.runner.execute = counting
     try:

@@ -189,11 +189,14 @@ class ModelRunner:
         return shapes
 
     def execute(self, out: SchedulerOutput, logit_rows: list[int], *,
-                constrained: list[bool] | None = None) -> torch.Tensor:
+                constrained: list[bool] | None = None, ids: bool = False) -> torch.Tensor:
         """Run the step; return float32 logits [len(logit_rows), vocab] for the given rows of
         the flat token batch, on the model's device (sampling runs there: a GPU step copies no
         logits to the host). constrained: which sequences sample under a grammar (default:
-        each one's own constraint; a draft's shadow sequences carry none of their requests')."""
+        each one's own constraint; a draft's shadow sequences carry none of their requests').
+        ids: where every row's sampling reads only its argmax, return those argmaxes instead,
+        [len(logit_rows)] int64 (a 1-D result): no [rows, vocab] logits made where the model
+        can avoid them (LlamaModel.argmax_ids)."""
         # Decode steps only (each sequence's latest token and its proposals) pick packed or
         # dense products: prefill keeps each packed form's own limit, so that a prompt's
         # numerics do not depend on what the machine measured so far.
@@ -203,14 +206,15 @@ class ModelRunner:
         argmax_only = all(not s.spec_token_ids and reads_argmax_only(
             s.params, s.num_output_tokens, c) for s, c in zip(out.seqs, constrained))
         return self.forward(*self.prepare(out), logit_rows, choose_path=decode,
-                            argmax_only=argmax_only)
+                            argmax_only=argmax_only, ids=ids and argmax_only)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata,
                 logit_rows: list[int] | None, choose_path: bool = False,
-                argmax_only: bool = False) -> torch.Tensor | None:
+                argmax_only: bool = False, ids: bool = False) -> torch.Tensor | None:
         """argmax_only: every row's sampling reads only its argmax (the logits may be right
-        only there: `LlamaModel.compute_logits`)."""
+        only there: `LlamaModel.compute_logits`); ids (with argmax_only): return those argmaxes,
+        [rows] int64, not logits."""
         choice = self.packed_rows if choose_path else None
         rows = out_rows = None
         if logit_rows is not None:
@@ -230,4 +234,6 @@ class ModelRunner:
             return None
         if out_rows is None:
             hidden = hidden.index_select(0, rows)
+        if ids and argmax_only:
+            return self.model.argmax_ids(hidden)
         return self.model.compute_logits(hidden, argmax_only=argmax_only)

@@ -172,7 +172,8 @@ class TPModelRunner(ModelRunner):
         except RuntimeError as e:
             raise WorkerDiedError(f"tensor-parallel worker lost: {e}") from e
 
-    def execute(self, out, logit_rows):
+    def execute(self, out, logit_rows, *, constrained=None, ids=False):
+        """ModelRunner.execute; always logits (constrained, ids: as there, not used)."""
         input_ids, positions, md = self.prepare(out)
         self._send(("step", input_ids.cpu(), positions.cpu(), _to(md, torch.device("cpu"))))
         md = _to(md, self.device)

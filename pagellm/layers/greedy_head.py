@@ -72,26 +72,28 @@ class GreedyHeadQ8:
         self.last_ids: torch.Tensor | None = None
         self.last_counts: torch.Tensor | None = None
 
-    def __call__(self, hidden: torch.Tensor) -> torch.Tensor | None:
+    def __call__(self, hidden: torch.Tensor, ids_only: bool = False) -> torch.Tensor | None:
         """hidden [R, K] -> float32 logits [R, N] whose argmax is the exact product's, or None
         where no bound holds (a hidden value not finite, a subnormal block, overflowed
-        products): the caller's own head then runs."""
+        products): the caller's own head then runs. ids_only: that argmax alone, [R] int64,
+        with no [R, N] logits made (64 rows of the default model: 12.6 MB a step)."""
         h = hidden.float().contiguous()
         rows = h.shape[0]
-        logits = torch.empty(rows, self.out_features, dtype=torch.float32)
+        logits = None if ids_only else torch.empty(rows, self.out_features, dtype=torch.float32)
         ids = torch.empty(rows, dtype=torch.int64)
         counts = torch.empty(rows, dtype=torch.int32)
         rc = native.library().greedy_head_q8(
             h.data_ptr(), rows, self.in_features, self.panels.data_ptr(), self.d.data_ptr(),
             self.neg_sums.data_ptr(), self.abs_w.data_ptr(), self.abs_max.data_ptr(),
-            self.codes.data_ptr(), self.scale.data_ptr(), self.out_features, logits.data_ptr(),
-            ids.data_ptr(), counts.data_ptr(), torch.get_num_threads())
+            self.codes.data_ptr(), self.scale.data_ptr(), self.out_features,
+            None if logits is None else logits.data_ptr(), ids.data_ptr(), counts.data_ptr(),
+            torch.get_num_threads())
         if rc == 1:
             return None
         if rc != 0:
             raise MemoryError("greedy_head_q8: out of memory for its buffers")
         self.last_ids, self.last_counts = ids, counts
-        return logits
+        return ids if ids_only else logits
 
     @property
     def nbytes(self) -> int:

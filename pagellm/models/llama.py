@@ -21,6 +21,7 @@ from pagellm.layers import linear as linear_mod
 from pagellm.layers.linear import ColumnParallelLinear, RowParallelLinear, linear, upcast
 from pagellm.layers.norm import RMSNorm
 from pagellm.layers.rotary import RotaryEmbedding
+from pagellm.sampling.sampler import argmax_rows
 
 
 def head_max_rows(head) -> int:
@@ -271,6 +272,16 @@ class LlamaForCausalLM(nn.Module):
                               and hidden.dtype != self._head().dtype):
             return F.linear(hidden.float(), self.head_float32())
         return linear(hidden, self._head()).float()
+
+    def argmax_ids(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[num_rows, hidden] -> [num_rows] int64: each row's argmax of compute_logits(hidden,
+        argmax_only=True), the same ids; where the greedy head runs, without any logits made."""
+        if (self.head_greedy is not None and self.vocab_limit is None
+                and hidden.shape[0] >= head_max_rows(self.head_packed)):
+            ids = self.head_greedy(hidden, ids_only=True)
+            if ids is not None:  # None: a value that is not finite; the head below
+                return ids
+        return argmax_rows(self.compute_logits(hidden, argmax_only=True))
 
     def _head_rows(self, hidden: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Logits [rows, len(ids)] float32 of the head's rows `ids`: a few hundred rows

@@ -239,6 +239,9 @@ class EarlyExitModel:
     def compute_logits(self, hidden: torch.Tensor, argmax_only: bool = False) -> torch.Tensor:
         return self.target.compute_logits(hidden, argmax_only=argmax_only)
 
+    def argmax_ids(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.target.argmax_ids(hidden)
+
 
 class EarlyExitProposer(DraftModelProposer):
     """A draft made of the target's first N layers (self-speculation, as with early-exit
