@@ -48,6 +48,25 @@ def test_throughput(tmp_path):
     assert "not installed" in md or "skipped" in md or not data["skipped"]
 
 
+def test_throughput_rounds_alternate_the_engines(tmp_path):
+    """--rounds 2: every engine runs twice in turn, its runs pooled; pagellm x is the median
+    of the rounds' ratios."""
+    data = run_kind("throughput", tmp_path, "--peers", "hf", "--rounds", "2")
+    rows = {r["engine"]: r for r in data["results"]}
+    assert set(rows) == {"pagellm", "hf"}
+    runs = next(iter(data["runs"].values()))
+    assert len(runs["pagellm"]) == len(runs["hf"]) == 2  # --smoke: one repeat a round
+    assert rows["pagellm"]["round_ratios"] == [1.0, 1.0]
+    hf = rows["hf"]
+    assert len(hf["round_ratios"]) == 2
+    assert hf["pagellm_x"] == pytest.approx(sum(hf["round_ratios"]) / 2)  # two: their mean
+    expected = [p["output_tok_s"] / h["output_tok_s"]
+                for p, h in zip(runs["pagellm"], runs["hf"])]  # round i: each one's run i
+    assert hf["round_ratios"] == pytest.approx(expected)
+    with pytest.raises(ValueError, match="--rounds"):
+        bench_main(["throughput", "--rounds", "0", "--peers", "", "--out", str(tmp_path)])
+
+
 def test_throughput_workloads_are_checked(tmp_path):
     with pytest.raises(ValueError, match="--workloads"):
         bench_main(["throughput", "--workloads", "default:0", "--peers", "", "--out",

@@ -8,6 +8,11 @@ engine inherits another's allocator state or threads; vLLM can live in another e
         --dtype auto --peers hf,vllm,llama.cpp --vllm-python /opt/vllm-venv/bin/python \\
         --llama-cpp-bin DIR
 
+--rounds N runs every engine N times in turn (pagellm, the peers, pagellm, ...), each time in a
+fresh process: a shared machine's speed drifts over minutes, and a ratio of two engines run
+minutes apart carries that drift. The table then gives each engine's median over all its runs
+and the median over rounds of pagellm's ratio to it within the round.
+
 llama.cpp runs as its own `llama-batched-bench` (N sequences decoded together) when
 --llama-cpp-bin names a folder holding it, else through llama-cpp-python (one request at a
 time: the binding has no multi-sequence batch API).
@@ -45,6 +50,9 @@ def parse_args(argv):
                    help="folder with llama-batched-bench (or $LLAMA_CPP_BIN)")
     p.add_argument("--vllm-python", default=os.environ.get("VLLM_PYTHON", sys.executable),
                    help="the Python whose environment has vLLM (or $VLLM_PYTHON; default: this one)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run every engine this many times in turn, each in a fresh process; "
+                        "ratios are medians of each round's ratios (default 1)")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # one engine, this process
     p.add_argument("--vocab-size", type=int, default=None, help=argparse.SUPPRESS)
     common.add_engine_args(p)
@@ -54,6 +62,8 @@ def parse_args(argv):
         args.num_prompts, args.input_len, args.output_len, args.repeats = 4, 16, 8, 1
         args.kv_cache_memory = "16MiB"
     args.threads = args.threads or os.cpu_count()
+    if args.rounds < 1:
+        raise ValueError(f"--rounds: must be at least 1, got {args.rounds}")
     return args
 
 
@@ -223,11 +233,21 @@ def summarize(result: dict, n: int, input_len: int) -> dict:
             "ttft_s": common.median(ttfts), "repeats": len(rs)}
 
 
+def round_ratios(rounds: list[dict[str, list[dict]]], base: str, engine: str) -> list[float]:
+    """Per round, base's output tok/s (its runs' median in the round) over engine's in the
+    same round."""
+    return [common.median([r["output_tok_s"] for r in rnd[base]])
+            / common.median([r["output_tok_s"] for r in rnd[engine]])
+            for rnd in rounds if base in rnd and engine in rnd]
+
+
 def render(table_rows: list[dict], skipped: dict[str, str], args) -> str:
     head = (f"### Offline throughput: requests x {args.input_len} prompt tokens -> "
             f"{args.output_len} new tokens (ignore_eos, greedy, dtype {args.dtype}: pagellm; "
             f"peers {common.peer_dtype(args.dtype)}), {args.threads} threads, median of "
-            f"{args.repeats}, each engine in its own process\n")
+            f"{args.repeats * args.rounds}, each engine in its own process"
+            + (f"; {args.rounds} rounds in turn, pagellm x: the median of the rounds' ratios"
+               if args.rounds > 1 else "") + "\n")
     cells = [[r["model"], r["requests"], r["engine"], round(r["output_tok_s"], 1),
               round(r["total_tok_s"], 1),
               "-" if r["ttft_s"] is None else round(r["ttft_s"], 2), round(r["seconds"], 2),
@@ -266,27 +286,38 @@ def main(argv: list[str] | None = None) -> int:
     names, skipped = engines(args)
     jobs = workloads(args)
     table_rows, raw = [], {}
-    with tqdm(total=len(jobs) * len(names), desc="throughput", unit="engine") as bar:
+    with tqdm(total=len(jobs) * len(names) * args.rounds, desc="throughput",
+              unit="engine") as bar:
         for model, n in jobs:
             label = os.path.basename(model.rstrip("/"))
             args.vocab_size = None  # the first engine (pagellm) sets the prompts' id range
-            for name in names:
-                bar.set_postfix_str(f"{label}: {name}")
-                if name == "llama.cpp" and _has_batched_bench(args):
-                    if not model.endswith(".gguf"):
-                        skipped[f"llama.cpp ({label})"] = "llama.cpp runs GGUF files only"
-                        bar.update(1)
-                        continue
-                    res = run_batched_bench(model, n, args)
-                else:
-                    res = run_worker_process(name, model, n, args)
-                    args.vocab_size = args.vocab_size or res["vocab_size"]
-                raw.setdefault(label, {})[res["engine"]] = res["runs"]
-                table_rows.append({"model": label, **summarize(res, n, args.input_len)})
-                bar.update(1)
-    for r in table_rows:  # against the model's first row: pagellm (its first --quantization)
-        base = next(b for b in table_rows if b["model"] == r["model"])
-        r["pagellm_x"] = base["output_tok_s"] / r["output_tok_s"]
+            rounds, results = [], {}
+            for i in range(args.rounds):
+                rnd = {}
+                for name in names:
+                    bar.set_postfix_str(f"{label}: {name}"
+                                        + (f" (round {i + 1})" if args.rounds > 1 else ""))
+                    if name == "llama.cpp" and _has_batched_bench(args):
+                        if not model.endswith(".gguf"):
+                            skipped[f"llama.cpp ({label})"] = "llama.cpp runs GGUF files only"
+                            bar.update(1)
+                            continue
+                        res = run_batched_bench(model, n, args)
+                    else:
+                        res = run_worker_process(name, model, n, args)
+                        args.vocab_size = args.vocab_size or res["vocab_size"]
+                    rnd[res["engine"]] = res["runs"]
+                    results.setdefault(res["engine"], {"engine": res["engine"], "runs": []})
+                    results[res["engine"]]["runs"] += res["runs"]
+                    bar.update(1)
+                rounds.append(rnd)
+            raw[label] = {e: r["runs"] for e, r in results.items()}
+            rows = [{"model": label, **summarize(r, n, args.input_len)} for r in results.values()]
+            base = rows[0]["engine"]  # pagellm (its first --quantization)
+            for r in rows:
+                r["round_ratios"] = round_ratios(rounds, base, r["engine"])
+                r["pagellm_x"] = common.median(r["round_ratios"])
+            table_rows += rows
     files = common.write_results(args.out, "throughput", {
         "config": {k: v for k, v in vars(args).items()}, "results": table_rows, "runs": raw,
         "skipped": skipped}, render(table_rows, skipped, args))
