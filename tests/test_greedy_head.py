@@ -236,11 +236,21 @@ def test_all_greedy_steps_get_their_tokens_not_logits(model, tmp_path, monkeypat
             outs = llm.generate(prompts, params, use_tqdm=False)
         return [list(o.outputs[0].token_ids) for o in outs], kinds
 
+    head_calls = []
+    if model == "default" and greedy_head.available():  # its ids, with no logits made
+        real_head = greedy_head.GreedyHeadQ8.__call__
+
+        def spy(self, hidden, ids_only=False):
+            head_calls.append(ids_only)
+            return real_head(self, hidden, ids_only=ids_only)
+
+        monkeypatch.setattr(greedy_head.GreedyHeadQ8, "__call__", spy)
     tokens, kinds = run(greedy, True)
     assert set(kinds) == {1} and len(kinds) >= 6
+    if head_calls:
+        assert set(head_calls) == {True} and len(head_calls) >= 6
     assert tokens == run(greedy, False)[0]
-    if model == "default" and greedy_head.available():
-        assert llm.engine.model.head_greedy.last_ids is not None
+    assert model == "tiny" or not greedy_head.available() or False in head_calls
     tokens, kinds = run(mixed, True)
     assert set(kinds) == {2}  # the logprobs row reads more than its argmax
     assert tokens == run(mixed, False)[0]

@@ -404,13 +404,13 @@ class LLMEngine:
             forks = self._fork_siblings(plain[i])
             plain.extend(forks)
             plain_rows.extend([plain_rows[i]] * len(forks))
-        if plain and logits.dim() == 1:  # a step whose every row reads its argmax: the tokens
-            drawn = [(t, None) for t in logits[plain_rows].tolist()]
-        elif plain:
-            every = plain_rows == list(range(logits.shape[0]))  # then no copy of the rows
-            drawn = self._per_request(self._draw_plain, plain,
-                                      logits if every else logits[plain_rows])
         if plain:
+            if logits.dim() == 1:  # a step whose every row reads its argmax: the tokens
+                drawn = [(t, None) for t in logits[plain_rows].tolist()]
+            else:
+                every = plain_rows == list(range(logits.shape[0]))  # then no copy of the rows
+                drawn = self._per_request(self._draw_plain, plain,
+                                          logits if every else logits[plain_rows])
             for seq, d in zip(plain, drawn):
                 if d is not None and not seq.is_finished:
                     self._guarded(seq, self._emit_plain, seq, d, now)

@@ -206,7 +206,7 @@ class ModelRunner:
         argmax_only = all(not s.spec_token_ids and reads_argmax_only(
             s.params, s.num_output_tokens, c) for s, c in zip(out.seqs, constrained))
         return self.forward(*self.prepare(out), logit_rows, choose_path=decode,
-                            argmax_only=argmax_only, ids=ids and argmax_only)
+                            argmax_only=argmax_only, ids=ids)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata,

@@ -136,8 +136,7 @@ static double exact_q8(const float *h, const int8_t *q, const float *scale, int6
  * same bits), the first time the search reads it. */
 typedef struct {
     float *y;
-    int own;  /* a scratch row: panels filled on demand */
-    uint8_t *filled;
+    uint8_t *filled;  /* a scratch row's panels filled so far; NULL: y is the logits row */
     const uint8_t *xu;
     const float *dx;
     const int8_t *c;
@@ -145,8 +144,8 @@ typedef struct {
     const int32_t *nc;
 } row_y_t;
 
-static inline const float *panel_y(row_y_t *ry, int64_t p, int64_t K, int64_t N) {
-    if (ry->own && !ry->filled[p]) {
+static inline void panel_y(row_y_t *ry, int64_t p, int64_t K, int64_t N) {
+    if (ry->filled && !ry->filled[p]) {
         const int64_t G = K / 32;
         const int cols = N - p * GH_PANEL < GH_PANEL ? (int)(N - p * GH_PANEL) : GH_PANEL;
         float top;
@@ -154,7 +153,6 @@ static inline const float *panel_y(row_y_t *ry, int64_t p, int64_t K, int64_t N)
              ry->nc + p * G * GH_PANEL, ry->y + p * GH_PANEL, 0, cols, 0, &top, 0, NULL, 0);
         ry->filled[p] = 1;
     }
-    return ry->y;
 }
 
 /* One row's search: the bar, the panels that may hold the argmax, their outputs that may be
@@ -265,7 +263,7 @@ int greedy_head_q8(const float *h, int64_t R, int64_t K, const int8_t *c, const 
     int failed = 0;
     #pragma omp parallel num_threads(threads) if (threads > 1)
     {
-        row_y_t ry = {NULL, !logits, NULL, NULL, NULL, c, d, nc};
+        row_y_t ry = {NULL, NULL, NULL, NULL, c, d, nc};
         if (!logits) {
             ry.y = malloc(sizeof(float) * P * GH_PANEL);
             ry.filled = malloc((size_t)P);
