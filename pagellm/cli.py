@@ -22,9 +22,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--kv-cache-memory", default=None, help="KV budget, e.g. 2GiB or 500MB")
     g.add_argument("--kv-cache-dtype", default="auto",
-                   choices=["auto", "float32", "bfloat16", "float16"],
+                   choices=["auto", "float32", "bfloat16", "float16", "int8"],
                    help="auto: the model's dtype, but float32 for bfloat16 models on CPUs "
-                        "without bf16 units (faster attention, twice the bytes per token)")
+                        "without bf16 units (faster attention, twice the bytes per token); "
+                        "int8 (CPU): codes and a scale per head row, ~half bf16's bytes")
     g.add_argument("--kv-cache-fraction", type=float, default=None,
                    help="KV budget as a fraction of available memory")
     g.add_argument("--max-num-seqs", type=int, default=128)

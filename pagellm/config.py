@@ -33,12 +33,13 @@ class CacheConfig:
     kv_cache_fraction: float | None = None  # of available (CPU) / free (GPU) memory
     enable_prefix_caching: bool = True
     # "auto": the model's dtype, except float32 for a bfloat16 model on a CPU without bf16
-    # units (see engine/memory.resolve_kv_dtype); or "float32" | "bfloat16" | "float16".
+    # units (see engine/memory.resolve_kv_dtype); or "float32" | "bfloat16" | "float16", or
+    # "int8" (CPU: codes and a scale per row of head_dim values, ~half a bf16 pool's bytes).
     kv_cache_dtype: str = "auto"
 
     def __post_init__(self):
-        if self.kv_cache_dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ValueError(f"kv_cache_dtype must be auto, float32, bfloat16 or float16, "
+        if self.kv_cache_dtype not in ("auto", "float32", "bfloat16", "float16", "int8"):
+            raise ValueError(f"kv_cache_dtype must be auto, float32, bfloat16, float16 or int8, "
                              f"got {self.kv_cache_dtype!r}")
         if not isinstance(self.block_size, int) or self.block_size < 1:
             raise ValueError(f"block_size must be a positive integer, got {self.block_size!r}")

@@ -34,7 +34,7 @@ def test_auto_kv_dtype(monkeypatch, upcast_bf16):
 
 def test_bad_kv_cache_dtype():
     with pytest.raises(ValueError, match="kv_cache_dtype"):
-        CacheConfig(kv_cache_dtype="int8")
+        CacheConfig(kv_cache_dtype="int4")
 
 
 def test_float32_kv_pool_for_bf16_model(tiny_llama):

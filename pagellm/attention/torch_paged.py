@@ -37,16 +37,18 @@ def head_major(cache: torch.Tensor) -> torch.Tensor:
 
 
 def gather_kv(
-    cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, row]
     block_tables: torch.Tensor,  # [batch, num_blocks_per_seq] int64
     max_len: int,
 ) -> torch.Tensor:  # [num_kv_heads, batch, padded_len >= max_len, head_dim], contiguous
+    """The blocks' rows, an int8 pool's as their float32 values."""
     hm = head_major(cache)
-    kvh, _, block_size, head_dim = hm.shape
+    kvh, _, block_size, width = hm.shape
     batch = block_tables.shape[0]
     needed = (max_len + block_size - 1) // block_size
     idx = block_tables[:, :needed].reshape(-1)
-    return hm.index_select(1, idx).view(kvh, batch, needed * block_size, head_dim)
+    rows = hm.index_select(1, idx).view(kvh, batch, needed * block_size, width)
+    return cpu_attention.dequantize_rows(rows) if rows.dtype == torch.int8 else rows
 
 
 def _attend(
@@ -127,12 +129,12 @@ def _prefix_then_causal(
 def native_seqs(k_cache: torch.Tensor, v_cache: torch.Tensor,
                 md: AttentionMetadata) -> torch.Tensor | None:
     """The step's sequences as the native kernel takes them (int32 0 .. S - 1) where it attends
-    over this pool with this step's metadata (a head-major float32 or bf16 pool; int32,
+    over this pool with this step's metadata (a head-major float32, bf16 or int8 pool; int32,
     contiguous tables, decided once per step), else None. Float32 CPU queries are the caller's
     to check (cpu_attention.usable); the many-row layer's one native call asks this too, so
     that it attends in C exactly where forward() would."""
     k_store, v_store = k_cache.permute(2, 0, 1, 3), v_cache.permute(2, 0, 1, 3)
-    if not (native.available() and k_store.dtype in (torch.float32, torch.bfloat16)
+    if not (native.available() and k_store.dtype in cpu_attention.POOL_DTYPES
             and k_store.is_contiguous() and v_store.is_contiguous()):
         return None
     seqs = md.cache.get("native_seqs", False)
@@ -148,18 +150,23 @@ class TorchPagedAttention(AttentionBackend):
 
     def allocate_kv_cache(self, num_blocks, block_size, num_kv_heads, head_dim, dtype, device):
         # Zeroed, not empty: attention multiplies masked-out (probability 0) slots by their
-        # values, and 0 * NaN from uninitialised memory would poison the output.
-        store = torch.zeros(num_kv_heads, num_blocks, block_size, head_dim, dtype=dtype,
-                            device=device)
+        # values, and 0 * NaN from uninitialised memory would poison the output. An int8 row
+        # carries its scale after its codes (cpu_attention.row_width).
+        store = torch.zeros(num_kv_heads, num_blocks, block_size,
+                            cpu_attention.row_width(head_dim, dtype), dtype=dtype, device=device)
         return store.permute(1, 2, 0, 3)
 
     def write_kv(self, key, value, k_cache, v_cache, slot_mapping):
         k_store, v_store = k_cache.permute(2, 0, 1, 3), v_cache.permute(2, 0, 1, 3)
+        if k_store.dtype == torch.int8:  # the native writes take float32 rows
+            key, value = key.float(), value.float()
         if (cpu_attention.usable(key, k_store) and v_store.is_contiguous()
                 and value.dtype == torch.float32 and slot_mapping.dtype == torch.int64):
             cpu_attention.write_kv(key.contiguous(), value.contiguous(), k_store, v_store,
                                    slot_mapping)
             return
+        if k_store.dtype == torch.int8:
+            key, value = cpu_attention.quantize_rows(key), cpu_attention.quantize_rows(value)
         for new, cache in ((key, k_cache), (value, v_cache)):
             nb, bs, kvh, hd = cache.shape
             hm = cache.permute(2, 0, 1, 3)
@@ -175,6 +182,9 @@ class TorchPagedAttention(AttentionBackend):
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         starts = metadata.query_start_loc.tolist()
         k_store, v_store = k_cache.permute(2, 0, 1, 3), v_cache.permute(2, 0, 1, 3)
+        if k_store.dtype == torch.int8 and query.dtype != torch.float32:
+            # an int8 pool's products are float32 (the module path of a bf16 model)
+            return self.forward(query.float(), k_cache, v_cache, metadata, scale).to(query.dtype)
         seqs = native_seqs(k_cache, v_cache, metadata) if cpu_attention.usable(query, k_store) else None
         if seqs is not None:
             # every sequence, prefill chunks included: reads K/V in place through the block

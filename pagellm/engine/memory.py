@@ -6,7 +6,8 @@ import torch
 from pagellm.config import CacheConfig
 
 DEFAULT_KV_CACHE_BYTES = 2 * 2**30  # the whole pool is committed (zeroed) at start
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+           "int8": torch.int8}
 
 
 def resolve_device(name: str) -> torch.device:
@@ -41,7 +42,21 @@ def resolve_kv_dtype(name: str, model_dtype: torch.dtype, device: torch.device,
     (batch-64 decode: ~60 of ~700 ms a step). The price is twice the bytes per token: half the
     tokens for the same budget. On CPUs with bf16 units the native attention kernel reads a
     bf16 pool directly (widening each value as it loads it), so float32 activations keep a
-    bf16 KV cache there: half the bytes, twice the tokens."""
+    bf16 KV cache there: half the bytes, twice the tokens.
+
+    'int8' (CPU only, with the native kernels): each row of head_dim values as int8 codes and
+    a float32 scale (kernels/kv_pool.h), 0.53x a bf16 pool's bytes at head_dim 64; attention
+    widens the codes to float32 as it reads them."""
+    if name == "int8":
+        from pagellm.kernels import native
+
+        if device.type != "cpu":
+            raise ValueError(f"kv_cache_dtype int8 is a CPU pool; on {device.type} use the "
+                             f"model's dtype")
+        if not native.available():
+            raise ValueError("kv_cache_dtype int8 needs pagellm's native CPU kernels, which "
+                             "are off or did not build here (PAGELLM_NATIVE_KERNELS, $CC)")
+        return torch.int8
     if name != "auto":
         kv = _DTYPES[name]
         if device.type != "cpu" and kv != model_dtype:

@@ -13,6 +13,7 @@ import torch
 
 from pagellm import parallel
 from pagellm.attention.base import AttentionMetadata
+from pagellm.kernels import cpu_attention
 from pagellm.kernels.packed_rows import PackedRowChoice
 from pagellm.engine.scheduler import SchedulerOutput
 from pagellm.layers import quant
@@ -23,7 +24,8 @@ def kv_bytes_per_block(config, block_size: int, dtype: torch.dtype, tp_size: int
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     kv_heads = -(-config.num_key_value_heads // tp_size)  # the largest rank's share
     elem = torch.tensor([], dtype=dtype).element_size()
-    return 2 * config.num_hidden_layers * block_size * kv_heads * head_dim * elem
+    width = cpu_attention.row_width(head_dim, dtype)  # int8: the codes and their scale
+    return 2 * config.num_hidden_layers * block_size * kv_heads * width * elem
 
 
 def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -1,10 +1,12 @@
 /* Paged attention for every query of a step (decode, speculative verification, prefill
- * chunks) over a KV pool stored head-major, [kv_heads, num_blocks, block_size, head_dim]
+ * chunks) over a KV pool stored head-major, [kv_heads, num_blocks, block_size, row]
  * (pagellm/attention/torch_paged.py), of float32 or bf16 values (bf16: half the bytes a step
  * streams; each value widened to float32 as it is loaded: a 16-bit shift, or with AVX-512 BW
- * an unpack against zeros that leaves the lanes in another order). Queries, scores and
- * outputs are float32, except in a prefill chunk's products over a bf16 pool on a CPU with
- * bf16 dot products (attend_flash: bf16 pairs).
+ * an unpack against zeros that leaves the lanes in another order), or int8 codes with a scale
+ * a row (kv_pool.h; codes widened to float32 as they are loaded, a key's scale applied to its
+ * score and a value's to its probability, so the products stay those of the codes). Queries,
+ * scores and outputs are float32, except in a prefill chunk's products over a bf16 pool on a
+ * CPU with bf16 dot products (attend_flash: bf16 pairs).
  *
  * Reads each sequence's K/V in place through its block table: no gathered copy of the context
  * and no padding to the longest sequence of the batch. One task per (sequence, KV head) takes
@@ -28,6 +30,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include "vec_math.h"
+#include "kv_pool.h"
 #include <omp.h>
 
 static inline float dot(const float *a, const float *b, int64_t n) {
@@ -43,10 +46,16 @@ static inline void axpy(float *y, float a, const float *x, int64_t n) {
 }
 
 /* Row `slot` of a head's pool (D values) as float32: in place for a float32 pool, widened into
- * tmp for a bf16 one. */
-static inline const float *kv_row(const void *base, int64_t slot, int64_t D, int bf16,
+ * tmp for a bf16 or int8 one (int8: the codes times the row's scale). */
+static inline const float *kv_row(const void *base, int64_t slot, int64_t D, int kind,
                                   float *tmp) {
-    if (!bf16) return (const float *)base + slot * D;
+    if (kind == KV_F32) return (const float *)base + slot * D;
+    if (kind == KV_I8) {
+        const int8_t *r = (const int8_t *)base + slot * (D + 4);
+        const float s = kv_i8_scale(r, D);
+        for (int64_t i = 0; i < D; i++) tmp[i] = s * (float)r[i];
+        return tmp;
+    }
     const uint16_t *r = (const uint16_t *)base + slot * D;
     for (int64_t i = 0; i < D; i++) tmp[i] = bf16_to_f32(r[i]);
     return tmp;
@@ -98,12 +107,16 @@ static inline int64_t ahead_rate(const ahead_t *a, int64_t n) {
  * 200-token context, 5 ms at 1000). Three, so that a tile's accumulators stay in registers. */
 #define TILE 3
 
-/* 8 values of a K or V row from `off` values into `base`, as float32 */
+/* 8 values of a K or V row from `off` elements into `base`, as float32 (int8: the codes,
+ * unscaled) */
 static inline __attribute__((always_inline)) __m256 load_kv8(const void *base, int64_t off,
-                                                             int bf16) {
-    if (bf16)
+                                                             int kind) {
+    if (kind == KV_BF16)
         return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(
             _mm_loadu_si128((const __m128i *)((const uint16_t *)base + off))), 16));
+    if (kind == KV_I8)
+        return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+            _mm_loadl_epi64((const __m128i *)((const int8_t *)base + off))));
     return _mm256_loadu_ps((const float *)base + off);
 }
 
@@ -112,44 +125,53 @@ static inline __attribute__((always_inline)) __m256 load_kv8(const void *base, i
  * hardware prefetcher stops at each new block). 64 sequences of 600 tokens, 3 KV heads, one
  * layer: float32 pool 3.5 -> 2.5 ms (24 GB/s, the DRAM's rate), bf16 2.1 ms. */
 static inline __attribute__((always_inline)) void prefetch_kv(const void *base, int64_t off,
-                                                              int64_t n, int bf16) {
-    const char *p = (const char *)base + off * (bf16 ? 2 : 4);
-    for (int64_t c = 0; c < n * (bf16 ? 2 : 4); c += 64) _mm_prefetch(p + c, _MM_HINT_T0);
+                                                              int64_t n, int kind) {
+    const char *p = (const char *)base + off * kv_elem_bytes(kind);
+    for (int64_t c = 0; c < n * kv_elem_bytes(kind); c += 64) _mm_prefetch(p + c, _MM_HINT_T0);
 }
 
 /* The same rows of V into L2 while the scores stream K: the values pass that follows finds
  * them there instead of waiting on DRAM a second time (64 sequences of 96-192 tokens, 3 KV
  * heads, 30 layers, bf16 pool, both cores: 11.7 -> 9.0 ms a step's attention). */
 static inline __attribute__((always_inline)) void prefetch_kv_l2(const void *base, int64_t off,
-                                                                 int64_t n, int bf16) {
-    const char *p = (const char *)base + off * (bf16 ? 2 : 4);
-    for (int64_t c = 0; c < n * (bf16 ? 2 : 4); c += 64) _mm_prefetch(p + c, _MM_HINT_T1);
+                                                                 int64_t n, int kind) {
+    const char *p = (const char *)base + off * kv_elem_bytes(kind);
+    for (int64_t c = 0; c < n * kv_elem_bytes(kind); c += 64) _mm_prefetch(p + c, _MM_HINT_T1);
+}
+
+/* The factor of a key's (or value's) products at element offset `off`: `scale`, times the
+ * row's scale in an int8 pool */
+static inline __attribute__((always_inline)) float row_scale(const void *base, int64_t off,
+                                                             int64_t D, int kind, float scale) {
+    return kind == KV_I8 ? scale * kv_i8_scale((const int8_t *)base + off, D) : scale;
 }
 
 /* p[i * L + t] = scale * q_i . k_t for the m vectors q_i and keys t < n, key t's row at
- * kbase + slot[t] * D (D % 8 == 0): four keys at a time, reduced together by horizontal adds.
+ * kbase + slot[t] (an element offset; D % 8 == 0): four keys at a time, reduced together by
+ * horizontal adds.
  * The values of keys from v_from on go towards L2 as the keys are scored (those before were
  * sent ahead by the thread's last task; a task's later tiles: none); `ahead`, the next task's
  * lines, go out over the keys. */
 static inline __attribute__((always_inline)) void tile_scores(
         int m, const float *const *q, const void *kbase, const void *vbase, const int64_t *slot, int64_t D,
-        int64_t n, float scale, float *p, int64_t L, int bf16, int64_t v_from, ahead_t *ahead) {
+        int64_t n, float scale, float *p, int64_t L, int kind, int64_t v_from, ahead_t *ahead) {
+    const int64_t RS = kv_row_elems(kind, D);
     int64_t t = 0;
     const int64_t rate = ahead_rate(ahead, n);
     for (; t + 4 <= n; t += 4) {
         ahead_send(ahead, rate);
         if (t + 16 < n) {  /* a block ahead */
-            prefetch_kv(kbase, slot[t + 16] * D, 4 * D, bf16);
-            if (t + 16 >= v_from) prefetch_kv_l2(vbase, slot[t + 16] * D, 4 * D, bf16);
+            prefetch_kv(kbase, slot[t + 16], 4 * RS, kind);
+            if (t + 16 >= v_from) prefetch_kv_l2(vbase, slot[t + 16], 4 * RS, kind);
         }
-        const int64_t k0 = slot[t] * D, k1 = slot[t + 1] * D;
-        const int64_t k2 = slot[t + 2] * D, k3 = slot[t + 3] * D;
+        const int64_t k0 = slot[t], k1 = slot[t + 1];
+        const int64_t k2 = slot[t + 2], k3 = slot[t + 3];
         __m256 a[TILE][4];
         _Pragma("GCC unroll 4") for (int i = 0; i < m; i++)
             a[i][0] = a[i][1] = a[i][2] = a[i][3] = _mm256_setzero_ps();
         for (int64_t d = 0; d < D; d += 8) {
-            const __m256 x0 = load_kv8(kbase, k0 + d, bf16), x1 = load_kv8(kbase, k1 + d, bf16);
-            const __m256 x2 = load_kv8(kbase, k2 + d, bf16), x3 = load_kv8(kbase, k3 + d, bf16);
+            const __m256 x0 = load_kv8(kbase, k0 + d, kind), x1 = load_kv8(kbase, k1 + d, kind);
+            const __m256 x2 = load_kv8(kbase, k2 + d, kind), x3 = load_kv8(kbase, k3 + d, kind);
             _Pragma("GCC unroll 4") for (int i = 0; i < m; i++) {
                 const __m256 qv = _mm256_loadu_ps(q[i] + d);
                 a[i][0] = _mm256_fmadd_ps(qv, x0, a[i][0]);
@@ -158,21 +180,23 @@ static inline __attribute__((always_inline)) void tile_scores(
                 a[i][3] = _mm256_fmadd_ps(qv, x3, a[i][3]);
             }
         }
+        const __m128 sc = _mm_setr_ps(row_scale(kbase, k0, D, kind, scale), row_scale(kbase, k1, D, kind, scale),
+                                      row_scale(kbase, k2, D, kind, scale), row_scale(kbase, k3, D, kind, scale));
         _Pragma("GCC unroll 4") for (int i = 0; i < m; i++) {
             /* [s0 s1 s2 s3] of the low half + the same of the high half */
             const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a[i][0], a[i][1]),
                                             _mm256_hadd_ps(a[i][2], a[i][3]));
             const __m128 sum = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-            _mm_storeu_ps(p + i * L + t, _mm_mul_ps(sum, _mm_set1_ps(scale)));
+            _mm_storeu_ps(p + i * L + t, _mm_mul_ps(sum, sc));
         }
     }
     for (; t < n; t++) {
-        const int64_t k = slot[t] * D;
+        const int64_t k = slot[t];
         _Pragma("GCC unroll 4") for (int i = 0; i < m; i++) {
             __m256 a = _mm256_setzero_ps();
             for (int64_t d = 0; d < D; d += 8)
-                a = _mm256_fmadd_ps(_mm256_loadu_ps(q[i] + d), load_kv8(kbase, k + d, bf16), a);
-            p[i * L + t] = scale * hsum8(a);
+                a = _mm256_fmadd_ps(_mm256_loadu_ps(q[i] + d), load_kv8(kbase, k + d, kind), a);
+            p[i * L + t] = row_scale(kbase, k, D, kind, scale) * hsum8(a);
         }
     }
 }
@@ -182,10 +206,13 @@ static inline __attribute__((always_inline)) void tile_scores(
  * (a 64-value row is four registers), which is what a many-sequence decode step spends its
  * attention time on once the KV is bf16. */
 static inline __attribute__((always_inline)) __m512 load_kv16(const void *base, int64_t off,
-                                                              int bf16) {
-    if (bf16)
+                                                              int kind) {
+    if (kind == KV_BF16)
         return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
             _mm256_loadu_si256((const __m256i *)((const uint16_t *)base + off))), 16));
+    if (kind == KV_I8)
+        return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+            _mm_loadu_si128((const __m128i *)((const int8_t *)base + off))));
     return _mm512_loadu_ps((const float *)base + off);
 }
 
@@ -196,23 +223,24 @@ static inline __m256 fold16(__m512 v) {  /* lanes i and i + 8 added */
 
 static inline __attribute__((always_inline)) void tile_scores16(
         int m, const float *const *q, const void *kbase, const void *vbase, const int64_t *slot, int64_t D,
-        int64_t n, float scale, float *p, int64_t L, int bf16, int64_t v_from, ahead_t *ahead) {
+        int64_t n, float scale, float *p, int64_t L, int kind, int64_t v_from, ahead_t *ahead) {
+    const int64_t RS = kv_row_elems(kind, D);
     int64_t t = 0;
     const int64_t rate = ahead_rate(ahead, n);
     for (; t + 4 <= n; t += 4) {
         ahead_send(ahead, rate);
         if (t + 16 < n) {  /* a block ahead */
-            prefetch_kv(kbase, slot[t + 16] * D, 4 * D, bf16);
-            if (t + 16 >= v_from) prefetch_kv_l2(vbase, slot[t + 16] * D, 4 * D, bf16);
+            prefetch_kv(kbase, slot[t + 16], 4 * RS, kind);
+            if (t + 16 >= v_from) prefetch_kv_l2(vbase, slot[t + 16], 4 * RS, kind);
         }
-        const int64_t k0 = slot[t] * D, k1 = slot[t + 1] * D;
-        const int64_t k2 = slot[t + 2] * D, k3 = slot[t + 3] * D;
+        const int64_t k0 = slot[t], k1 = slot[t + 1];
+        const int64_t k2 = slot[t + 2], k3 = slot[t + 3];
         __m512 a[TILE][4];
         _Pragma("GCC unroll 4") for (int i = 0; i < m; i++)
             a[i][0] = a[i][1] = a[i][2] = a[i][3] = _mm512_setzero_ps();
         for (int64_t d = 0; d < D; d += 16) {
-            const __m512 x0 = load_kv16(kbase, k0 + d, bf16), x1 = load_kv16(kbase, k1 + d, bf16);
-            const __m512 x2 = load_kv16(kbase, k2 + d, bf16), x3 = load_kv16(kbase, k3 + d, bf16);
+            const __m512 x0 = load_kv16(kbase, k0 + d, kind), x1 = load_kv16(kbase, k1 + d, kind);
+            const __m512 x2 = load_kv16(kbase, k2 + d, kind), x3 = load_kv16(kbase, k3 + d, kind);
             _Pragma("GCC unroll 4") for (int i = 0; i < m; i++) {
                 const __m512 qv = _mm512_loadu_ps(q[i] + d);
                 a[i][0] = _mm512_fmadd_ps(qv, x0, a[i][0]);
@@ -221,39 +249,43 @@ static inline __attribute__((always_inline)) void tile_scores16(
                 a[i][3] = _mm512_fmadd_ps(qv, x3, a[i][3]);
             }
         }
+        const __m128 sc = _mm_setr_ps(row_scale(kbase, k0, D, kind, scale), row_scale(kbase, k1, D, kind, scale),
+                                      row_scale(kbase, k2, D, kind, scale), row_scale(kbase, k3, D, kind, scale));
         _Pragma("GCC unroll 4") for (int i = 0; i < m; i++) {
             const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(fold16(a[i][0]), fold16(a[i][1])),
                                             _mm256_hadd_ps(fold16(a[i][2]), fold16(a[i][3])));
             const __m128 sum = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-            _mm_storeu_ps(p + i * L + t, _mm_mul_ps(sum, _mm_set1_ps(scale)));
+            _mm_storeu_ps(p + i * L + t, _mm_mul_ps(sum, sc));
         }
     }
     for (; t < n; t++) {
-        const int64_t k = slot[t] * D;
+        const int64_t k = slot[t];
         _Pragma("GCC unroll 4") for (int i = 0; i < m; i++) {
             __m512 a = _mm512_setzero_ps();
             for (int64_t d = 0; d < D; d += 16)
-                a = _mm512_fmadd_ps(_mm512_loadu_ps(q[i] + d), load_kv16(kbase, k + d, bf16), a);
-            p[i * L + t] = scale * _mm512_reduce_add_ps(a);
+                a = _mm512_fmadd_ps(_mm512_loadu_ps(q[i] + d), load_kv16(kbase, k + d, kind), a);
+            p[i * L + t] = row_scale(kbase, k, D, kind, scale) * _mm512_reduce_add_ps(a);
         }
     }
 }
 
 static inline __attribute__((always_inline)) void tile_values16(
         int m, const float *p, int64_t L, const float *inv, const void *vbase,
-        const int64_t *slot, int64_t D, int64_t n, float *const *out, int bf16) {
+        const int64_t *slot, int64_t D, int64_t n, float *const *out, int kind) {
+    const int64_t RS = kv_row_elems(kind, D);
     int64_t d0 = 0;
     for (; d0 + 64 <= D; d0 += 64) {
         __m512 o[TILE][4];
         _Pragma("GCC unroll 4") for (int i = 0; i < m; i++)
             o[i][0] = o[i][1] = o[i][2] = o[i][3] = _mm512_setzero_ps();
         for (int64_t t = 0; t < n; t++) {
-            const int64_t v = slot[t] * D + d0;
-            if (d0 == 0 && t + 16 < n) prefetch_kv(vbase, slot[t + 16] * D, D, bf16);
-            const __m512 v0 = load_kv16(vbase, v, bf16), v1 = load_kv16(vbase, v + 16, bf16);
-            const __m512 v2 = load_kv16(vbase, v + 32, bf16), v3 = load_kv16(vbase, v + 48, bf16);
+            const int64_t v = slot[t] + d0;
+            if (d0 == 0 && t + 16 < n) prefetch_kv(vbase, slot[t + 16], RS, kind);
+            const __m512 v0 = load_kv16(vbase, v, kind), v1 = load_kv16(vbase, v + 16, kind);
+            const __m512 v2 = load_kv16(vbase, v + 32, kind), v3 = load_kv16(vbase, v + 48, kind);
+            const float vs = row_scale(vbase, slot[t], D, kind, 1.f);
             _Pragma("GCC unroll 4") for (int i = 0; i < m; i++) {
-                const __m512 w = _mm512_set1_ps(p[i * L + t]);
+                const __m512 w = _mm512_set1_ps(kind == KV_I8 ? p[i * L + t] * vs : p[i * L + t]);
                 o[i][0] = _mm512_fmadd_ps(w, v0, o[i][0]);
                 o[i][1] = _mm512_fmadd_ps(w, v1, o[i][1]);
                 o[i][2] = _mm512_fmadd_ps(w, v2, o[i][2]);
@@ -270,9 +302,10 @@ static inline __attribute__((always_inline)) void tile_values16(
         __m512 o[TILE];
         _Pragma("GCC unroll 4") for (int i = 0; i < m; i++) o[i] = _mm512_setzero_ps();
         for (int64_t t = 0; t < n; t++) {
-            const __m512 v = load_kv16(vbase, slot[t] * D + d0, bf16);
+            const __m512 v = load_kv16(vbase, slot[t] + d0, kind);
+            const float vs = row_scale(vbase, slot[t], D, kind, 1.f);
             _Pragma("GCC unroll 4") for (int i = 0; i < m; i++)
-                o[i] = _mm512_fmadd_ps(_mm512_set1_ps(p[i * L + t]), v, o[i]);
+                o[i] = _mm512_fmadd_ps(_mm512_set1_ps(kind == KV_I8 ? p[i * L + t] * vs : p[i * L + t]), v, o[i]);
         }
         _Pragma("GCC unroll 4") for (int i = 0; i < m; i++)
             _mm512_storeu_ps(out[i] + d0, _mm512_mul_ps(o[i], _mm512_set1_ps(inv[i])));
@@ -327,8 +360,8 @@ static inline __attribute__((always_inline)) void tile_scores_bf16u(
     for (; t + 8 <= n; t += 8) {
         ahead_send(ahead, 2 * rate);
         for (int64_t u = t + 16; u < t + 24 && u < n; u += 4) {  /* a block ahead */
-            prefetch_kv(kbase, slot[u] * D, 4 * D, 1);
-            if (u >= v_from) prefetch_kv_l2(vbase, slot[u] * D, 4 * D, 1);
+            prefetch_kv(kbase, slot[u], 4 * D, 1);
+            if (u >= v_from) prefetch_kv_l2(vbase, slot[u], 4 * D, 1);
         }
         __m512 a[TILE][8];
         _Pragma("GCC unroll 4") for (int i = 0; i < m; i++)
@@ -336,7 +369,7 @@ static inline __attribute__((always_inline)) void tile_scores_bf16u(
         for (int64_t d = 0; d < D; d += 32) {
             _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++) {
                 __m512 lo, hi;
-                unpack_bf16x32(K + slot[t + j] * D + d, &lo, &hi);
+                unpack_bf16x32(K + slot[t + j] + d, &lo, &hi);
                 _Pragma("GCC unroll 4") for (int i = 0; i < m; i++) {
                     a[i][j] = _mm512_fmadd_ps(_mm512_loadu_ps(qp + i * D + d), lo, a[i][j]);
                     a[i][j] = _mm512_fmadd_ps(_mm512_loadu_ps(qp + i * D + d + 16), hi, a[i][j]);
@@ -351,7 +384,7 @@ static inline __attribute__((always_inline)) void tile_scores_bf16u(
             __m512 a = _mm512_setzero_ps();
             for (int64_t d = 0; d < D; d += 32) {
                 __m512 lo, hi;
-                unpack_bf16x32(K + slot[t] * D + d, &lo, &hi);
+                unpack_bf16x32(K + slot[t] + d, &lo, &hi);
                 a = _mm512_fmadd_ps(_mm512_loadu_ps(qp + i * D + d), lo, a);
                 a = _mm512_fmadd_ps(_mm512_loadu_ps(qp + i * D + d + 16), hi, a);
             }
@@ -373,10 +406,10 @@ static inline __attribute__((always_inline)) void tile_values_bf16u(
         _Pragma("GCC unroll 4") for (int i = 0; i < m; i++)
             o[i][0] = o[i][1] = o[i][2] = o[i][3] = _mm512_setzero_ps();
         for (int64_t t = 0; t < n; t++) {
-            if (d0 == 0 && t + 16 < n) prefetch_kv(vbase, slot[t + 16] * D, D, 1);
+            if (d0 == 0 && t + 16 < n) prefetch_kv(vbase, slot[t + 16], D, 1);
             __m512 v[4];
-            unpack_bf16x32(V + slot[t] * D + d0, &v[0], &v[1]);
-            unpack_bf16x32(V + slot[t] * D + d0 + 32, &v[2], &v[3]);
+            unpack_bf16x32(V + slot[t] + d0, &v[0], &v[1]);
+            unpack_bf16x32(V + slot[t] + d0 + 32, &v[2], &v[3]);
             _Pragma("GCC unroll 4") for (int i = 0; i < m; i++) {
                 const __m512 w = _mm512_set1_ps(p[i * L + t]);
                 _Pragma("GCC unroll 4") for (int c = 0; c < 4; c++)
@@ -432,19 +465,21 @@ static float softmax_avx2(float *p, int64_t n) {
  * held in registers 32 values at a time while the values stream by once. */
 static inline __attribute__((always_inline)) void tile_values(
         int m, const float *p, int64_t L, const float *inv, const void *vbase,
-        const int64_t *slot, int64_t D, int64_t n, float *const *out, int bf16) {
+        const int64_t *slot, int64_t D, int64_t n, float *const *out, int kind) {
+    const int64_t RS = kv_row_elems(kind, D);
     int64_t d0 = 0;
     for (; d0 + 32 <= D; d0 += 32) {
         __m256 o[TILE][4];
         _Pragma("GCC unroll 4") for (int i = 0; i < m; i++)
             o[i][0] = o[i][1] = o[i][2] = o[i][3] = _mm256_setzero_ps();
         for (int64_t t = 0; t < n; t++) {
-            const int64_t v = slot[t] * D + d0;
-            if (d0 == 0 && t + 16 < n) prefetch_kv(vbase, slot[t + 16] * D, D, bf16);
-            const __m256 v0 = load_kv8(vbase, v, bf16), v1 = load_kv8(vbase, v + 8, bf16);
-            const __m256 v2 = load_kv8(vbase, v + 16, bf16), v3 = load_kv8(vbase, v + 24, bf16);
+            const int64_t v = slot[t] + d0;
+            if (d0 == 0 && t + 16 < n) prefetch_kv(vbase, slot[t + 16], RS, kind);
+            const __m256 v0 = load_kv8(vbase, v, kind), v1 = load_kv8(vbase, v + 8, kind);
+            const __m256 v2 = load_kv8(vbase, v + 16, kind), v3 = load_kv8(vbase, v + 24, kind);
+            const float vs = row_scale(vbase, slot[t], D, kind, 1.f);
             _Pragma("GCC unroll 4") for (int i = 0; i < m; i++) {
-                const __m256 w = _mm256_broadcast_ss(p + i * L + t);
+                const __m256 w = _mm256_set1_ps(kind == KV_I8 ? p[i * L + t] * vs : p[i * L + t]);
                 o[i][0] = _mm256_fmadd_ps(w, v0, o[i][0]);
                 o[i][1] = _mm256_fmadd_ps(w, v1, o[i][1]);
                 o[i][2] = _mm256_fmadd_ps(w, v2, o[i][2]);
@@ -461,9 +496,10 @@ static inline __attribute__((always_inline)) void tile_values(
         __m256 o[TILE];
         _Pragma("GCC unroll 4") for (int i = 0; i < m; i++) o[i] = _mm256_setzero_ps();
         for (int64_t t = 0; t < n; t++) {
-            const __m256 v = load_kv8(vbase, slot[t] * D + d0, bf16);
+            const __m256 v = load_kv8(vbase, slot[t] + d0, kind);
+            const float vs = row_scale(vbase, slot[t], D, kind, 1.f);
             _Pragma("GCC unroll 4") for (int i = 0; i < m; i++)
-                o[i] = _mm256_fmadd_ps(_mm256_broadcast_ss(p + i * L + t), v, o[i]);
+                o[i] = _mm256_fmadd_ps(_mm256_set1_ps(kind == KV_I8 ? p[i * L + t] * vs : p[i * L + t]), v, o[i]);
         }
         _Pragma("GCC unroll 4") for (int i = 0; i < m; i++)
             _mm256_storeu_ps(out[i] + d0, _mm256_mul_ps(o[i], _mm256_set1_ps(inv[i])));
@@ -475,10 +511,10 @@ static inline __attribute__((always_inline)) void tile_values(
 static inline __attribute__((always_inline)) void attend_tile(
         int m, const float *const *q, float *const *out, const int64_t *nv, const void *kbase,
         const void *vbase, const int64_t *slot, int64_t D, int64_t n, float scale, float *p,
-        int64_t L, int bf16, int64_t v_from, ahead_t *ahead) {
+        int64_t L, int kind, int64_t v_from, ahead_t *ahead) {
     float inv[TILE];
 #ifdef __AVX512BW__
-    if (bf16 && D % 64 == 0 && D <= 256) {
+    if (kind == KV_BF16 && D % 64 == 0 && D <= 256) {
         float qp[TILE * 256] __attribute__((aligned(64)));
         unpacked_queries(m, q, D, qp);
         switch (m) {
@@ -504,13 +540,13 @@ static inline __attribute__((always_inline)) void attend_tile(
     const int wide = 0;
 #endif
 #ifdef __AVX512F__
-#define SCORES(M) do { if (wide) tile_scores16(M, q, kbase, vbase, slot, D, n, scale, p, L, bf16, v_from, ahead); \
-                       else tile_scores(M, q, kbase, vbase, slot, D, n, scale, p, L, bf16, v_from, ahead); } while (0)
-#define VALUES(M) do { if (wide) tile_values16(M, p, L, inv, vbase, slot, D, n, out, bf16); \
-                       else tile_values(M, p, L, inv, vbase, slot, D, n, out, bf16); } while (0)
+#define SCORES(M) do { if (wide) tile_scores16(M, q, kbase, vbase, slot, D, n, scale, p, L, kind, v_from, ahead); \
+                       else tile_scores(M, q, kbase, vbase, slot, D, n, scale, p, L, kind, v_from, ahead); } while (0)
+#define VALUES(M) do { if (wide) tile_values16(M, p, L, inv, vbase, slot, D, n, out, kind); \
+                       else tile_values(M, p, L, inv, vbase, slot, D, n, out, kind); } while (0)
 #else
-#define SCORES(M) tile_scores(M, q, kbase, vbase, slot, D, n, scale, p, L, bf16, v_from, ahead)
-#define VALUES(M) tile_values(M, p, L, inv, vbase, slot, D, n, out, bf16)
+#define SCORES(M) tile_scores(M, q, kbase, vbase, slot, D, n, scale, p, L, kind, v_from, ahead)
+#define VALUES(M) tile_values(M, p, L, inv, vbase, slot, D, n, out, kind)
 #endif
     switch (m) {
         case 1: SCORES(1); break;
@@ -530,18 +566,22 @@ static inline __attribute__((always_inline)) void attend_tile(
 #undef VALUES
 }
 
-static void attend_tile_f32(int m, const float *const *q, float *const *out, const int64_t *nv,
-                            const void *kbase, const void *vbase, const int64_t *slot, int64_t D,
-                            int64_t n, float scale, float *p, int64_t L, int64_t v_from, ahead_t *ahead) {
-    attend_tile(m, q, out, nv, kbase, vbase, slot, D, n, scale, p, L, 0, v_from, ahead);
+/* attend_tile for each pool kind, compiled apart */
+#define ATTEND_TILE_ARGS int m, const float *const *q, float *const *out, const int64_t *nv, \
+        const void *kbase, const void *vbase, const int64_t *slot, int64_t D, int64_t n, \
+        float scale, float *p, int64_t L, int64_t v_from, ahead_t *ahead
+static void attend_tile_f32(ATTEND_TILE_ARGS) {
+    attend_tile(m, q, out, nv, kbase, vbase, slot, D, n, scale, p, L, KV_F32, v_from, ahead);
 }
 
-static void attend_tile_bf16(int m, const float *const *q, float *const *out, const int64_t *nv,
-                             const void *kbase, const void *vbase, const int64_t *slot,
-                             int64_t D, int64_t n, float scale, float *p, int64_t L,
-                             int64_t v_from, ahead_t *ahead) {
-    attend_tile(m, q, out, nv, kbase, vbase, slot, D, n, scale, p, L, 1, v_from, ahead);
+static void attend_tile_bf16(ATTEND_TILE_ARGS) {
+    attend_tile(m, q, out, nv, kbase, vbase, slot, D, n, scale, p, L, KV_BF16, v_from, ahead);
 }
+
+static void attend_tile_i8(ATTEND_TILE_ARGS) {
+    attend_tile(m, q, out, nv, kbase, vbase, slot, D, n, scale, p, L, KV_I8, v_from, ahead);
+}
+#undef ATTEND_TILE_ARGS
 #endif
 
 /* Query rows a task takes: a long query (a prefill chunk) splits into tasks of this many
@@ -733,12 +773,12 @@ static inline __attribute__((always_inline)) void flash_tile(
 #define FLASH_FLOATS(D, rows) (2 * FB * (D) + (rows) * ((D) + 2) + (rows) * (D) / 2 + 12 * FB)
 static void attend_flash(const float *q, float *out, const void *kbase, const void *vbase,
                          int64_t H, int64_t D, int64_t group, const int64_t *slot, int64_t L,
-                         int64_t q0, int64_t ql, int64_t kvh, float scale, int bf16, float *buf) {
+                         int64_t q0, int64_t ql, int64_t kvh, float scale, int kind, float *buf) {
     const int64_t rows = ql * group, D16 = D / 16, FM = D16 == 4 ? 6 : 3;
     float *KT = buf, *Vf = KT + FB * D, *O = Vf + FB * D, *mrow = O + rows * D;
     float *lrow = mrow + rows, *QB = lrow + rows, *P = QB + rows * D / 2;
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
-    const int BF = bf16;
+    const int BF = kind == KV_BF16;
 #else
     const int BF = 0;
 #endif
@@ -766,13 +806,13 @@ static void attend_flash(const float *q, float *out, const void *kbase, const vo
             uint32_t *KTP = (uint32_t *)KT;
             uint16_t *VP = (uint16_t *)Vf;
             for (int64_t t = 0; t < FB; t++) {
-                const uint32_t *kr = (const uint32_t *)((const uint16_t *)kbase + (t < nk ? slot[kb0 + t] : 0) * D);
+                const uint32_t *kr = (const uint32_t *)((const uint16_t *)kbase + (t < nk ? slot[kb0 + t] : 0));
                 for (int64_t p = 0; p < D / 2; p++) KTP[p * FB + t] = t < nk ? kr[p] : 0u;
             }
             for (int64_t t = 0; t < FB; t += 2) {
                 uint16_t *dst = VP + (t / 2) * 2 * D;
-                const uint16_t *a = (const uint16_t *)vbase + (t < nk ? slot[kb0 + t] : 0) * D;
-                const uint16_t *b = (const uint16_t *)vbase + (t + 1 < nk ? slot[kb0 + t + 1] : 0) * D;
+                const uint16_t *a = (const uint16_t *)vbase + (t < nk ? slot[kb0 + t] : 0);
+                const uint16_t *b = (const uint16_t *)vbase + (t + 1 < nk ? slot[kb0 + t + 1] : 0);
                 for (int64_t c = 0; c < D; c += 32) {
                     const __m512i va = t < nk ? _mm512_loadu_si512(a + c) : _mm512_setzero_si512();
                     const __m512i vb = t + 1 < nk ? _mm512_loadu_si512(b + c) : _mm512_setzero_si512();
@@ -790,13 +830,17 @@ static void attend_flash(const float *q, float *out, const void *kbase, const vo
                 memset(vr, 0, sizeof(float) * D);
                 continue;
             }
-            const int64_t off = slot[kb0 + t] * D;
+            const int64_t off = slot[kb0 + t];
+            /* an int8 pool's codes times their row's scale */
+            const __m512 ks = _mm512_set1_ps(kind == KV_I8 ? kv_i8_scale((const int8_t *)kbase + off, D) : 1.f);
+            const __m512 vs = _mm512_set1_ps(kind == KV_I8 ? kv_i8_scale((const int8_t *)vbase + off, D) : 1.f);
             for (int64_t c = 0; c < D; c += 16) {
-                const __m512 kv = load_kv16(kbase, off + c, bf16);
+                __m512 kv = load_kv16(kbase, off + c, kind), vv = load_kv16(vbase, off + c, kind);
+                if (kind == KV_I8) kv = _mm512_mul_ps(kv, ks), vv = _mm512_mul_ps(vv, vs);
                 float tmp[16];
                 _mm512_storeu_ps(tmp, kv);
                 for (int e = 0; e < 16; e++) KT[(c + e) * FB + t] = tmp[e];
-                _mm512_storeu_ps(vr + c, load_kv16(vbase, off + c, bf16));
+                _mm512_storeu_ps(vr + c, vv);
             }
         }
         for (int64_t v0 = j0 * group; v0 < rows; v0 += FM) {
@@ -847,25 +891,26 @@ static void attend_flash(const float *q, float *out, const void *kbase, const vo
 #endif
 
 /* One (sequence, KV head) task: the query rows of the `group` heads sharing the KV head, for
- * each of the sequence's ql query rows. kc, vc: float32 or (bf16) uint16 pools. */
+ * each of the sequence's ql query rows. kc, vc: pools of `kind` (kv_pool.h). */
 static int attend(const float *q, float *out, const void *kc, const void *vc, int64_t H,
                   int64_t KVH, int64_t D, int64_t NB, int64_t BS, const int32_t *table,
-                  int64_t L, int64_t q0, int64_t ql, int64_t kvh, float scale, int bf16,
+                  int64_t L, int64_t q0, int64_t ql, int64_t kvh, float scale, int kind,
                   int64_t *slot, float *scores, float *flash_buf, int64_t v_sent, ahead_t *ahead) {
-    const int64_t group = H / KVH, rows = ql * group, es = bf16 ? 2 : 4;
-    const void *kbase = (const char *)kc + kvh * NB * BS * D * es;
-    const void *vbase = (const char *)vc + kvh * NB * BS * D * es;
+    const int64_t group = H / KVH, rows = ql * group;
+    const void *kbase = (const char *)kc + kvh * NB * BS * kv_row_bytes(kind, D);
+    const void *vbase = (const char *)vc + kvh * NB * BS * kv_row_bytes(kind, D);
 #ifdef __AVX2__
     if (D % 8 == 0) {
-        /* slot of every key once per task, not per key and row (a block's keys are
-         * consecutive slots: no division per key); TILE rows of scores in p */
+        /* each key's row (its element offset) once per task, not per key and row (a block's
+         * keys are consecutive slots: no division per key); TILE rows of scores in p */
+        const int64_t RS = kv_row_elems(kind, D);
         for (int64_t t = 0, b = 0; t < L; b++) {
             const int64_t first = (int64_t)table[b] * BS;
-            for (int64_t i = 0; i < BS && t < L; i++, t++) slot[t] = first + i;
+            for (int64_t i = 0; i < BS && t < L; i++, t++) slot[t] = (first + i) * RS;
         }
 #ifdef __AVX512F__
         if (flash_buf && ql >= FLASH_MIN_QUERY_ROWS && (D == 64 || D == 128)) {
-            attend_flash(q, out, kbase, vbase, H, D, group, slot, L, q0, ql, kvh, scale, bf16,
+            attend_flash(q, out, kbase, vbase, H, D, group, slot, L, q0, ql, kvh, scale, kind,
                          flash_buf);
             return 0;
         }
@@ -886,10 +931,11 @@ static int attend(const float *q, float *out, const void *kc, const void *vc, in
             /* the first tile's scores bring the values towards L2 too; later tiles find them
              * there (prefetching them again made a 1,952-row chunk over 4,000 keys ~12% slower) */
             if (m)
-                (bf16 ? attend_tile_bf16 : attend_tile_f32)(m, qs, outs, nv, kbase, vbase, slot,
-                                                            D, nv[m - 1], scale, p, L,
-                                                            v0 == 0 ? v_sent : INT64_MAX,
-                                                            v0 == 0 ? ahead : NULL);
+                (kind == KV_BF16 ? attend_tile_bf16 : kind == KV_I8 ? attend_tile_i8
+                                 : attend_tile_f32)(m, qs, outs, nv, kbase, vbase, slot, D,
+                                                    nv[m - 1], scale, p, L,
+                                                    v0 == 0 ? v_sent : INT64_MAX,
+                                                    v0 == 0 ? ahead : NULL);
         }
         return 0;
     }
@@ -899,7 +945,7 @@ static int attend(const float *q, float *out, const void *kc, const void *vc, in
     float *p = malloc(sizeof(float) * rows * (L > 0 ? L : 1)), *tmp = malloc(sizeof(float) * D);
     if (!p || !tmp) { free(p); free(tmp); return -1; }
     for (int64_t t = 0; t < L; t++) {
-        const float *k = kv_row(kbase, table[t / BS] * BS + t % BS, D, bf16, tmp);
+        const float *k = kv_row(kbase, table[t / BS] * BS + t % BS, D, kind, tmp);
         for (int64_t j = 0; j < ql; j++) {
             const int64_t visible = L - ql + j;  /* last key position row j sees */
             for (int64_t g = 0; g < group; g++) {
@@ -919,7 +965,7 @@ static int attend(const float *q, float *out, const void *kc, const void *vc, in
         for (int64_t g = 0; g < group; g++)
             memset(out + ((q0 + j) * H + kvh * group + g) * D, 0, sizeof(float) * D);
     for (int64_t t = 0; t < L; t++) {
-        const float *v = kv_row(vbase, table[t / BS] * BS + t % BS, D, bf16, tmp);
+        const float *v = kv_row(vbase, table[t / BS] * BS + t % BS, D, kind, tmp);
         for (int64_t j = 0; j < ql; j++) {
             if (t > L - ql + j) continue;
             for (int64_t g = 0; g < group; g++)
@@ -938,11 +984,11 @@ static int attend(const float *q, float *out, const void *kc, const void *vc, in
  * reads from key 0), towards L2. */
 static void prefetch_task(const void *kc, const void *vc, int64_t D, int64_t NB, int64_t BS,
                           const int32_t *tables, int64_t MB, const int32_t *seq_lens, int64_t s,
-                          int64_t kvh, int bf16) {
+                          int64_t kvh, int kind) {
     if (seq_lens[s] <= 0) return;
-    const int64_t es = bf16 ? 2 : 4;
-    const int64_t off = (kvh * NB * BS + (int64_t)tables[s * MB] * BS) * D * es;
-    for (int64_t c = 0; c < BS * D * es; c += 64) {
+    const int64_t rb = kv_row_bytes(kind, D);
+    const int64_t off = (kvh * NB * BS + (int64_t)tables[s * MB] * BS) * rb;
+    for (int64_t c = 0; c < BS * rb; c += 64) {
         __builtin_prefetch((const char *)kc + off + c, 0, 2);
         __builtin_prefetch((const char *)vc + off + c, 0, 2);
     }
@@ -957,14 +1003,14 @@ static inline int64_t task_keys(const int32_t *qstart, const int32_t *seq_lens, 
     return seq_lens[s] - (ql - c - n);
 }
 
-/* q, out [T, H, D]; kc, vc [KVH, NB, BS, D] float32, or uint16 bf16 values with kv_bf16;
+/* q, out [T, H, D]; kc, vc [KVH, NB, BS, row] pools of kv_kind (kv_pool.h);
  * tables [S, MB]; seq_lens [S]; qstart [S + 1]; seqs [n_seqs]: the sequences to attend for
  * (the others are left alone in out). Returns 0, or -1 when out of memory. */
 int paged_attention(const float *q, float *out, const void *kc, const void *vc,
                     int64_t H, int64_t KVH, int64_t D, int64_t NB, int64_t BS,
                     const int32_t *tables, int64_t MB, const int32_t *seq_lens,
                     const int32_t *qstart, const int32_t *seqs, int64_t n_seqs,
-                    float scale, int threads, int kv_bf16) {
+                    float scale, int threads, int kv_kind) {
     /* tasks: (sequence, first query row of a chunk), times the KV heads */
     int64_t n_tasks = 0;
     int chunks = 0;  /* a prefill chunk among the sequences: the key-block buffers are needed */
@@ -1014,9 +1060,9 @@ int paged_attention(const float *q, float *out, const void *kc, const void *vc,
             int64_t ahead_keys = 0;
             if (i + stride < n_all) {
                 prefetch_task(kc, vc, D, NB, BS, tables, MB, seq_lens, task[2 * ((i + stride) / KVH)],
-                              (i + stride) % KVH, kv_bf16);
+                              (i + stride) % KVH, kv_kind);
                 const int64_t tn = (i + stride) / KVH, hn = (i + stride) % KVH, sn = task[2 * tn];
-                const int64_t block_bytes = BS * D * (kv_bf16 ? 2 : 4);
+                const int64_t block_bytes = BS * kv_row_bytes(kv_kind, D);
                 const int64_t cap = AHEAD_BYTES / block_bytes > 1 ? AHEAD_BYTES / block_bytes : 1;
                 int64_t blocks = (task_keys(qstart, seq_lens, sn, task[2 * tn + 1]) + BS - 1) / BS;
                 blocks = blocks < 0 ? 0 : blocks < cap ? blocks : cap;
@@ -1031,7 +1077,7 @@ int paged_attention(const float *q, float *out, const void *kc, const void *vc,
             const int64_t n = ql - c < QUERY_ROWS ? ql - c : QUERY_ROWS;
             const int64_t len = task_keys(qstart, seq_lens, s, c);
             if (slot && p && attend(q, out, kc, vc, H, KVH, D, NB, BS, tables + s * MB, len,
-                                    q0 + c, n, kvh, scale, kv_bf16, slot, p, fb, v_sent, &ahead)) {
+                                    q0 + c, n, kvh, scale, kv_kind, slot, p, fb, v_sent, &ahead)) {
                 #pragma omp atomic write
                 failed = 1;
             }
@@ -1043,21 +1089,48 @@ int paged_attention(const float *q, float *out, const void *kc, const void *vc,
     return failed ? -1 : 0;
 }
 
-/* One row of D values into a float32 pool, or rounded to bf16 into a uint16 one. */
-void store_kv_row(void *pool, int64_t index, const float *src, int64_t D, int bf16) {
-    if (!bf16) { memcpy((float *)pool + index * D, src, sizeof(float) * D); return; }
-    uint16_t *dst = (uint16_t *)pool + index * D;
-    for (int64_t i = 0; i < D; i++) dst[i] = f32_to_bf16(src[i]);
+/* One row of D values into row `index` of a pool of `kind`: float32 as they are, bf16
+ * rounded to nearest even, int8 as codes round(x / s) (to nearest even) and s = max |x| / 127
+ * (0 for a row of zeros; a row holding a NaN or an infinity gets a NaN scale, so that what
+ * attends to it is NaN, as with the other kinds). */
+void store_kv_row(void *pool, int64_t index, const float *src, int64_t D, int kind) {
+    if (kind == KV_F32) { memcpy((float *)pool + index * D, src, sizeof(float) * D); return; }
+    if (kind == KV_BF16) {
+        uint16_t *dst = (uint16_t *)pool + index * D;
+        for (int64_t i = 0; i < D; i++) dst[i] = f32_to_bf16(src[i]);
+        return;
+    }
+    int8_t *dst = (int8_t *)pool + index * (D + 4);
+    float mx = 0.f;
+    int finite = 1;
+    for (int64_t i = 0; i < D; i++) {
+        finite &= isfinite(src[i]) != 0;
+        mx = fabsf(src[i]) > mx ? fabsf(src[i]) : mx;
+    }
+    const float s = finite ? mx / 127.f : NAN, inv = finite && mx > 0.f ? 127.f / mx : 0.f;
+    int64_t i = 0;
+#ifdef __AVX512F__
+    /* the same roundings 16 at a time (cvtps rounds to nearest even, as nearbyintf does) */
+    for (; i + 16 <= D; i += 16)
+        _mm_storeu_si128((__m128i *)(dst + i), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(
+            _mm512_mul_ps(_mm512_loadu_ps(src + i), _mm512_set1_ps(inv)))));
+#endif
+    for (; i < D; i++) {
+        const float r = finite ? nearbyintf(src[i] * inv) : 0.f;  /* |r| <= 127 */
+        dst[i] = (int8_t)(r > 127.f ? 127.f : r < -127.f ? -127.f : r);
+    }
+    if (!finite) memset(dst, 0, D);
+    memcpy(dst + D, &s, 4);
 }
 
-/* k, v [T, KVH, D] float32 -> slots of the head-major pools kc, vc [KVH, NB * BS, D] (float32,
- * or bf16 with kv_bf16). */
+/* k, v [T, KVH, D] float32 -> slots of the head-major pools kc, vc [KVH, NB * BS, row] of
+ * kv_kind (kv_pool.h). */
 void write_kv(const float *k, const float *v, void *kc, void *vc, const int64_t *slots,
-              int64_t T, int64_t KVH, int64_t D, int64_t slots_per_head, int kv_bf16) {
+              int64_t T, int64_t KVH, int64_t D, int64_t slots_per_head, int kv_kind) {
     for (int64_t t = 0; t < T; t++)
         for (int64_t h = 0; h < KVH; h++) {
             const int64_t dst = h * slots_per_head + slots[t], src = (t * KVH + h) * D;
-            store_kv_row(kc, dst, k + src, D, kv_bf16);
-            store_kv_row(vc, dst, v + src, D, kv_bf16);
+            store_kv_row(kc, dst, k + src, D, kv_kind);
+            store_kv_row(vc, dst, v + src, D, kv_kind);
         }
 }

@@ -6,8 +6,8 @@
  *   h = norm(x); q, k, v = h Wqkv; rotate q, k; write k, v; a = attention(q);
  *   x += a Wo; h = norm(x); g, u = h Wgu; x += (silu(g) * u) Wdown
  *
- * Everything is float32 but the KV pool (float32, or bf16 with kv_bf16); x [T, D] is updated
- * in place. Returns 0, or -1 when out of memory.
+ * Everything is float32 but the KV pool (of kv_kind: float32, bf16 or int8, kv_pool.h); x [T, D]
+ * is updated in place. Returns 0, or -1 when out of memory.
  */
 #include <math.h>
 #include <stdint.h>
@@ -25,7 +25,7 @@ int paged_attention(const float *q, float *out, const void *kc, const void *vc,
                     int64_t H, int64_t KVH, int64_t D, int64_t NB, int64_t BS,
                     const int32_t *tables, int64_t MB, const int32_t *seq_lens,
                     const int32_t *qstart, const int32_t *seqs, int64_t n_seqs,
-                    float scale, int threads, int kv_bf16);
+                    float scale, int threads, int kv_kind);
 void store_kv_row(void *pool, int64_t index, const float *src, int64_t D, int bf16);
 void rms_norm(const float *x, const float *add, float *x_out, const float *weight, float *out,
               int64_t T, int64_t D, float eps);
@@ -130,7 +130,7 @@ int decode_layer(float *x, int64_t T, int64_t D, float eps, const float *norm_in
                  const float *ssin, const int64_t *positions, void *kc, void *vc, int64_t NB,
                  int64_t BS, const int64_t *slots, const int32_t *tables, int64_t MB,
                  const int32_t *seq_lens, const int32_t *qstart, const int32_t *seqs,
-                 int64_t n_seqs, float scale, int threads, int kv_bf16) {
+                 int64_t n_seqs, float scale, int threads, int kv_kind) {
     const int64_t nq = H * hd, nkv = KVH * hd, nqkv = nq + 2 * nkv;
     const int64_t width = nqkv > 2 * I ? nqkv : 2 * I;
     float *h = malloc(sizeof(float) * T * D), *y = malloc(sizeof(float) * T * width);
@@ -148,12 +148,12 @@ int decode_layer(float *x, int64_t T, int64_t D, float eps, const float *norm_in
         memcpy(q + t * nq, row, sizeof(float) * nq);
         for (int64_t kh = 0; kh < KVH; kh++) {  /* head-major pool [KVH, NB * BS, hd] */
             const int64_t dst = kh * NB * BS + slots[t];
-            store_kv_row(kc, dst, row + nq + kh * hd, hd, kv_bf16);
-            store_kv_row(vc, dst, row + nq + nkv + kh * hd, hd, kv_bf16);
+            store_kv_row(kc, dst, row + nq + kh * hd, hd, kv_kind);
+            store_kv_row(vc, dst, row + nq + nkv + kh * hd, hd, kv_kind);
         }
     }
     if (paged_attention(q, a, kc, vc, H, KVH, hd, NB, BS, tables, MB, seq_lens, qstart, seqs,
-                        n_seqs, scale, threads, kv_bf16)) goto done;
+                        n_seqs, scale, threads, kv_kind)) goto done;
     if (project(&projs[1], a, T, nq, d, D, tmp, threads)) goto done;
     rms_norm(x, d, x, norm_post, h, T, D, eps);  /* x += attention; h = norm(x) */
     if (project(&projs[2], h, T, D, y, 2 * I, tmp, threads)) goto done;

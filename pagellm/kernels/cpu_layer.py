@@ -6,7 +6,7 @@ import ctypes
 import torch
 
 from pagellm.attention.base import AttentionMetadata
-from pagellm.kernels import native
+from pagellm.kernels import cpu_attention, native
 from pagellm.layers.quant import NativeGGUF, NativePanels, NativeQ4, PackedParts, few_rows
 
 _MAX_PARTS = 3  # cpu_layer.c MAX_PARTS
@@ -87,7 +87,7 @@ class FusedDecodeLayer:
         return (x.dtype == torch.float32 and few_rows(x.shape[0], self.max_rows)
                 and x.is_contiguous()
                 and attn.k_cache is not None
-                and attn.k_cache.dtype in (torch.float32, torch.bfloat16)
+                and attn.k_cache.dtype in cpu_attention.POOL_DTYPES
                 and attn.k_cache.permute(2, 0, 1, 3).is_contiguous()
                 and attn.v_cache.permute(2, 0, 1, 3).is_contiguous() and _step_ok(md))
 
@@ -102,7 +102,7 @@ class FusedDecodeLayer:
             attn.k_cache.data_ptr(), attn.v_cache.data_ptr(), nb, bs,
             md.slot_mapping.data_ptr(), md.block_tables.data_ptr(), md.block_tables.shape[1],
             md.seq_lens.data_ptr(), md.query_start_loc.data_ptr(), seqs.data_ptr(), seqs.numel(),
-            self.scale, torch.get_num_threads(), attn.k_cache.dtype == torch.bfloat16)
+            self.scale, torch.get_num_threads(), cpu_attention.kv_kind(attn.k_cache))
         if rc != 0:
             raise MemoryError("decode_layer: out of memory for its buffers")
         return x

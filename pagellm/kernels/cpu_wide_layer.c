@@ -29,7 +29,7 @@ int paged_attention(const float *q, float *out, const void *kc, const void *vc,
                     int64_t H, int64_t KVH, int64_t D, int64_t NB, int64_t BS,
                     const int32_t *tables, int64_t MB, const int32_t *seq_lens,
                     const int32_t *qstart, const int32_t *seqs, int64_t n_seqs,
-                    float scale, int threads, int kv_bf16);
+                    float scale, int threads, int kv_kind);
 void q32_quantize_row(const uint16_t *x, int64_t K, int8_t *xq, float *dx, float *sx);
 void q32_quantize_f32(const float *x, int64_t R, int64_t K, int8_t *xq, float *dx, float *sx,
                       int threads);
@@ -115,12 +115,13 @@ static void rotate_rounded(float *x, int64_t heads, int64_t hd, const float *cos
 
 /* qkv [T, (H + 2 KVH) hd] bf16 (+ bias float32 when given) -> q [T, H hd] float32, q and k
  * rotated by their positions' rows of cos / signed_sin [positions, hd]; k and v written to
- * their slots of the head-major pools kc, vc [KVH, NB * BS, hd] (float32, or bf16 rounded to
- * nearest even). Returns 0, or -1 when out of memory. */
+ * their slots of the head-major pools kc, vc [KVH, NB * BS, row] of kv_kind (store_kv_row:
+ * float32, bf16 rounded to nearest even, or int8 codes and a scale a row). Returns 0, or -1
+ * when out of memory. */
 int rope_qkv_bf16(const uint16_t *qkv, const float *bias, int64_t T, int64_t H, int64_t KVH,
                   int64_t hd, const float *cos, const float *ssin, const int64_t *positions,
                   float *q, void *kc, void *vc, int64_t NB, int64_t BS, const int64_t *slots,
-                  int kv_bf16, int threads) {
+                  int kv_kind, int threads) {
     const int64_t nq = H * hd, nkv = KVH * hd, width = nq + 2 * nkv;
     int failed = 0;
     #pragma omp parallel num_threads(threads) if (threads > 1 && T > 1)
@@ -140,8 +141,8 @@ int rope_qkv_bf16(const uint16_t *qkv, const float *bias, int64_t T, int64_t H, 
             memcpy(q + t * nq, row, sizeof(float) * nq);
             for (int64_t kh = 0; kh < KVH; kh++) {
                 const int64_t dst = kh * NB * BS + slots[t];
-                store_kv_row(kc, dst, row + nq + kh * hd, hd, kv_bf16);
-                store_kv_row(vc, dst, row + nq + nkv + kh * hd, hd, kv_bf16);
+                store_kv_row(kc, dst, row + nq + kh * hd, hd, kv_kind);
+                store_kv_row(vc, dst, row + nq + nkv + kh * hd, hd, kv_kind);
             }
         }
         free(row);
@@ -178,7 +179,7 @@ typedef struct {
 int wide_layer_q32(const wide_q32_t *L, float *x, int64_t T, const int64_t *positions,
                    void *kc, void *vc, int64_t NB, int64_t BS, const int64_t *slots,
                    const int32_t *tables, int64_t MB, const int32_t *seq_lens,
-                   const int32_t *qstart, const int32_t *seqs, int64_t n_seqs, int kv_bf16,
+                   const int32_t *qstart, const int32_t *seqs, int64_t n_seqs, int kv_kind,
                    const int64_t *out_rows, int64_t n_out, int threads) {
     const int64_t D = L->D, nq = L->H * L->hd, I = L->I;
     const int64_t widest = nq > D ? nq : D;  /* xq holds a norm's rows, then the attention's */
@@ -195,9 +196,9 @@ int wide_layer_q32(const wide_q32_t *L, float *x, int64_t T, const int64_t *posi
     if (q32_linear(xq, dx, sx, T, D, L->qkv.codes, L->qkv.d, L->qkv.m, L->qkv.zeros,
                    (int)L->qkv.nibbles, L->qkv.n, qkv, threads)) goto done;
     if (rope_qkv_bf16(qkv, L->qkv_bias, T, L->H, L->KVH, L->hd, L->cos, L->ssin, positions, q,
-                      kc, vc, NB, BS, slots, kv_bf16, threads)) goto done;
+                      kc, vc, NB, BS, slots, kv_kind, threads)) goto done;
     if (paged_attention(q, a, kc, vc, L->H, L->KVH, L->hd, NB, BS, tables, MB, seq_lens,
-                        qstart, seqs, n_seqs, L->scale, threads, kv_bf16)) goto done;
+                        qstart, seqs, n_seqs, L->scale, threads, kv_kind)) goto done;
     if (n_out >= 0) {  /* only these rows go on: theirs to the front of a and x, in order */
         for (int64_t i = 0; i < n_out; i++)
             if (out_rows[i] != i) {
@@ -233,12 +234,12 @@ int wide_layers_q32(const wide_q32_t *const *L, int64_t n_layers, float *x, int6
                     const int64_t *positions, void *const *kc, void *const *vc, int64_t NB,
                     int64_t BS, const int64_t *slots, const int32_t *tables, int64_t MB,
                     const int32_t *seq_lens, const int32_t *qstart, const int32_t *seqs,
-                    int64_t n_seqs, int kv_bf16, const int64_t *out_rows, int64_t n_out,
+                    int64_t n_seqs, int kv_kind, const int64_t *out_rows, int64_t n_out,
                     int threads) {
     for (int64_t l = 0; l < n_layers; l++) {
         const int last = l == n_layers - 1;
         if (wide_layer_q32(L[l], x, T, positions, kc[l], vc[l], NB, BS, slots, tables, MB,
-                           seq_lens, qstart, seqs, n_seqs, kv_bf16, out_rows,
+                           seq_lens, qstart, seqs, n_seqs, kv_kind, out_rows,
                            last ? n_out : -1, threads))
             return -1;
     }

@@ -17,7 +17,7 @@ import torch
 
 from pagellm.attention.base import AttentionMetadata
 from pagellm.attention.torch_paged import native_seqs
-from pagellm.kernels import native
+from pagellm.kernels import cpu_attention, native
 from pagellm.kernels.cpu_layer import gate_up_silu_bf16
 
 
@@ -105,7 +105,7 @@ class WideLayer:
         return (x.dtype == torch.float32 and x.dim() == 2 and x.is_contiguous()
                 and all(m.takes_wide(x) for m in self._projections)
                 and attn.k_cache is not None
-                and attn.k_cache.dtype in (torch.float32, torch.bfloat16)
+                and attn.k_cache.dtype in cpu_attention.POOL_DTYPES
                 and attn.k_cache.permute(2, 0, 1, 3).is_contiguous()
                 and attn.v_cache.permute(2, 0, 1, 3).is_contiguous()
                 and md.slot_mapping.dtype == torch.int64 and md.slot_mapping.is_contiguous())
@@ -147,7 +147,7 @@ class WideLayer:
                 kvh, attn.head_dim, self._tables[0].data_ptr(), self._tables[1].data_ptr(),
                 positions.data_ptr(), q.data_ptr(), attn.k_cache.data_ptr(),
                 attn.v_cache.data_ptr(), nb, bs, md.slot_mapping.data_ptr(),
-                attn.k_cache.dtype == torch.bfloat16, threads) != 0:
+                cpu_attention.kv_kind(attn.k_cache), threads) != 0:
             raise MemoryError("rope_qkv_bf16: out of memory for its buffers")
         a = attn.backend.forward(q, attn.k_cache, attn.v_cache, md, attn.scale).view(T, -1)
         if out_rows is not None:
@@ -166,7 +166,7 @@ class WideLayer:
                 attn.k_cache.data_ptr(), attn.v_cache.data_ptr(), nb, bs,
                 md.slot_mapping.data_ptr(), md.block_tables.data_ptr(), md.block_tables.shape[1],
                 md.seq_lens.data_ptr(), md.query_start_loc.data_ptr(), seqs.data_ptr(),
-                seqs.numel(), attn.k_cache.dtype == torch.bfloat16,
+                seqs.numel(), cpu_attention.kv_kind(attn.k_cache),
                 *_out_rows_args(out_rows), threads) != 0:
             raise MemoryError("wide_layer_q32: out of memory for its buffers")
         return x if out_rows is None else x[:out_rows.numel()]
@@ -250,7 +250,7 @@ class WideStack:
                 self._structs, len(self.wides), x.data_ptr(), x.shape[0], positions.data_ptr(),
                 kcs, vcs, nb, bs, md.slot_mapping.data_ptr(), md.block_tables.data_ptr(),
                 md.block_tables.shape[1], md.seq_lens.data_ptr(), md.query_start_loc.data_ptr(),
-                seqs.data_ptr(), seqs.numel(), attn.k_cache.dtype == torch.bfloat16,
+                seqs.data_ptr(), seqs.numel(), cpu_attention.kv_kind(attn.k_cache),
                 *_out_rows_args(out_rows), torch.get_num_threads()) != 0:
             raise MemoryError("wide_layers_q32: out of memory for its buffers")
         return x if out_rows is None else x[:out_rows.numel()]
