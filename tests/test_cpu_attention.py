@@ -29,8 +29,14 @@ def _bf16_bound(vc: torch.Tensor) -> float:
     return 2 ** -8 * float(vc.float().abs().max())
 
 
+def _values(cache: torch.Tensor) -> torch.Tensor:
+    """A pool's values: an int8 pool's rows dequantized (codes times their row's scale)."""
+    return cpu_attention.dequantize_rows(cache) if cache.dtype == torch.int8 else cache
+
+
 def _reference(q, k_cache, v_cache, tables, seq_lens, qlens, scale):
-    """q [T, H, D]; caches [NB, BS, KVH, D] -> [T, H, D] float64."""
+    """q [T, H, D]; caches [NB, BS, KVH, row] -> [T, H, D] float64, over the pools' values."""
+    k_cache, v_cache = _values(k_cache), _values(v_cache)
     out = torch.zeros(q.shape, dtype=torch.float64)
     h, kvh = q.shape[1], k_cache.shape[2]
     group, bs = h // kvh, k_cache.shape[1]
@@ -48,7 +54,7 @@ def _reference(q, k_cache, v_cache, tables, seq_lens, qlens, scale):
     return out
 
 
-KV_DTYPES = [torch.float32, torch.bfloat16]
+KV_DTYPES = [torch.float32, torch.bfloat16, torch.int8]
 
 
 def _case(block_size, kvh, group, seq_lens, qlens, seed=0, d=16, kv_dtype=torch.float32):
@@ -58,8 +64,10 @@ def _case(block_size, kvh, group, seq_lens, qlens, seed=0, d=16, kv_dtype=torch.
     cpu = torch.device("cpu")
     k_cache = backend.allocate_kv_cache(nb, block_size, kvh, d, kv_dtype, cpu)
     v_cache = backend.allocate_kv_cache(nb, block_size, kvh, d, kv_dtype, cpu)
-    k_cache.copy_(torch.randn(k_cache.shape, generator=g))
-    v_cache.copy_(torch.randn(v_cache.shape, generator=g))
+    for cache in (k_cache, v_cache):
+        values = torch.randn(nb, block_size, kvh, d, generator=g)
+        # an int8 pool's rows: codes and their scale, as the writes make them
+        cache.copy_(cpu_attention.quantize_rows(values) if kv_dtype == torch.int8 else values)
     perm = torch.randperm(nb, generator=g).tolist()  # scattered, non-monotonic blocks
     tables, used = [], 0
     for L in seq_lens:
@@ -133,7 +141,10 @@ def test_long_queries_on_either_path(monkeypatch, native_kernel):
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 def test_native_write_kv_fills_the_slots(kv_dtype):
     """float32 values in place; into a bf16 pool rounded to nearest even, as torch rounds
-    (ties, a value past bf16's largest finite one, infinities and NaN included)."""
+    (ties, a value past bf16's largest finite one, infinities and NaN included); into an int8
+    pool as quantize_rows makes its rows."""
+    if kv_dtype == torch.int8:
+        return _int8_write_kv_fills_the_slots()
     backend, _, kc, vc, _, _ = _case(4, 3, 1, [8], [1], kv_dtype=kv_dtype)
     before_k, before_v = kc.clone(), vc.clone()
     key, value = torch.randn(3, 3, 16), torch.randn(3, 3, 16)
@@ -152,6 +163,38 @@ def test_native_write_kv_fills_the_slots(kv_dtype):
     untouched[slots] = False
     assert torch.equal(flat_k[untouched], before_k.reshape(-1, 3, 16)[untouched])
     assert torch.equal(flat_v[untouched], before_v.reshape(-1, 3, 16)[untouched])
+
+
+def _int8_write_kv_fills_the_slots():
+    """Each row's codes round(x / s) to nearest even and its scale s = max |x| / 127 in its
+    last 4 bytes: quantize_rows' bits, and every value within s / 2 of the row's; a row of
+    zeros has scale 0; a row holding an infinity or a NaN gets a NaN scale (what attends to it
+    is NaN, as over the other pools) and zero codes. Other slots untouched."""
+    backend, _, kc, vc, _, _ = _case(4, 3, 1, [8], [1], kv_dtype=torch.int8)
+    before_k, before_v = kc.clone(), vc.clone()
+    g = torch.Generator().manual_seed(4)
+    key, value = torch.randn(3, 3, 16, generator=g) * 3, torch.randn(3, 3, 16, generator=g)
+    key[0, 0, :4] = torch.tensor([127 / 254, -127 / 254 * 3, 2.5, -10.0])  # ties of x / s
+    key[1, 2] = 0.0
+    key[2, 1, 3] = float("inf")
+    value[0, 0, 0] = float("nan")
+    slots = torch.tensor([5, 0, 22])
+    backend.write_kv(key, value, kc, vc, slots)
+    flat_k, flat_v = kc.reshape(-1, 3, 20), vc.reshape(-1, 3, 20)
+    want_k, want_v = cpu_attention.quantize_rows(key), cpu_attention.quantize_rows(value)
+    assert torch.equal(flat_k[slots], want_k) and torch.equal(flat_v[slots], want_v)
+    got = cpu_attention.dequantize_rows(flat_k[slots])
+    scale = flat_k[slots][..., 16:].contiguous().view(torch.float32)
+    finite = torch.isfinite(scale)
+    assert int(finite.sum()) == 8  # the rows with inf (key) and NaN (value) excepted
+    assert bool(((got - key).abs() <= scale / 2 * (1 + 1e-6))[finite.expand_as(got)].all())
+    assert float(scale[1, 2]) == 0.0 and torch.equal(got[1, 2], torch.zeros(16))
+    assert torch.isnan(scale[2, 1]) and not flat_k[slots][2, 1, :16].any()
+    assert torch.isnan(flat_v[slots][..., 16:].contiguous().view(torch.float32)[0, 0])
+    untouched = torch.ones(flat_k.shape[0], dtype=torch.bool)
+    untouched[slots] = False
+    assert torch.equal(flat_k[untouched], before_k.reshape(-1, 3, 20)[untouched])
+    assert torch.equal(flat_v[untouched], before_v.reshape(-1, 3, 20)[untouched])
 
 
 @pytest.mark.parametrize("native_kernel", [True, False])
@@ -188,7 +231,10 @@ def test_prefill_chunks_by_key_blocks(d, kvh, group, kv_dtype, spread):
     seq_lens, qlens = [300, 129, 64, 40], [100, 129, 30, 17]
     backend, q, kc, vc, md, tables = _case(16, kvh, group, seq_lens, qlens, seed=d + group,
                                            d=d, kv_dtype=kv_dtype)
-    kc.mul_(spread)
+    if kv_dtype == torch.int8:  # the rows' values times spread: their scales
+        kc.copy_(cpu_attention.quantize_rows(_values(kc) * spread))
+    else:
+        kc.mul_(spread)
     q = q * spread
     if kv_dtype == torch.bfloat16:
         q = q.to(torch.bfloat16).float()

@@ -44,8 +44,12 @@ def _run(llm, fused_on: bool):
             layer.fused = f
 
 
-def test_fused_layer_matches_module_path():
-    llm = LLM(dtype="bfloat16", kv_cache_memory="32MiB", block_size=4)
+@pytest.mark.parametrize("kv", ["auto", "int8"])
+def test_fused_layer_matches_module_path(kv):
+    """Over the default pool and over an int8 one (the fused layer writes and reads its rows
+    through the same native calls as the module path)."""
+    llm = LLM(dtype="bfloat16", kv_cache_memory="32MiB", block_size=4, kv_cache_dtype=kv)
+    assert (llm.engine.kv_dtype == torch.int8) == (kv == "int8")
     try:
         assert all(layer.fused is not None for layer in llm.engine.model.layers)
         # one float32 copy of the rotary tables for all layers (a copy each cost 30x)

@@ -175,3 +175,62 @@ def test_packed_model_on_a_cpu_with_bf16_units(monkeypatch):
     other = LLM(dtype="bfloat16", kv_cache_memory="32MiB")
     want = other.generate([long_prompt], sp, use_tqdm=False)[0].outputs[0].token_ids
     assert out[:3] == want[:3]  # prefill products in bf16 vs float32: a late near-tie may flip
+
+
+def test_int8_kv_pool(tiny_llama):
+    """kv_cache_dtype int8: each pool row holds head_dim int8 codes and a float32 scale; the
+    same budget holds 2 hd / (hd + 4) times a bf16 pool's blocks; the outputs stay close to a
+    float32 pool's (first tokens' log-probabilities within a code step's effect), and every
+    block is back in the pool after (leak_check)."""
+    from pagellm.engine.model_runner import kv_bytes_per_block
+
+    path, _ = tiny_llama
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=3)
+    runs = {}
+    for kv in ("float32", "bfloat16", "int8"):
+        llm = LLM(path, dtype="float32", kv_cache_dtype=kv, kv_cache_memory=2**20)
+        eng = llm.engine
+        hd = eng.model.layers[0].self_attn.head_dim
+        if kv == "int8":
+            assert eng.kv_dtype == torch.int8
+            assert all(k.dtype == torch.int8 and k.shape[-1] == hd + 4 and v.shape == k.shape
+                       for k, v in eng.runner.kv_caches)
+            assert kv_bytes_per_block(eng.hf_config, 16, torch.int8) == (
+                kv_bytes_per_block(eng.hf_config, 16, torch.bfloat16) * (hd + 4) // (2 * hd))
+        runs[kv] = (eng.num_blocks, llm.generate(PROMPTS, sp, use_tqdm=False))
+        llm.shutdown()
+    (n32, f32), (n16, _), (n8, i8) = runs["float32"], runs["bfloat16"], runs["int8"]
+    assert n8 == 2**20 // kv_bytes_per_block(llm.engine.hf_config, 16, torch.int8)
+    assert abs(n8 - n16 * 2 * hd / (hd + 4)) <= 1 and n16 == 2 * n32
+    for a, b in zip(f32, i8):
+        first_a, first_b = a.outputs[0].logprobs[0], b.outputs[0].logprobs[0]
+        for tok, lp in first_a.items():
+            assert tok in first_b and abs(first_b[tok] - lp) < 0.05, (first_a, first_b)
+        assert a.outputs[0].token_ids[:2] == b.outputs[0].token_ids[:2]
+
+
+def test_int8_kv_pool_with_prefix_cache_and_speculation(tiny_llama):
+    """An int8 pool under the prefix cache (a second run reads the first's blocks) and with a
+    draft model (both pools int8): each run gives what plain int8 decoding gives."""
+    path, _ = tiny_llama
+    sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    plain = LLM(path, dtype="float32", kv_cache_dtype="int8", kv_cache_memory=2**20)
+    want = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, sp, use_tqdm=False)]
+    hits = plain.engine.scheduler.block_manager.prefix_hits
+    again = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, sp, use_tqdm=False)]
+    assert plain.engine.scheduler.block_manager.prefix_hits > hits
+    assert again == want
+    plain.shutdown()
+    spec = LLM(path, dtype="float32", kv_cache_dtype="int8", kv_cache_memory=2**20,
+               speculative_config={"method": "draft_model", "model": path,
+                                   "num_speculative_tokens": 3, "adaptive": False})
+    assert spec.engine.spec.proposer.runner.kv_caches[0][0].dtype == torch.int8
+    got = [o.outputs[0].token_ids for o in spec.generate(PROMPTS, sp, use_tqdm=False)]
+    assert got == want
+
+
+def test_int8_kv_is_a_cpu_pool():
+    with pytest.raises(ValueError, match="kv_cache_dtype int8"):
+        resolve_kv_dtype("int8", torch.bfloat16, torch.device("cuda"))
+    assert resolve_kv_dtype("int8", torch.bfloat16, CPU) == torch.int8
+    assert CacheConfig(kv_cache_dtype="int8").kv_cache_dtype == "int8"

@@ -36,11 +36,11 @@ def _prompts():
     return short + [" ".join(words[j % len(words)] for j in range(600))]
 
 
-def _engine():
+def _engine(kv: str = "auto"):
     # no prefix cache: a second run of the same prompts would compute their last tokens in a
     # step of a few rows (the packed kernels), not the same steps again
     return LLM(dtype="bfloat16", kv_cache_memory="64MiB", block_size=8, max_num_seqs=64,
-               max_num_batched_tokens=512, enable_prefix_caching=False)
+               max_num_batched_tokens=512, enable_prefix_caching=False, kv_cache_dtype=kv)
 
 
 def _compare_per_step(llm, layer_index: int, prompts, max_tokens: int = 4):
@@ -94,10 +94,13 @@ def _compare_per_step(llm, layer_index: int, prompts, max_tokens: int = 4):
     return rows, mismatches
 
 
-def test_wide_layer_output_equals_module_output_per_step():
+@pytest.mark.parametrize("kv", ["auto", "int8"])
+def test_wide_layer_output_equals_module_output_per_step(kv):
     """The default model (Q4_1 projections): where the CPU has the q32 products, every layer
-    is one native call (wide_layer_q32)."""
-    llm = _engine()
+    is one native call (wide_layer_q32). Over the default pool and an int8 one (its rows
+    quantized from the same K/V, the same bits)."""
+    llm = _engine(kv)
+    assert (llm.engine.kv_dtype == torch.int8) == (kv == "int8")
     try:
         if q32.available():
             assert all(layer.wide_layer._q32 is not None for layer in llm.engine.model.layers)

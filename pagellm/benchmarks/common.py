@@ -47,6 +47,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=3, help="timed repeats; medians are reported")
     p.add_argument("--max-num-seqs", type=int, default=128)
     p.add_argument("--kv-cache-memory", default="2GiB")
+    p.add_argument("--kv-cache-dtype", default="auto",
+                   choices=["auto", "float32", "bfloat16", "float16", "int8"],
+                   help="pagellm's KV pool (the peers keep their own default)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads for every engine (default: torch's choice)")
@@ -169,14 +172,16 @@ class PagellmRunner:
     name = "pagellm"
 
     def __init__(self, spec: ModelSpec, dtype: str, max_num_seqs: int, kv_cache_memory: str,
-                 quantization: str = "auto"):
+                 quantization: str = "auto", kv_cache_dtype: str = "auto"):
         from pagellm import LLM
 
         self.llm = LLM(spec.path, dtype=dtype, max_num_seqs=max_num_seqs,
-                       kv_cache_memory=kv_cache_memory,
+                       kv_cache_memory=kv_cache_memory, kv_cache_dtype=kv_cache_dtype,
                        quantization=None if quantization == "auto" else quantization)
-        if quantization != "auto":
-            self.name = f"pagellm [{quantization}]"
+        tags = ([quantization] if quantization != "auto" else []) + (
+            [f"kv {kv_cache_dtype}"] if kv_cache_dtype != "auto" else [])
+        if tags:
+            self.name = f"pagellm [{', '.join(tags)}]"
         self.vocab_size = self.llm.engine.vocab_size
         # the dense model's bytes in the run dtype (the latency floor's weights): not the
         # packed copies, nor float32 copies kept for batched products
@@ -348,8 +353,8 @@ def make_runners(args, spec: ModelSpec, max_model_len: int) -> tuple[list, dict[
     if args.threads:
         torch.set_num_threads(args.threads)
     variants = quantization_variants(args)
-    runners = [PagellmRunner(spec, args.dtype, args.max_num_seqs, args.kv_cache_memory, q)
-               for q in variants]
+    runners = [PagellmRunner(spec, args.dtype, args.max_num_seqs, args.kv_cache_memory, q,
+                             getattr(args, "kv_cache_dtype", "auto")) for q in variants]
     skipped: dict[str, str] = {}
     wanted = [p for p in args.peers.split(",") if p]
     for peer in PEERS:

@@ -96,7 +96,7 @@ def make_runner(engine: str, args, spec: common.ModelSpec, max_len: int):
     if engine.startswith("pagellm"):
         quant = engine[len("pagellm ["):-1] if "[" in engine else "auto"
         return common.PagellmRunner(spec, args.dtype, args.max_num_seqs, args.kv_cache_memory,
-                                    quant)
+                                    quant, args.kv_cache_dtype)
     if engine == "hf":
         return common.HFRunner(spec, common.peer_dtype(args.dtype))
     if engine == "vllm":
@@ -152,7 +152,8 @@ def run_worker_process(engine: str, model: str, n: int, args) -> dict:
            "--model", model, "--num-prompts", str(n), "--input-len", str(args.input_len),
            "--output-len", str(args.output_len), "--dtype", args.dtype,
            "--repeats", str(args.repeats), "--max-num-seqs", str(args.max_num_seqs),
-           "--kv-cache-memory", args.kv_cache_memory, "--seed", str(args.seed),
+           "--kv-cache-memory", args.kv_cache_memory, "--kv-cache-dtype", args.kv_cache_dtype,
+           "--seed", str(args.seed),
            "--threads", str(args.threads), "--out", args.out]
     if args.vocab_size:
         cmd += ["--vocab-size", str(args.vocab_size)]

@@ -393,6 +393,47 @@ static inline __attribute__((always_inline)) void tile_scores_bf16u(
     }
 }
 
+/* tile_scores16 for an int8 pool, D % 16 == 0: eight keys at a time, their partial sums
+ * reduced by sum8x16's shuffle tree, each score times its key's scale */
+static inline __attribute__((always_inline)) void tile_scores_i8(
+        int m, const float *const *q, const void *kbase, const void *vbase, const int64_t *slot,
+        int64_t D, int64_t n, float scale, float *p, int64_t L, int64_t v_from, ahead_t *ahead) {
+    const int64_t RS = D + 4;
+    const int8_t *K = (const int8_t *)kbase;
+    const int64_t rate = ahead_rate(ahead, n);
+    int64_t t = 0;
+    for (; t + 8 <= n; t += 8) {
+        ahead_send(ahead, 2 * rate);
+        for (int64_t u = t + 16; u < t + 24 && u < n; u += 4) {  /* a block ahead */
+            prefetch_kv(kbase, slot[u], 4 * RS, KV_I8);
+            if (u >= v_from) prefetch_kv_l2(vbase, slot[u], 4 * RS, KV_I8);
+        }
+        __m512 a[TILE][8];
+        _Pragma("GCC unroll 4") for (int i = 0; i < m; i++)
+            _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++) a[i][j] = _mm512_setzero_ps();
+        for (int64_t d = 0; d < D; d += 16) {
+            _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++) {
+                const __m512 x = load_kv16(K, slot[t + j] + d, KV_I8);
+                _Pragma("GCC unroll 4") for (int i = 0; i < m; i++)
+                    a[i][j] = _mm512_fmadd_ps(_mm512_loadu_ps(q[i] + d), x, a[i][j]);
+            }
+        }
+        float f[8];
+        for (int j = 0; j < 8; j++) f[j] = row_scale(K, slot[t + j], D, KV_I8, scale);
+        const __m256 sc = _mm256_loadu_ps(f);
+        _Pragma("GCC unroll 4") for (int i = 0; i < m; i++)
+            _mm256_storeu_ps(p + i * L + t, _mm256_mul_ps(sum8x16(a[i]), sc));
+    }
+    for (; t < n; t++) {
+        _Pragma("GCC unroll 4") for (int i = 0; i < m; i++) {
+            __m512 a = _mm512_setzero_ps();
+            for (int64_t d = 0; d < D; d += 16)
+                a = _mm512_fmadd_ps(_mm512_loadu_ps(q[i] + d), load_kv16(K, slot[t] + d, KV_I8), a);
+            p[i * L + t] = row_scale(K, slot[t], D, KV_I8, scale) * _mm512_reduce_add_ps(a);
+        }
+    }
+}
+
 /* tile_values16 for a bf16 pool, D % 64 == 0: outputs gathered in unpacked order, put back
  * in the rows' order as they are stored */
 static inline __attribute__((always_inline)) void tile_values_bf16u(
@@ -539,8 +580,14 @@ static inline __attribute__((always_inline)) void attend_tile(
 #else
     const int wide = 0;
 #endif
+#ifdef __AVX512BW__
+#define I8_WIDE (kind == KV_I8 && wide)
+#else
+#define I8_WIDE 0
+#endif
 #ifdef __AVX512F__
-#define SCORES(M) do { if (wide) tile_scores16(M, q, kbase, vbase, slot, D, n, scale, p, L, kind, v_from, ahead); \
+#define SCORES(M) do { if (I8_WIDE) tile_scores_i8(M, q, kbase, vbase, slot, D, n, scale, p, L, v_from, ahead); \
+                       else if (wide) tile_scores16(M, q, kbase, vbase, slot, D, n, scale, p, L, kind, v_from, ahead); \
                        else tile_scores(M, q, kbase, vbase, slot, D, n, scale, p, L, kind, v_from, ahead); } while (0)
 #define VALUES(M) do { if (wide) tile_values16(M, p, L, inv, vbase, slot, D, n, out, kind); \
                        else tile_values(M, p, L, inv, vbase, slot, D, n, out, kind); } while (0)
@@ -564,6 +611,7 @@ static inline __attribute__((always_inline)) void attend_tile(
     }
 #undef SCORES
 #undef VALUES
+#undef I8_WIDE
 }
 
 /* attend_tile for each pool kind, compiled apart */
