@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pagellm import LLM, SamplingParams
-from pagellm.kernels import native
+from pagellm.kernels import cpu_attention, native
 from tests.helpers import layer_path_and_module_path
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="no C compiler on this machine")
@@ -44,12 +44,8 @@ def _run(llm, fused_on: bool):
             layer.fused = f
 
 
-@pytest.mark.parametrize("kv", ["auto", "int8"])
-def test_fused_layer_matches_module_path(kv):
-    """Over the default pool and over an int8 one (the fused layer writes and reads its rows
-    through the same native calls as the module path)."""
-    llm = LLM(dtype="bfloat16", kv_cache_memory="32MiB", block_size=4, kv_cache_dtype=kv)
-    assert (llm.engine.kv_dtype == torch.int8) == (kv == "int8")
+def test_fused_layer_matches_module_path():
+    llm = LLM(dtype="bfloat16", kv_cache_memory="32MiB", block_size=4)
     try:
         assert all(layer.fused is not None for layer in llm.engine.model.layers)
         # one float32 copy of the rotary tables for all layers (a copy each cost 30x)
@@ -80,8 +76,9 @@ def test_fused_layer_matches_module_path(kv):
                 assert tok in a and abs(a[tok] - lp) < 3e-2, (tok, a, b)
 
 
-@pytest.mark.parametrize("panels_on", [True, False], ids=["panels", "rows"])
-def test_fused_layer_output_equals_module_output_per_step(panels_on, monkeypatch):
+@pytest.mark.parametrize("panels_on,kv", [(True, "auto"), (False, "auto"), (True, "int8")],
+                         ids=["panels", "rows", "panels-int8"])
+def test_fused_layer_output_equals_module_output_per_step(panels_on, kv, monkeypatch):
     """Each fused call against the module path on a copy of the same input and step: equal
     up to float32 rounding (relative to the residual stream's largest value). A rounding
     difference (vectorized exp, summation order) can move an activation across one int16
@@ -89,15 +86,19 @@ def test_fused_layer_output_equals_module_output_per_step(panels_on, monkeypatch
     off by more than 1e-2. The fused call runs first, on the cache as the step found it, and
     the K/V it writes are compared with the module path's from the same starting cache (run
     second, the module path's own writes would hide a fused layer that wrote none). Both Q4
-    layouts: panels (cpu_panels.c, where built) and rows (cpu_quant.c)."""
+    layouts: panels (cpu_panels.c, where built) and rows (cpu_quant.c). Over an int8 pool the
+    K/V written are compared as values: the same float32 rounding can move one across an int8
+    rounding step, 1/127 of its row's largest (hence 1e-2 there)."""
     from pagellm.kernels import cpu_layer
     from pagellm.layers import panels
 
     if panels_on and not panels.available():
         pytest.skip("panel kernels need AVX-512 BW and VNNI")
     monkeypatch.setenv("PAGELLM_PANELS", "1" if panels_on else "0")
-    llm = LLM(dtype="bfloat16", kv_cache_memory="32MiB", block_size=4)
+    llm = LLM(dtype="bfloat16", kv_cache_memory="32MiB", block_size=4, kv_cache_dtype=kv)
+    values = (cpu_attention.dequantize_rows if kv == "int8" else lambda t: t)
     try:
+        assert (llm.engine.kv_dtype == torch.int8) == (kv == "int8")
         layer = llm.engine.model.layers[7]
         types = {p.type for proj in layer.fused._projs for p in proj.parts[:proj.nparts]}
         assert all((t >= cpu_layer._PANELS) == panels_on for t in types), types
@@ -115,8 +116,8 @@ def test_fused_layer_output_equals_module_output_per_step(panels_on, monkeypatch
                 diffs.append(((out - ref).abs().max() / ref.abs().max()).item())
                 slots = md.slot_mapping.long()
                 for got, cache in zip(fused_kv, (attn.k_cache, attn.v_cache)):
-                    flat_got = got.flatten(0, 1)[slots]
-                    flat_ref = cache.flatten(0, 1)[slots]
+                    flat_got = values(got.flatten(0, 1)[slots])
+                    flat_ref = values(cache.flatten(0, 1)[slots])
                     kv_diffs.append(((flat_got - flat_ref).abs().max()
                                      / flat_ref.abs().max()).item())
                 return out
@@ -126,7 +127,7 @@ def test_fused_layer_output_equals_module_output_per_step(panels_on, monkeypatch
         llm.generate(PROMPTS, sp, use_tqdm=False)
     finally:
         llm.shutdown()
-    assert len(kv_diffs) >= 10 and max(kv_diffs) < 1e-4, kv_diffs
+    assert len(kv_diffs) >= 10 and max(kv_diffs) < (1e-2 if kv == "int8" else 1e-4), kv_diffs
     assert len(diffs) >= 5 and max(diffs) < 1e-4, diffs
 
 
