@@ -107,3 +107,6 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     num_cached_tokens: int = 0
+    # with SamplingParams.prompt_logprobs: None for the first prompt token, then for each
+    # token {token_id: logprob, ...its position's top-N} (the token first), as vLLM's
+    prompt_logprobs: list[dict[int, float] | None] | None = None

@@ -83,7 +83,10 @@ class SamplingParams:
     max_tokens: int | None = 16  # None -> up to the model's context length
     min_tokens: int = 0
     logprobs: int | None = None  # top-N logprobs of each generated token
-    prompt_logprobs: int | None = None  # accepted for compatibility; not computed
+    # the log-probability of each prompt token after the first (given the tokens before it),
+    # with the top-N of its position; RequestOutput.prompt_logprobs (a request with it takes
+    # no prefix-cache hits: cached tokens have no logits)
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     # Added to the logits of these token ids before sampling (OpenAI's logit_bias: -100 bans,
     # +100 all but forces).
@@ -127,8 +130,8 @@ class SamplingParams:
             value = getattr(self, name)
             check(not isinstance(value, num) or math.isfinite(value), name, "must be a finite number")
         # Fix: bool is a subclass of int, so n=True or max_tokens=True used to pass.
-        for name in ("n", "top_k", "max_tokens", "min_tokens", "logprobs", "seed",
-                     "num_speculative_tokens"):
+        for name in ("n", "top_k", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs",
+                     "seed", "num_speculative_tokens"):
             check(not isinstance(getattr(self, name), bool), name, "must be an integer, not a bool")
         check(isinstance(self.n, int) and self.n >= 1, "n", "must be an integer >= 1")
         check(self.num_speculative_tokens is None or (isinstance(self.num_speculative_tokens, int)
@@ -154,6 +157,9 @@ class SamplingParams:
               "must be <= max_tokens")
         check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
               "logprobs", "must be an integer in [0, 20]")
+        check(self.prompt_logprobs is None or (isinstance(self.prompt_logprobs, int)
+                                               and 0 <= self.prompt_logprobs <= 20),
+              "prompt_logprobs", "must be an integer in [0, 20]")
         check(all(isinstance(s, str) and s for s in self.stop_strings), "stop",
               "must be a non-empty string or a list of non-empty strings")
         check(all(isinstance(t, int) and not isinstance(t, bool) and t >= 0

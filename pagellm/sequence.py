@@ -50,6 +50,9 @@ class Sequence:
     text: str = ""
     logprobs: list[dict[int, float]] = field(default_factory=list)
     cumulative_logprob: float = 0.0
+    # SamplingParams.prompt_logprobs: entry i for prompt token i (entry 0 None), filled as the
+    # prompt's chunks run (a recompute after preemption does not compute them again)
+    prompt_logprobs: list[dict[int, float] | None] = field(default_factory=list)
     generator: torch.Generator | None = None  # per-sequence RNG when the request has a seed
     # Structured outputs: the grammar state (pagellm.structured.Constraint), advanced with each
     # emitted token; None when unconstrained or finished.

@@ -272,6 +272,43 @@ def test_logprobs(srv, offline):
     assert values == pytest.approx(lp.token_logprobs, abs=1e-4)
 
 
+def test_echo_with_logprobs_scores_the_prompt(srv, offline):
+    """echo + logprobs (how evaluation harnesses score a continuation): the choice's logprobs
+    hold every prompt token, the first with null logprob and top_logprobs, then the generated
+    ones; the prompt's values are the offline engine's prompt_logprobs. Token-id prompts (as
+    lm-evaluation-harness sends them) and streams alike."""
+    tok = offline.get_tokenizer()
+    context, continuation = tok.encode("The sky is"), tok.encode(" blue today")
+    ids = context + continuation
+    ref = offline.generate([ids], greedy(1, prompt_logprobs=1, logprobs=1),
+                           use_tqdm=False)[0]
+    res = srv.client.completions.create(model=MODEL, prompt=ids, max_tokens=1, temperature=0,
+                                        logprobs=1, echo=True)
+    lp = res.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(ids) + 1
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    for i in range(1, len(ids)):
+        assert lp.token_logprobs[i] == pytest.approx(ref.prompt_logprobs[i][ids[i]], abs=1e-4)
+        assert lp.tokens[i] in lp.top_logprobs[i] or len(lp.top_logprobs[i]) == 1
+        assert max(lp.top_logprobs[i].values()) >= lp.token_logprobs[i] - 1e-6
+    assert lp.token_logprobs[-1] == pytest.approx(ref.outputs[0].logprobs[0][
+        ref.outputs[0].token_ids[0]], abs=1e-4)
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
+    assert res.choices[0].text.startswith(tok.decode(ids))
+    # the harness's sum over the continuation
+    score = sum(lp.token_logprobs[len(context):-1])
+    assert score == pytest.approx(sum(ref.prompt_logprobs[i][ids[i]]
+                                      for i in range(len(context), len(ids))), abs=1e-3)
+    stream = srv.client.completions.create(model=MODEL, prompt=ids, max_tokens=3,
+                                           temperature=0, logprobs=1, echo=True, stream=True)
+    values = [v for c in stream for v in c.choices[0].logprobs.token_logprobs]
+    assert values[0] is None and len(values) == len(ids) + 3
+    assert values[1:len(ids)] == pytest.approx(lp.token_logprobs[1:len(ids)], abs=1e-4)
+    # without logprobs, echo alone computes no prompt log-probabilities
+    plain = srv.client.completions.create(model=MODEL, prompt=ids, max_tokens=1, echo=True)
+    assert plain.choices[0].logprobs is None
+
+
 def test_echo_and_extra_fields_accepted(srv):
     res = post(srv, "/v1/completions", {"model": MODEL, "prompt": "Hi there", "max_tokens": 3,
                                         "echo": True, "user": "u1", "some_new_field": {"a": 1},

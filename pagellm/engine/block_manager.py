@@ -88,8 +88,8 @@ class BlockManager:
         At most (num_tokens - 1) tokens are served, so that the last token is always computed
         and yields the logits for the next one (a fully cached prompt still runs a forward).
         """
-        if not self.enable_prefix_caching:
-            return []
+        if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
+            return []  # (prompt log-probabilities need every prompt token's logits)
         hashes = self._block_hashes(seq)
         max_blocks = (seq.num_tokens - 1) // self.block_size
         hit: list[int] = []

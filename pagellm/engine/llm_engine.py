@@ -275,7 +275,11 @@ class LLMEngine:
             return self._collect_outputs(set(), finished_only)
         out, logits, failed = self._forward(out)
         self.block_manager.commit()  # the KV of this step's newly cached blocks is written
-        _, owners = self._logit_rows(out)
+        rows, owners, prompt = self._logit_rows(out)
+        if prompt:  # rows after the sampling rows: the prompt tokens' log-probabilities
+            first = len(rows) - sum(n for _, _, n in prompt)
+            self._prompt_logprobs(prompt, logits[first:])
+            logits = logits[:first]
         self.scheduler.advance(out)
         touched = self._process_samples(owners, logits)
         return self._collect_outputs(touched | failed, finished_only)
@@ -284,7 +288,7 @@ class LLMEngine:
         """The step's forward. If it fails, each sequence runs alone and the requests whose
         sequence fails alone are ended: one bad request never fails its batch. Returns the
         sequences that ran, their logits rows and the failed request ids."""
-        rows, _ = self._logit_rows(out)
+        rows, _, _ = self._logit_rows(out)
         try:  # an all-greedy step gets its tokens, not logits (_process_samples)
             return out, self.runner.execute(out, rows, ids=True), set()
         except WorkerDiedError:
@@ -295,7 +299,7 @@ class LLMEngine:
         # took one as a cache hit in this step recomputes instead.
         dropped = self.block_manager.drop_uncommitted()
         bs = self.block_manager.block_size
-        kept, parts, failed = SchedulerOutput(), [], set()
+        kept, parts, prompt_parts, failed = SchedulerOutput(), [], [], set()
         for seq, n in zip(out.seqs, out.num_tokens):
             if seq.is_finished:  # a sibling's failure ended it
                 continue
@@ -304,7 +308,11 @@ class LLMEngine:
                 continue
             one = SchedulerOutput([seq], [n])
             try:
-                parts.append(self.runner.execute(one, self._logit_rows(one)[0]))
+                rows, _, prompt = self._logit_rows(one)
+                logits = self.runner.execute(one, rows)
+                first = len(rows) - sum(k for _, _, k in prompt)
+                parts.append(logits[:first])  # sampling rows first, then prompt rows: as a batch
+                prompt_parts.append(logits[first:])
             except WorkerDiedError:
                 raise
             except Exception:
@@ -315,7 +323,7 @@ class LLMEngine:
                 continue
             kept.seqs.append(seq)
             kept.num_tokens.append(n)
-        logits = torch.cat(parts) if parts else torch.empty(0)
+        logits = torch.cat(parts + prompt_parts) if parts else torch.empty(0)
         return kept, logits, failed
 
     def _profile(self, draft) -> int:
@@ -375,18 +383,48 @@ class LLMEngine:
         """Speculative decoding counters (None without speculation), read by /metrics."""
         return self.spec.stats if self.spec is not None else None
 
-    def _logit_rows(self, out: SchedulerOutput) -> tuple[list[int], list[tuple[Sequence, int]]]:
+    def _logit_rows(self, out: SchedulerOutput):
         """Rows of the flat batch whose logits are needed: for every sequence that catches up
         with its tokens, its last real token and each speculative proposal (a mid-prompt chunk
-        needs none). Returns the rows and (sequence, number of its rows) in order."""
-        rows, owners, offset = [], [], 0
+        needs none); after all of those, the rows of prompt positions whose next token's
+        log-probability a request asked for (SamplingParams.prompt_logprobs). Returns the
+        rows, (sequence, number of its sampling rows) in order, and (sequence, first prompt
+        position, count) for the prompt rows."""
+        rows, owners, prompt, extra, offset = [], [], [], [], 0
         for seq, n in zip(out.seqs, out.num_tokens):
+            start = seq.num_computed_tokens
+            if seq.params.prompt_logprobs is not None and seq.index == 0:
+                # position p gives prompt token p + 1's entry; entries already made are not
+                # made again (a recompute after preemption)
+                lo = max(start, len(seq.prompt_logprobs) - 1, 0)
+                hi = min(start + n, seq.num_prompt_tokens - 1)
+                if hi > lo:
+                    extra.extend(range(offset + lo - start, offset + hi - start))
+                    prompt.append((seq, lo, hi - lo))
             offset += n
-            if seq.num_computed_tokens + n >= seq.num_tokens:
+            if start + n >= seq.num_tokens:
                 k = len(seq.spec_token_ids)
                 rows.extend(range(offset - k - 1, offset))
                 owners.append((seq, k + 1))
-        return rows, owners
+        return rows + extra, owners, prompt
+
+    def _prompt_logprobs(self, prompt: list[tuple[Sequence, int, int]], logits: torch.Tensor):
+        """The prompt rows' logits (in _logit_rows' order) -> each position's next prompt
+        token's log-probability and its top-N, appended to the sequence's prompt_logprobs
+        (from the raw logits: what the model assigns, as vLLM reports them)."""
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        row = 0
+        for seq, lo, count in prompt:
+            lps = logprobs[row:row + count]
+            row += count
+            if not seq.prompt_logprobs:
+                seq.prompt_logprobs.append(None)
+            nxt = torch.tensor(seq.prompt_token_ids[lo + 1:lo + 1 + count], device=lps.device)
+            own = lps.gather(1, nxt.unsqueeze(1)).squeeze(1).tolist()
+            k = seq.params.prompt_logprobs
+            top_v, top_i = (lps.topk(k, dim=-1) if k else (lps[:, :0], lps[:, :0].long()))
+            for tok, lp, tv, ti in zip(nxt.tolist(), own, top_v.tolist(), top_i.tolist()):
+                seq.prompt_logprobs.append({tok: lp, **{t: v for t, v in zip(ti, tv) if t != tok}})
 
     def _process_samples(self, owners: list[tuple[Sequence, int]], logits: torch.Tensor) -> set[str]:
         plain, plain_rows, spec, spec_logits = [], [], [], []
@@ -602,8 +640,11 @@ class LLMEngine:
             token_times=snap(req.seqs[0].token_times),
             num_draft_tokens=sum(s.num_draft_tokens for s in req.seqs),
             num_accepted_tokens=sum(s.num_accepted_tokens for s in req.seqs))
+        head = req.seqs[0]
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, comps,
-                             req.finished, metrics, req.seqs[0].num_cached_tokens)
+                             req.finished, metrics, head.num_cached_tokens,
+                             snap(head.prompt_logprobs) if head.params.prompt_logprobs is not None
+                             else None)
 
 
 _DEAD_END = object()  # a drawn row whose grammar allows no token

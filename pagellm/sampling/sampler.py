@@ -141,7 +141,8 @@ def reads_argmax_only(params: SamplingParams, num_output_tokens: int, constraine
     """Whether sampling a row reads nothing of its logits but their argmax: a row whose logits
     processed_logits leaves as they are, without logprobs. The model may then give logits
     right only at their argmax (`LlamaModel.compute_logits`)."""
-    return params.logprobs is None and _leaves_logits(params, num_output_tokens, constrained)
+    return (params.logprobs is None and params.prompt_logprobs is None
+            and _leaves_logits(params, num_output_tokens, constrained))
 
 
 def _changes(row: SamplingRow) -> bool:

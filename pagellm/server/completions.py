@@ -9,7 +9,8 @@ from fastapi.responses import JSONResponse
 
 from pagellm.server.errors import APIError, parse_request, sampling_error
 from pagellm.server.protocol import CompletionRequest
-from pagellm.server.responses import completion_logprobs, usage
+from pagellm.server.responses import (completion_logprobs, joined_logprobs,
+                                      prompt_completion_logprobs, usage)
 from pagellm.server.state import OpenAIServer
 from pagellm.server.streaming import ChoiceStream, EventStream, chunk_of, finish, stream_events
 
@@ -22,9 +23,6 @@ async def create_completion(request: Request):
     if req.best_of not in (None, req.n):
         raise APIError(400, "best_of: must equal n (best-of selection is not supported)",
                        param="best_of")
-    if req.echo and req.logprobs is not None:
-        raise APIError(400, "logprobs: not supported together with echo (prompt logprobs are "
-                       "not computed)", param="logprobs")
     prompts = req.prompts()
     api.limits.check_sequences(len(prompts), req.n)
     api.limits.check_stop(req.stop)
@@ -32,8 +30,11 @@ async def create_completion(request: Request):
     encoded = await api.off_loop(lambda: [api.encode_prompt(p) for p in prompts])
     structured, structured_field = req.structured()
     try:
+        # echo with logprobs: the prompt's tokens' log-probabilities too (what evaluation
+        # harnesses score a continuation by)
+        echo_lps = req.logprobs if req.echo else None
         params = [req.sampling_params(api.max_tokens(len(ids), req.max_tokens, "prompt"),
-                                      req.logprobs, api.sampling_defaults, structured)
+                                      req.logprobs, api.sampling_defaults, structured, echo_lps)
                   for _, ids in encoded]
     except ValueError as e:
         raise sampling_error(e) from None
@@ -56,10 +57,19 @@ async def create_completion(request: Request):
             return None
         return completion_logprobs(api.token_str, ids, lps, req.logprobs, offset)
 
+    def echoed(i: int, prompt_lps):
+        """The prompt's part of an echoed choice's logprobs (None without echo + logprobs)."""
+        if echo_lps is None or prompt_lps is None:
+            return None
+        return prompt_completion_logprobs(api.token_str, encoded[i][1], prompt_lps, echo_lps)
+
     if req.stream:
         def choice_chunk(ch, comp, text, ids, lps):
-            return chunk_of(base, {"index": ch.index, "text": text,
-                                   "logprobs": logprobs(ch.delta_offset, ids, lps),
+            lp = logprobs(ch.delta_offset, ids, lps)
+            if ch.prompt_logprobs is not None:  # echo: the first chunk carries the prompt's
+                lp = joined_logprobs(echoed(ch.index // req.n, ch.prompt_logprobs), lp)
+                ch.prompt_logprobs = None
+            return chunk_of(base, {"index": ch.index, "text": text, "logprobs": lp,
                                    **finish(comp)},
                             req.include_usage)
 
@@ -76,9 +86,9 @@ async def create_completion(request: Request):
     for i, out in enumerate(finals):
         for comp in out.outputs:
             ch = choices[i * req.n + comp.index]
+            lp = logprobs(len(ch.prefix), comp.token_ids, comp.logprobs or [])
             out_choices.append({"index": ch.index, "text": ch.prefix + comp.text,
-                                "logprobs": logprobs(len(ch.prefix), comp.token_ids,
-                                                     comp.logprobs or []),
+                                "logprobs": joined_logprobs(echoed(i, out.prompt_logprobs), lp),
                                 **finish(comp)})
     num_generated = sum(len(c.token_ids) for out in finals for c in out.outputs)
     return JSONResponse({**base, "choices": out_choices,

@@ -104,7 +104,8 @@ class _Request(BaseModel):
 
     def sampling_params(self, max_tokens: int, logprobs: int | None,
                         defaults: dict | None = None,
-                        structured: StructuredOutputsParams | None = None) -> SamplingParams:
+                        structured: StructuredOutputsParams | None = None,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
         """ValueError (from SamplingParams) names the field on a bad combination. `defaults`:
         the server's values for the sampling fields a request leaves out."""
         d = defaults or {}
@@ -122,7 +123,7 @@ class _Request(BaseModel):
             repetition_penalty=pick("repetition_penalty", 1.0),
             stop=self.stop, stop_token_ids=self.stop_token_ids,
             include_stop_str_in_output=self.include_stop_str_in_output,
-            ignore_eos=self.ignore_eos, logprobs=logprobs,
+            ignore_eos=self.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens, logit_bias=self.logit_bias,
             structured_outputs=structured, num_speculative_tokens=self.num_speculative_tokens)
 

@@ -34,6 +34,30 @@ def completion_logprobs(token_str, token_ids: list[int], logprobs: list[dict[int
             "text_offset": offsets}
 
 
+def prompt_completion_logprobs(token_str, token_ids: list[int],
+                               prompt_logprobs: list[dict[int, float] | None], num: int) -> dict:
+    """echo with logprobs: the prompt's tokens in the completions format, the first with a
+    null logprob and top_logprobs (nothing comes before it), text offsets from 0."""
+    tokens, token_lps, tops, offsets, at = [], [], [], [], 0
+    for tid, entries in zip(token_ids, prompt_logprobs):
+        s = token_str(tid)
+        tokens.append(s)
+        token_lps.append(None if entries is None else _finite(entries[tid]))
+        tops.append(None if entries is None
+                    else {token_str(t): _finite(lp) for t, lp in _top(entries, num)})
+        offsets.append(at)
+        at += len(s)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
+            "text_offset": offsets}
+
+
+def joined_logprobs(first: dict | None, then: dict | None) -> dict | None:
+    """Two completions-format logprobs objects, one after the other."""
+    if first is None or then is None:
+        return then if first is None else first
+    return {k: first[k] + then[k] for k in first}
+
+
 def chat_logprobs(token_str, token_ids: list[int], logprobs: list[dict[int, float]],
                   num: int) -> dict:
     """OpenAI chat format: {"content": [{token, logprob, bytes, top_logprobs}]}."""

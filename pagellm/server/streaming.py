@@ -47,6 +47,10 @@ class ChoiceStream:
         self.text_sent = 0
         self.tokens_sent = 0
         self.finished = False
+        # echo with logprobs: the request's prompt log-probabilities, until the first chunk
+        # has carried them (stream_events sets them from the first output that has them)
+        self.prompt_logprobs = None
+        self._prompt_seen = False
 
     def advance(self, comp: CompletionOutput, want_logprobs: bool, every_token: bool = False):
         """(text, token_ids, logprobs) new since the last call, or None if nothing to send.
@@ -85,6 +89,8 @@ async def stream_events(slots, choices: list[ChoiceStream], n: int, want_logprob
             for comp in out.outputs:
                 ch = choices[i * n + comp.index]
                 num_generated[ch.index] = len(comp.token_ids)
+                if not ch._prompt_seen and out.prompt_logprobs is not None:
+                    ch.prompt_logprobs, ch._prompt_seen = list(out.prompt_logprobs), True
                 piece = ch.advance(comp, want_logprobs, every_token)
                 if piece is not None:
                     yield sse(choice_chunk(ch, comp, *piece))

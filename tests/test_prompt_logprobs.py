@@ -1,0 +1,88 @@
+"""SamplingParams.prompt_logprobs: each prompt token's log-probability given the tokens before
+it (and its position's top-N), equal to transformers' on the same weights, across chunked
+prefill, preemption, prefix caching and batches that mix such requests with plain ones."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagellm import LLM, SamplingParams
+from tests.helpers import make_tiny_model
+
+PROMPTS = [[5, 17, 33, 4, 90, 12, 7], list(range(10, 61)), [200, 100, 50, 25, 12, 6, 3]]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_prompt_lp")
+    return str(path), make_tiny_model(path, "llama")
+
+
+def _reference(hf, prompt):
+    with torch.no_grad():
+        return torch.log_softmax(hf(torch.tensor([prompt])).logits[0].float(), -1)
+
+
+def _check(out, hf, k: int):
+    prompt = out.prompt_token_ids
+    ref = _reference(hf, prompt)
+    lps = out.prompt_logprobs
+    assert lps is not None and len(lps) == len(prompt) and lps[0] is None
+    for i in range(1, len(prompt)):
+        entry, row = lps[i], ref[i - 1]
+        assert next(iter(entry)) == prompt[i]  # the prompt's own token first
+        assert abs(entry[prompt[i]] - float(row[prompt[i]])) < 1e-4
+        top = row.topk(k).indices.tolist() if k else []
+        assert set(entry) == {prompt[i], *top}, (i, entry, top)
+        for t, v in entry.items():
+            assert abs(v - float(row[t])) < 1e-4
+
+
+@pytest.mark.parametrize("engine_kwargs", [
+    dict(block_size=16),
+    dict(block_size=4, max_num_batched_tokens=16),  # chunked prefill: rows over several steps
+])
+def test_prompt_logprobs_match_transformers(tiny, engine_kwargs):
+    path, hf = tiny
+    llm = LLM(path, dtype="float32", kv_cache_memory=2**20, **engine_kwargs)
+    sp = [SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=k, ignore_eos=True)
+          for k in (0, 2, 5)]
+    outs = llm.generate(PROMPTS, sp, use_tqdm=False)
+    for out, k in zip(outs, (0, 2, 5)):
+        _check(out, hf, k)
+    # a plain request in the same batch reports none, and its tokens are unchanged
+    mixed = llm.generate(PROMPTS[:2], [SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+                                       SamplingParams(temperature=0, max_tokens=6, ignore_eos=True,
+                                                      prompt_logprobs=1)], use_tqdm=False)
+    alone = llm.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+                         use_tqdm=False)
+    assert mixed[0].prompt_logprobs is None
+    assert mixed[0].outputs[0].token_ids == alone[0].outputs[0].token_ids
+    _check(mixed[1], hf, 1)
+
+
+def test_prompt_logprobs_skip_the_prefix_cache_and_survive_preemption(tiny):
+    """A cached prompt is computed again for a request that asks its log-probabilities (cached
+    tokens have no logits); a preempted request's entries are not made twice."""
+    path, hf = tiny
+    llm = LLM(path, dtype="float32", kv_cache_memory=2**20, block_size=4)
+    plain = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    llm.generate([PROMPTS[1]], plain, use_tqdm=False)  # its blocks are now cached
+    out = llm.generate([PROMPTS[1]], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True,
+                                                    prompt_logprobs=1), use_tqdm=False)[0]
+    assert out.num_cached_tokens == 0
+    _check(out, hf, 1)
+    # a pool too small for the batch: preemption recomputes prompts (and their rows)
+    small = LLM(path, dtype="float32", block_size=2, kv_cache_memory=1024 * 32,
+                max_num_batched_tokens=64)
+    outs = small.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True,
+                                                  prompt_logprobs=2), use_tqdm=False)
+    assert small.engine.scheduler.num_preemptions > 0
+    for out in outs:
+        _check(out, hf, 2)
+
+
+def test_bad_prompt_logprobs_is_a_value_error():
+    for bad in (-1, 21, 1.5, True):
+        with pytest.raises(ValueError, match="prompt_logprobs"):
+            SamplingParams(prompt_logprobs=bad)
