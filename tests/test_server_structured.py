@@ -208,6 +208,28 @@ def test_constraint_fields_of_each_dialect(srv):
     assert text in ("stream me", "or me")
 
 
+def test_a_grammar_that_cannot_be_completed_is_a_400(srv, offline):  # noqa: F811
+    """A regex of 4-byte UTF-8 characters: llguidance forces their bytes as tokens that it
+    then refuses (its mask allows a token its parser rejects). The sequence ends ("error",
+    stop_reason GRAMMAR_DEAD_END) and the request gets a 400 saying so, never a 500; the
+    server goes on serving."""
+    from pagellm.engine.llm_engine import GRAMMAR_DEAD_END
+    from pagellm.sampling_params import StructuredOutputsParams
+
+    regex = "\U0006d472\U00099f8f"
+    out = offline.generate(["x"], SamplingParams(
+        temperature=0, max_tokens=8,
+        structured_outputs=StructuredOutputsParams(regex=regex)), use_tqdm=False)[0]
+    assert out.outputs[0].finish_reason == "error"
+    assert out.outputs[0].stop_reason == GRAMMAR_DEAD_END
+    res = post(srv, "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 8,
+                                        "temperature": 0, "guided_regex": regex})
+    assert res.status_code == 400, res.text
+    assert "cannot be completed" in res.json()["error"]["message"]
+    ok = post(srv, "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 4})
+    assert ok.status_code == 200
+
+
 def test_logit_bias_over_http(srv, offline):
     first = offline.generate("Hello", SamplingParams(temperature=0, max_tokens=1),
                              use_tqdm=False)[0].outputs[0].token_ids[0]

@@ -19,7 +19,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from pagellm.engine.llm_engine import LLMEngine
+from pagellm.engine.llm_engine import GRAMMAR_DEAD_END, LLMEngine
 from pagellm.outputs import RequestOutput
 from pagellm.sampling_params import SamplingParams
 
@@ -264,10 +264,17 @@ class AsyncEngine:
             if slot is None:
                 continue
             if out.finished and any(c.finish_reason == "error" for c in out.outputs):
-                # The engine failed this request alone (its blocks are already back).
+                # The engine failed this request alone (its blocks are already back), or the
+                # request's grammar cannot be completed with this model's tokens: a 400, as
+                # the request's own constraint is what cannot be met.
                 del self._slots[out.request_id]
                 self._count(-1)
-                self._call(slot._fail, RequestError("the engine failed this request", 500))
+                grammar = any(c.finish_reason == "error" and c.stop_reason == GRAMMAR_DEAD_END
+                              for c in out.outputs)
+                self._call(slot._fail, RequestError(
+                    "structured output cannot be completed: the grammar allows no further "
+                    "token of this model", 400) if grammar
+                    else RequestError("the engine failed this request", 500))
                 continue
             deliveries.append((slot, out))
             if out.finished:

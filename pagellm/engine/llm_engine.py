@@ -564,7 +564,7 @@ class LLMEngine:
         error = seq.constraint.error if seq.constraint is not None else None
         logger.warning("request %s: the structured-output grammar allows no further token%s",
                        seq.request_id, f" ({error})" if error else "")
-        seq.stop_reason = "structured output cannot be completed"
+        seq.stop_reason = GRAMMAR_DEAD_END
         self._finish(seq, "error")
 
     def _stop_check(self, seq: Sequence, token: int, delta_len: int):
@@ -574,7 +574,10 @@ class LLMEngine:
             if not c.accept(token):
                 # a token outside the mask (cannot happen when sampling masks it): the output
                 # no longer matches the grammar, so it ends here
-                return "error", "structured output cannot be completed"
+                logger.warning("request %s: token %d is outside its structured-output grammar"
+                               "%s", seq.request_id, token,
+                               f" ({c.error})" if getattr(c, "error", None) else "")
+                return "error", GRAMMAR_DEAD_END
             if token not in self.eos_token_ids and c.is_stopped:
                 return "stop", None  # the grammar is complete: only an end token could follow
         if seq.num_output_tokens >= p.min_tokens:
@@ -648,6 +651,10 @@ class LLMEngine:
 
 
 _DEAD_END = object()  # a drawn row whose grammar allows no token
+# stop_reason of a sequence that ended ("error") because its structured-output grammar cannot be
+# completed: it allows no token, or rejects the one its own mask allowed (llguidance can force
+# bytes that no token of the tokenizer gives, e.g. some 4-byte UTF-8 characters in a regex)
+GRAMMAR_DEAD_END = "structured output cannot be completed"
 
 
 def _truncates(p: SamplingParams) -> bool:
