@@ -307,6 +307,23 @@ def test_echo_with_logprobs_scores_the_prompt(srv, offline):
     # without logprobs, echo alone computes no prompt log-probabilities
     plain = srv.client.completions.create(model=MODEL, prompt=ids, max_tokens=1, echo=True)
     assert plain.choices[0].logprobs is None
+    # max_tokens 0 with echo (the legacy API's scoring form): the prompt alone, nothing generated
+    for stream in (False, True):
+        res = srv.client.completions.create(model=MODEL, prompt=ids, max_tokens=0, logprobs=1,
+                                            echo=True, stream=stream,
+                                            **({"stream_options": {"include_usage": True}}
+                                               if stream else {}))
+        chunks = list(res) if stream else [res]
+        choices = [c.choices[0] for c in chunks if c.choices]
+        assert "".join(c.text for c in choices) == tok.decode(ids)
+        values = [v for c in choices for v in c.logprobs.token_logprobs]
+        assert values[0] is None and values[1:] == pytest.approx(lp.token_logprobs[1:len(ids)],
+                                                                 abs=1e-4)
+        assert choices[-1].finish_reason == "length"
+        assert chunks[-1].usage.completion_tokens == 0
+        assert chunks[-1].usage.prompt_tokens == len(ids)
+    bad = post(srv, "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 0})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens"
 
 
 def test_echo_and_extra_fields_accepted(srv):

@@ -1,6 +1,7 @@
 """POST /v1/completions."""
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 
@@ -23,6 +24,12 @@ async def create_completion(request: Request):
     if req.best_of not in (None, req.n):
         raise APIError(400, "best_of: must equal n (best-of selection is not supported)",
                        param="best_of")
+    # max_tokens 0 with echo: the legacy API's way to score a prompt (its logprobs with
+    # "logprobs"), nothing generated. The engine runs one token, which the response leaves out.
+    score_only = req.max_tokens == 0
+    if score_only and not req.echo:
+        raise APIError(400, "max_tokens: must be at least 1 (0 only with echo: the prompt "
+                       "returned, nothing generated)", param="max_tokens")
     prompts = req.prompts()
     api.limits.check_sequences(len(prompts), req.n)
     api.limits.check_stop(req.stop)
@@ -33,9 +40,9 @@ async def create_completion(request: Request):
         # echo with logprobs: the prompt's tokens' log-probabilities too (what evaluation
         # harnesses score a continuation by)
         echo_lps = req.logprobs if req.echo else None
-        params = [req.sampling_params(api.max_tokens(len(ids), req.max_tokens, "prompt"),
-                                      req.logprobs, api.sampling_defaults, structured, echo_lps)
-                  for _, ids in encoded]
+        params = [req.sampling_params(
+            api.max_tokens(len(ids), 1 if score_only else req.max_tokens, "prompt"),
+            req.logprobs, api.sampling_defaults, structured, echo_lps) for _, ids in encoded]
     except ValueError as e:
         raise sampling_error(e) from None
     if req.echo:
@@ -65,6 +72,9 @@ async def create_completion(request: Request):
 
     if req.stream:
         def choice_chunk(ch, comp, text, ids, lps):
+            if score_only:  # the prompt alone (one chunk: the engine ran a single token)
+                text, ids, lps = prefixes[ch.index // req.n], [], []
+                comp = _scored(comp)
             lp = logprobs(ch.delta_offset, ids, lps)
             if ch.prompt_logprobs is not None:  # echo: the first chunk carries the prompt's
                 lp = joined_logprobs(echoed(ch.index // req.n, ch.prompt_logprobs), lp)
@@ -74,6 +84,7 @@ async def create_completion(request: Request):
                             req.include_usage)
 
         def usage_chunk(num_generated):
+            num_generated = 0 if score_only else num_generated
             return ({**base, "choices": [], "usage": usage(num_prompt, num_generated)}
                     if req.include_usage else None)
 
@@ -86,10 +97,20 @@ async def create_completion(request: Request):
     for i, out in enumerate(finals):
         for comp in out.outputs:
             ch = choices[i * req.n + comp.index]
+            if score_only:
+                comp = _scored(comp)
             lp = logprobs(len(ch.prefix), comp.token_ids, comp.logprobs or [])
             out_choices.append({"index": ch.index, "text": ch.prefix + comp.text,
                                 "logprobs": joined_logprobs(echoed(i, out.prompt_logprobs), lp),
                                 **finish(comp)})
-    num_generated = sum(len(c.token_ids) for out in finals for c in out.outputs)
+    num_generated = 0 if score_only else sum(len(c.token_ids) for out in finals
+                                             for c in out.outputs)
     return JSONResponse({**base, "choices": out_choices,
                          "usage": usage(num_prompt, num_generated)})
+
+
+def _scored(comp):
+    """max_tokens 0: the output without its one generated token (finish_reason "length")."""
+    return dataclasses.replace(comp, text="", token_ids=[], logprobs=[] if comp.logprobs is not None
+                               else None, cumulative_logprob=None, finish_reason="length",
+                               stop_reason=None)

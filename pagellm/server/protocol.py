@@ -139,7 +139,7 @@ class StreamOptions(BaseModel):
 
 class CompletionRequest(_Request):
     prompt: Any
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=0)  # 0: with echo only (the prompt scored)
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
     suffix: str | None = None
