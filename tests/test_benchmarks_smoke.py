@@ -180,3 +180,15 @@ def test_prefill(tmp_path):
     for r in rows.values():
         assert r["pagellm"] > 0 and r["hf"] > 0 and r["pagellm / hf"] > 0
     assert "llama.cpp" in data["skipped"]  # no GGUF in smoke mode: skipped with its reason
+
+
+def test_accuracy(tmp_path):
+    data = run_kind("accuracy", tmp_path)
+    rows = {r["kv_cache_dtype"]: r for r in data["results"]}
+    assert list(rows) == ["float32", "bfloat16", "int8"]
+    ref = rows["float32"]
+    assert ref["mean_abs_logprob_diff"] == 0 and ref["top1_agreement"] == 1
+    for r in rows.values():
+        assert r["tokens"] == 2 * 47 and r["perplexity"] > 1
+    # the smaller pools move the log-probabilities, a little
+    assert 0 < rows["int8"]["mean_abs_logprob_diff"] < 0.1

@@ -23,6 +23,7 @@ KINDS = {
     "prefix": "shared system prompt: prefix caching on vs off (TTFT, throughput, peak blocks)",
     "soak": "32 streaming clients, random parameters, disconnects: 5xx, leaks, RSS, TTFT/ITL",
     "structured": "structured outputs: mask cost per step (batch 1, 16), JSON vs unconstrained tok/s",
+    "accuracy": "KV cache dtypes: perplexity of a text and log-prob drift from a float32 pool",
 }
 _NOT_KINDS = {"common", "__main__", "__init__"}
 
