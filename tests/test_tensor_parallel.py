@@ -40,6 +40,25 @@ def test_tp2_matches_single_process(tiny_models, arch, spec):
             assert llm.engine.spec.stats.num_draft_tokens > 0
 
 
+def test_tp2_int8_pool_and_prompt_logprobs_match_single_process(tiny_models):
+    """Each rank's int8 pool holds its KV heads' rows (codes and scale a row, as one process
+    writes them), and rank 0's logits give the prompt log-probabilities: the same tokens and
+    log-probabilities as one process."""
+    path = tiny_models["llama"]
+    kw = {"dtype": "float32", "kv_cache_memory": 2**20, "block_size": 4,
+          "kv_cache_dtype": "int8"}
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, prompt_logprobs=2)
+    want = LLM(path, **kw).generate(PROMPTS, sp, use_tqdm=False)
+    with LLM(path, tensor_parallel_size=2, **kw) as llm:
+        got = llm.generate(PROMPTS, sp, use_tqdm=False)
+    for a, b in zip(got, want):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.prompt_logprobs[0] is None and len(a.prompt_logprobs) == len(b.prompt_logprobs)
+        for ea, eb in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:]):
+            assert ea.keys() == eb.keys()
+            assert all(abs(ea[t] - eb[t]) < 1e-4 for t in ea)
+
+
 @pytest.mark.parametrize("spec", [None, "ngram"])
 def test_tp2_default_model_matches_single_process(spec):
     prompts = ["The capital of France is", "def add(a, b):"]

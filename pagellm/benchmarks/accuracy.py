@@ -2,14 +2,16 @@
 far each pool's per-token log-probabilities move from a float32 pool's.
 
     pagellm bench accuracy [--model M --kv-dtypes float32,bfloat16,int8 --window 1024
-                            --windows 8 --text FILE]
+                            --windows 8 --text FILE --peers hf]
 
 The text (default: this project's README and docs, ~40k tokens of English and code) is cut into
 windows of --window tokens; each window is one request whose prompt log-probabilities
 (SamplingParams.prompt_logprobs) score every token after its first, given the ones before it.
 Per pool: perplexity (exp of the mean negative log-likelihood), the mean and the largest
 |log-probability difference| from the first pool's (float32 by default) over the same tokens,
-and how often the pool's most likely next token is the first pool's.
+and how often the pool's most likely next token is the first pool's. `--peers hf` adds Hugging
+Face transformers on the same weights (float32; a GGUF dequantized by transformers) as a row
+of its own: how far pagellm's default configuration is from the reference implementation.
 """
 from __future__ import annotations
 
@@ -34,6 +36,10 @@ def parse_args(argv):
     p.add_argument("--text", default=None,
                    help="a UTF-8 text file (default: README.md and docs/*.md of this checkout)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
+    p.add_argument("--peers", default="", help="'hf': transformers (float32) as a row too")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
+                   help="pagellm's model dtype (auto: its default, bf16 where the CPU has bf16 "
+                        "units)")
     common.add_output_args(p)
     args = p.parse_args(argv)
     args.kv_dtypes = [d for d in args.kv_dtypes.split(",") if d]
@@ -77,7 +83,7 @@ def score(path: str, kv: str, wins: list[list[int]] | None, args):
     likely token) under pool `kv`; the windows are made by the first engine."""
     from pagellm import LLM, SamplingParams
 
-    llm = LLM(path, kv_cache_dtype=kv, max_model_len=args.window + 8,
+    llm = LLM(path, dtype=args.dtype, kv_cache_dtype=kv, max_model_len=args.window + 8,
               enable_prefix_caching=False)
     wins = wins if wins is not None else windows(llm, args)
     sp = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1)
@@ -88,6 +94,21 @@ def score(path: str, kv: str, wins: list[list[int]] | None, args):
         lps.append([e[t] for e, t in zip(entries, w[1:])])
         tops.append([max(e, key=e.get) for e in entries])
     llm.shutdown()
+    return wins, lps, tops
+
+
+def score_hf(wins: list[list[int]], args):
+    """The same windows through transformers, float32, on the same weights."""
+    spec = (common.ModelSpec(args.smoke_path, args.smoke_path, None) if args.smoke
+            else common.ModelSpec.resolve(args.model))
+    model = common.HFRunner(spec, "float32").model
+    lps, tops = [], []
+    for w in tqdm(wins, desc="hf", leave=False):
+        with torch.inference_mode():
+            logits = model(torch.tensor([w])).logits[0, :-1].float()
+        rows = torch.log_softmax(logits, -1)
+        lps.append(rows.gather(1, torch.tensor(w[1:]).unsqueeze(1)).squeeze(1).tolist())
+        tops.append(rows.argmax(-1).tolist())
     return wins, lps, tops
 
 
@@ -103,7 +124,7 @@ def summarize(ref, got) -> dict:
 
 def render(rows: list[dict], args) -> str:
     lines = [f"# KV cache dtype and accuracy ({args.windows} windows of {args.window} tokens; "
-             f"reference: {rows[0]['kv_cache_dtype']})", ""]
+             f"pagellm dtype {args.dtype}; reference: {rows[0]['kv_cache_dtype']})", ""]
     lines.append(common.markdown_table(
         ["KV pool", "tokens", "perplexity", "mean abs logprob diff", "max abs logprob diff",
          "top-1 agreement"],
@@ -134,12 +155,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     path = common.smoke_model_dir() if args.smoke else common.ModelSpec.resolve(args.model).path
+    args.smoke_path = path if args.smoke else None
+    peers = [p for p in args.peers.split(",") if p]
+    if set(peers) - {"hf"}:
+        raise ValueError(f"--peers: only 'hf' here, got {args.peers!r}")
     results, wins = {}, None
     for kv in tqdm(args.kv_dtypes, desc="accuracy", unit="pool"):
         results[kv] = score(path, kv, wins, args)
         wins = results[kv][0]
     ref = results[args.kv_dtypes[0]]
     rows = [{"kv_cache_dtype": kv, **summarize(ref, results[kv])} for kv in args.kv_dtypes]
+    if "hf" in peers:
+        rows.append({"kv_cache_dtype": "hf transformers (float32)",
+                     **summarize(ref, score_hf(wins, args))})
     files = common.write_results(args.out, "accuracy", {
         "config": {k: v for k, v in vars(args).items()}, "results": rows}, render(rows, args))
     if not args.no_plot:

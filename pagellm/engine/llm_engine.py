@@ -408,11 +408,14 @@ class LLMEngine:
                 owners.append((seq, k + 1))
         return rows + extra, owners, prompt
 
+    @torch.inference_mode()  # (the forward's logits are inference tensors, updated in place)
     def _prompt_logprobs(self, prompt: list[tuple[Sequence, int, int]], logits: torch.Tensor):
         """The prompt rows' logits (in _logit_rows' order) -> each position's next prompt
         token's log-probability and its top-N, appended to the sequence's prompt_logprobs
         (from the raw logits: what the model assigns, as vLLM reports them)."""
-        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        # in place (these rows are read by nothing else): [rows, vocab] is the large part
+        logprobs = logits.float()
+        logprobs -= torch.logsumexp(logprobs, dim=-1, keepdim=True)
         row = 0
         for seq, lo, count in prompt:
             lps = logprobs[row:row + count]
