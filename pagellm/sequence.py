@@ -69,6 +69,8 @@ class Sequence:
     def __post_init__(self):
         if self.params.seed is not None:
             self.generator = torch.Generator().manual_seed(self.params.seed + 7919 * self.index)
+        if self.params.prompt_logprobs is not None and not self.prompt_logprobs:
+            self.prompt_logprobs = [None]  # the first prompt token has no context to score
 
     @property
     def token_ids(self) -> list[int]:

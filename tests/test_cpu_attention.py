@@ -178,9 +178,12 @@ def _int8_write_kv_fills_the_slots():
     key[1, 2] = 0.0
     key[2, 1, 3] = float("inf")
     value[0, 0, 0] = float("nan")
+    value[1, 1] = 0.0  # a largest value below 127 / FLT_MAX: no finite 127 / max, codes 0
+    value[1, 1, 0], value[1, 1, 5] = 1e-38, -2e-38
     slots = torch.tensor([5, 0, 22])
     backend.write_kv(key, value, kc, vc, slots)
     flat_k, flat_v = kc.reshape(-1, 3, 20), vc.reshape(-1, 3, 20)
+    assert not flat_v[slots][1, 1, :16].any()
     want_k, want_v = cpu_attention.quantize_rows(key), cpu_attention.quantize_rows(value)
     assert torch.equal(flat_k[slots], want_k) and torch.equal(flat_v[slots], want_v)
     got = cpu_attention.dequantize_rows(flat_k[slots])

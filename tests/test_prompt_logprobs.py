@@ -86,3 +86,38 @@ def test_bad_prompt_logprobs_is_a_value_error():
     for bad in (-1, 21, 1.5, True):
         with pytest.raises(ValueError, match="prompt_logprobs"):
             SamplingParams(prompt_logprobs=bad)
+
+
+def test_one_token_prompts_and_rows_scored_in_slices(tiny, monkeypatch):
+    """A one-token prompt has its single None entry; rows are scored a slice at a time (the
+    [rows, vocab] temporaries stay small) with the same values."""
+    from pagellm.engine.llm_engine import LLMEngine
+
+    path, hf = tiny
+    monkeypatch.setattr(LLMEngine, "_PROMPT_SLICE", 3)
+    llm = LLM(path, dtype="float32", kv_cache_memory=2**20, block_size=4)
+    sp = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, prompt_logprobs=2)
+    one, long = llm.generate([[42], PROMPTS[1]], sp, use_tqdm=False)
+    assert one.prompt_logprobs == [None]
+    _check(long, hf, 2)
+
+
+def test_a_failure_scoring_one_prompt_ends_that_request_alone(tiny, monkeypatch):
+    from pagellm.engine.llm_engine import LLMEngine
+
+    path, hf = tiny
+    real = LLMEngine._score_prompt_rows
+
+    def flaky(self, seq, lo, logits):
+        if seq.prompt_token_ids == PROMPTS[2]:
+            raise RuntimeError("scoring failed")
+        return real(self, seq, lo, logits)
+
+    monkeypatch.setattr(LLMEngine, "_score_prompt_rows", flaky)
+    llm = LLM(path, dtype="float32", kv_cache_memory=2**20, block_size=4)
+    sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, prompt_logprobs=1)
+    outs = llm.generate(PROMPTS, sp, use_tqdm=False)
+    assert [o.outputs[0].finish_reason for o in outs] == ["length", "length", "error"]
+    for out in outs[:2]:
+        _check(out, hf, 1)
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks

@@ -259,7 +259,8 @@ def test_logprobs(srv, offline):
                                         ref.logprobs):
         assert value == pytest.approx(entries[tid], abs=1e-4)
         assert len(top) == 3 and max(top.values()) == pytest.approx(value, abs=1e-4)  # greedy
-    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
+    # one running sum of the token texts over prompt and completion, from 0
+    assert lp.text_offset == [sum(map(len, lp.tokens[:i])) for i in range(len(lp.tokens))]
     chat = srv.client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=5,
                                               temperature=0, logprobs=True, top_logprobs=2)
     content = chat.choices[0].logprobs.content
@@ -301,8 +302,12 @@ def test_echo_with_logprobs_scores_the_prompt(srv, offline):
                                       for i in range(len(context), len(ids))), abs=1e-3)
     stream = srv.client.completions.create(model=MODEL, prompt=ids, max_tokens=3,
                                            temperature=0, logprobs=1, echo=True, stream=True)
-    values = [v for c in stream for v in c.choices[0].logprobs.token_logprobs]
+    chunks = [c.choices[0].logprobs for c in stream]
+    values = [v for c in chunks for v in c.token_logprobs]
     assert values[0] is None and len(values) == len(ids) + 3
+    tokens = [t for c in chunks for t in c.tokens]
+    assert [o for c in chunks for o in c.text_offset] == [sum(map(len, tokens[:i]))
+                                                          for i in range(len(tokens))]
     assert values[1:len(ids)] == pytest.approx(lp.token_logprobs[1:len(ids)], abs=1e-4)
     # without logprobs, echo alone computes no prompt log-probabilities
     plain = srv.client.completions.create(model=MODEL, prompt=ids, max_tokens=1, echo=True)
@@ -322,6 +327,17 @@ def test_echo_with_logprobs_scores_the_prompt(srv, offline):
         assert choices[-1].finish_reason == "length"
         assert chunks[-1].usage.completion_tokens == 0
         assert chunks[-1].usage.prompt_tokens == len(ids)
+    # a prompt whose characters span several tokens: the running sum still goes on over the
+    # generated tokens (token texts of partial characters are not the echoed text's length)
+    res = srv.client.completions.create(model=MODEL, prompt="Caf\u00e9 \u65e5\u672c \U0001f642 is",
+                                        max_tokens=3, temperature=0, logprobs=1, echo=True)
+    lp = res.choices[0].logprobs
+    assert lp.text_offset == [sum(map(len, lp.tokens[:i])) for i in range(len(lp.tokens))]
+    # a one-token prompt: its one entry, null
+    one = srv.client.completions.create(model=MODEL, prompt=ids[:1], max_tokens=0, logprobs=1,
+                                        echo=True)
+    assert one.choices[0].logprobs.token_logprobs == [None]
+    assert one.choices[0].logprobs.text_offset == [0]
     bad = post(srv, "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 0})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens"
 

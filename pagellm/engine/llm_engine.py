@@ -278,7 +278,7 @@ class LLMEngine:
         rows, owners, prompt = self._logit_rows(out)
         if prompt:  # rows after the sampling rows: the prompt tokens' log-probabilities
             first = len(rows) - sum(n for _, _, n in prompt)
-            self._prompt_logprobs(prompt, logits[first:])
+            failed |= self._prompt_logprobs(prompt, logits[first:])
             logits = logits[:first]
         self.scheduler.advance(out)
         touched = self._process_samples(owners, logits)
@@ -396,7 +396,7 @@ class LLMEngine:
             if seq.params.prompt_logprobs is not None and seq.index == 0:
                 # position p gives prompt token p + 1's entry; entries already made are not
                 # made again (a recompute after preemption)
-                lo = max(start, len(seq.prompt_logprobs) - 1, 0)
+                lo = max(start, len(seq.prompt_logprobs) - 1)
                 hi = min(start + n, seq.num_prompt_tokens - 1)
                 if hi > lo:
                     extra.extend(range(offset + lo - start, offset + hi - start))
@@ -408,23 +408,37 @@ class LLMEngine:
                 owners.append((seq, k + 1))
         return rows + extra, owners, prompt
 
-    @torch.inference_mode()  # (the forward's logits are inference tensors, updated in place)
-    def _prompt_logprobs(self, prompt: list[tuple[Sequence, int, int]], logits: torch.Tensor):
+    @torch.inference_mode()
+    def _prompt_logprobs(self, prompt: list[tuple[Sequence, int, int]], logits: torch.Tensor
+                         ) -> set[str]:
         """The prompt rows' logits (in _logit_rows' order) -> each position's next prompt
         token's log-probability and its top-N, appended to the sequence's prompt_logprobs
-        (from the raw logits: what the model assigns, as vLLM reports them)."""
-        # in place (these rows are read by nothing else): [rows, vocab] is the large part
-        logprobs = logits.float()
-        logprobs -= torch.logsumexp(logprobs, dim=-1, keepdim=True)
-        row = 0
+        (from the raw logits: what the model assigns, as vLLM reports them). Each request's
+        part runs on its own: one that fails ends that request alone. Returns the request ids
+        that failed."""
+        failed, row = set(), 0
         for seq, lo, count in prompt:
-            lps = logprobs[row:row + count]
-            row += count
-            if not seq.prompt_logprobs:
-                seq.prompt_logprobs.append(None)
-            nxt = torch.tensor(seq.prompt_token_ids[lo + 1:lo + 1 + count], device=lps.device)
+            rows, row = logits[row:row + count], row + count
+            try:
+                self._score_prompt_rows(seq, lo, rows)
+            except Exception:
+                logger.exception("prompt logprobs of request %s failed", seq.request_id)
+                failed.add(seq.request_id)
+        for rid in failed:
+            self._fail_request(rid)
+        return failed
+
+    _PROMPT_SLICE = 256  # rows a [rows, vocab] float32 temporary holds (a 2,048-token chunk
+    # of a 152k vocabulary would otherwise add 1.2 GB a copy)
+
+    def _score_prompt_rows(self, seq: Sequence, lo: int, logits: torch.Tensor) -> None:
+        k = seq.params.prompt_logprobs
+        for a in range(0, logits.shape[0], self._PROMPT_SLICE):
+            lps = torch.log_softmax(logits[a:a + self._PROMPT_SLICE].float(), dim=-1)
+            first = lo + a + 1  # the prompt token these rows score
+            nxt = torch.tensor(seq.prompt_token_ids[first:first + lps.shape[0]],
+                               device=lps.device)
             own = lps.gather(1, nxt.unsqueeze(1)).squeeze(1).tolist()
-            k = seq.params.prompt_logprobs
             top_v, top_i = (lps.topk(k, dim=-1) if k else (lps[:, :0], lps[:, :0].long()))
             for tok, lp, tv, ti in zip(nxt.tolist(), own, top_v.tolist(), top_i.tolist()):
                 seq.prompt_logprobs.append({tok: lp, **{t: v for t, v in zip(ti, tv) if t != tok}})

@@ -79,12 +79,15 @@ typedef struct {
     int64_t block;              /* blocks begun so far, K then V */
 } ahead_t;
 
+/* cache lines a block spans (an int8 block of BS * (D + 4) bytes need not fill its last) */
+static inline int64_t ahead_lines(int64_t block_bytes) { return (block_bytes + 63) / 64; }
+
 static inline __attribute__((always_inline)) void ahead_send(ahead_t *a, int64_t count) {
     if (!a) return;
     const int64_t end = a->sent + count < a->lines ? a->sent + count : a->lines;
     for (; a->sent < end; a->sent++) {
-        if (a->at == a->block_end) {  /* the next block: K blocks, then the same V blocks */
-            const int64_t blocks = a->lines / 2 / (a->block_bytes / 64);
+        if (a->at >= a->block_end) {  /* the next block: K blocks, then the same V blocks */
+            const int64_t blocks = a->lines / 2 / ahead_lines(a->block_bytes);
             const int64_t b = a->block < blocks ? a->block : a->block - blocks;
             a->at = (a->block < blocks ? a->kbase : a->vbase) + (int64_t)a->table[b] * a->block_bytes;
             a->block_end = a->at + a->block_bytes;
@@ -1116,7 +1119,7 @@ int paged_attention(const float *q, float *out, const void *kc, const void *vc,
                 blocks = blocks < 0 ? 0 : blocks < cap ? blocks : cap;
                 ahead = (ahead_t){(const char *)kc + hn * NB * block_bytes,
                                   (const char *)vc + hn * NB * block_bytes, tables + sn * MB,
-                                  block_bytes, 2 * blocks * (block_bytes / 64), 0, NULL, NULL, 0};
+                                  block_bytes, 2 * blocks * ahead_lines(block_bytes), 0, NULL, NULL, 0};
                 ahead_keys = blocks * BS;
             }
             const int64_t t = i / KVH, kvh = i % KVH;
@@ -1139,7 +1142,7 @@ int paged_attention(const float *q, float *out, const void *kc, const void *vc,
 
 /* One row of D values into row `index` of a pool of `kind`: float32 as they are, bf16
  * rounded to nearest even, int8 as codes round(x / s) (to nearest even) and s = max |x| / 127
- * (0 for a row of zeros; a row holding a NaN or an infinity gets a NaN scale, so that what
+ * (0 for a row of zeros, codes 0 where max |x| < 127 / FLT_MAX; a row holding a NaN or an infinity gets a NaN scale, so that what
  * attends to it is NaN, as with the other kinds). */
 void store_kv_row(void *pool, int64_t index, const float *src, int64_t D, int kind) {
     if (kind == KV_F32) { memcpy((float *)pool + index * D, src, sizeof(float) * D); return; }
@@ -1155,7 +1158,9 @@ void store_kv_row(void *pool, int64_t index, const float *src, int64_t D, int ki
         finite &= isfinite(src[i]) != 0;
         mx = fabsf(src[i]) > mx ? fabsf(src[i]) : mx;
     }
-    const float s = finite ? mx / 127.f : NAN, inv = finite && mx > 0.f ? 127.f / mx : 0.f;
+    /* a largest value below 127 / FLT_MAX (no finite 127 / mx) gives codes of 0, as zeros */
+    const float s = finite ? mx / 127.f : NAN,
+                inv = finite && mx > 0.f && isfinite(127.f / mx) ? 127.f / mx : 0.f;
     int64_t i = 0;
 #ifdef __AVX512F__
     /* the same roundings 16 at a time (cvtps rounds to nearest even, as nearbyintf does) */

@@ -29,7 +29,8 @@ def quantize_rows(x: torch.Tensor) -> torch.Tensor:
     x = x.float()
     mx = x.abs().amax(-1, keepdim=True)
     finite = torch.isfinite(x).all(-1, keepdim=True)
-    inv = torch.where(finite & (mx > 0), 127.0 / mx, torch.zeros_like(mx))
+    inv = 127.0 / mx  # inf for 0 and for max |x| < 127 / FLT_MAX: codes 0 there
+    inv = torch.where(finite & torch.isfinite(inv), inv, torch.zeros_like(mx))
     codes = torch.where(finite, (x * inv).round().clamp(-127, 127), torch.zeros_like(x))
     scale = torch.where(finite, mx / 127.0, torch.full_like(mx, float("nan")))
     return torch.cat([codes.to(torch.int8), scale.contiguous().view(torch.int8)], -1)

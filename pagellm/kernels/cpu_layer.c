@@ -26,7 +26,7 @@ int paged_attention(const float *q, float *out, const void *kc, const void *vc,
                     const int32_t *tables, int64_t MB, const int32_t *seq_lens,
                     const int32_t *qstart, const int32_t *seqs, int64_t n_seqs,
                     float scale, int threads, int kv_kind);
-void store_kv_row(void *pool, int64_t index, const float *src, int64_t D, int bf16);
+void store_kv_row(void *pool, int64_t index, const float *src, int64_t D, int kind);
 void rms_norm(const float *x, const float *add, float *x_out, const float *weight, float *out,
               int64_t T, int64_t D, float eps);
 

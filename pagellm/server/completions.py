@@ -41,7 +41,8 @@ async def create_completion(request: Request):
         # harnesses score a continuation by)
         echo_lps = req.logprobs if req.echo else None
         params = [req.sampling_params(
-            api.max_tokens(len(ids), 1 if score_only else req.max_tokens, "prompt"),
+            min(1, api.max_tokens(len(ids), None, "prompt")) if score_only  # room for one
+            else api.max_tokens(len(ids), req.max_tokens, "prompt"),
             req.logprobs, api.sampling_defaults, structured, echo_lps) for _, ids in encoded]
     except ValueError as e:
         raise sampling_error(e) from None
@@ -55,6 +56,13 @@ async def create_completion(request: Request):
     token_str = api.token_str if req.logprobs is not None else None
     choices = [ChoiceStream(i * req.n + j, params[i], prefixes[i], token_str)
                for i in range(len(slots)) for j in range(req.n)]
+    if echo_lps is not None:
+        # echo with logprobs: text_offset runs over the prompt's tokens from 0 and goes on over
+        # the generated ones (one running sum of token texts, as vLLM reports it; a prompt's
+        # BOS token or a tokenizer's decoding can make it differ from the echoed text's length)
+        for ch in choices:
+            ch.text_offset = ch.delta_offset = sum(
+                len(api.token_str(t)) for t in encoded[ch.index // req.n][1])
     base = {"id": rid, "object": "text_completion", "created": int(time.time()),
             "model": api.model_name}
     num_prompt = sum(len(ids) for _, ids in encoded)
@@ -99,7 +107,7 @@ async def create_completion(request: Request):
             ch = choices[i * req.n + comp.index]
             if score_only:
                 comp = _scored(comp)
-            lp = logprobs(len(ch.prefix), comp.token_ids, comp.logprobs or [])
+            lp = logprobs(ch.text_offset, comp.token_ids, comp.logprobs or [])
             out_choices.append({"index": ch.index, "text": ch.prefix + comp.text,
                                 "logprobs": joined_logprobs(echoed(i, out.prompt_logprobs), lp),
                                 **finish(comp)})
