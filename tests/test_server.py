@@ -335,7 +335,7 @@ def test_echo_with_logprobs_scores_the_prompt(srv, offline):
     assert lp.text_offset == [sum(map(len, lp.tokens[:i])) for i in range(len(lp.tokens))]
     # a one-token prompt: its one entry, null
     one = srv.client.completions.create(model=MODEL, prompt=ids[:1], max_tokens=0, logprobs=1,
-                                        echo=True)
+                                        echo=True, extra_body={"min_tokens": 4})
     assert one.choices[0].logprobs.token_logprobs == [None]
     assert one.choices[0].logprobs.text_offset == [0]
     bad = post(srv, "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 0})

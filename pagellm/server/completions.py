@@ -30,6 +30,8 @@ async def create_completion(request: Request):
     if score_only and not req.echo:
         raise APIError(400, "max_tokens: must be at least 1 (0 only with echo: the prompt "
                        "returned, nothing generated)", param="max_tokens")
+    if score_only:  # nothing is generated: a min_tokens has nothing to hold back
+        req = req.model_copy(update={"min_tokens": 0})
     prompts = req.prompts()
     api.limits.check_sequences(len(prompts), req.n)
     api.limits.check_stop(req.stop)
