@@ -353,6 +353,18 @@ static inline __attribute__((always_inline)) __m256 sum8x16(const __m512 a[8]) {
     return _mm512_castps512_ps256(_mm512_permutexvar_ps(idx, e));
 }
 
+/* Before scoring keys [t, t + 8): the look-ahead's share, and the keys a block ahead (row:
+ * a row's elements) into L1, their values into L2 once past v_from */
+static inline __attribute__((always_inline)) void prefetch8(
+        ahead_t *ahead, int64_t rate, const void *kbase, const void *vbase, const int64_t *slot,
+        int64_t t, int64_t n, int64_t v_from, int64_t row, int kind) {
+    ahead_send(ahead, 2 * rate);
+    for (int64_t u = t + 16; u < t + 24 && u < n; u += 4) {
+        prefetch_kv(kbase, slot[u], 4 * row, kind);
+        if (u >= v_from) prefetch_kv_l2(vbase, slot[u], 4 * row, kind);
+    }
+}
+
 /* tile_scores16 for a bf16 pool, D % 64 == 0; qp: the m vectors in unpacked order */
 static inline __attribute__((always_inline)) void tile_scores_bf16u(
         int m, const float *qp, const void *kbase, const void *vbase, const int64_t *slot,
@@ -361,11 +373,7 @@ static inline __attribute__((always_inline)) void tile_scores_bf16u(
     const int64_t rate = ahead_rate(ahead, n);
     int64_t t = 0;
     for (; t + 8 <= n; t += 8) {
-        ahead_send(ahead, 2 * rate);
-        for (int64_t u = t + 16; u < t + 24 && u < n; u += 4) {  /* a block ahead */
-            prefetch_kv(kbase, slot[u], 4 * D, 1);
-            if (u >= v_from) prefetch_kv_l2(vbase, slot[u], 4 * D, 1);
-        }
+        prefetch8(ahead, rate, kbase, vbase, slot, t, n, v_from, D, KV_BF16);
         __m512 a[TILE][8];
         _Pragma("GCC unroll 4") for (int i = 0; i < m; i++)
             _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++) a[i][j] = _mm512_setzero_ps();
@@ -406,11 +414,7 @@ static inline __attribute__((always_inline)) void tile_scores_i8(
     const int64_t rate = ahead_rate(ahead, n);
     int64_t t = 0;
     for (; t + 8 <= n; t += 8) {
-        ahead_send(ahead, 2 * rate);
-        for (int64_t u = t + 16; u < t + 24 && u < n; u += 4) {  /* a block ahead */
-            prefetch_kv(kbase, slot[u], 4 * RS, KV_I8);
-            if (u >= v_from) prefetch_kv_l2(vbase, slot[u], 4 * RS, KV_I8);
-        }
+        prefetch8(ahead, rate, kbase, vbase, slot, t, n, v_from, RS, KV_I8);
         __m512 a[TILE][8];
         _Pragma("GCC unroll 4") for (int i = 0; i < m; i++)
             _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++) a[i][j] = _mm512_setzero_ps();
