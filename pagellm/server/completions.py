@@ -10,8 +10,7 @@ from fastapi.responses import JSONResponse
 
 from pagellm.server.errors import APIError, parse_request, sampling_error
 from pagellm.server.protocol import CompletionRequest
-from pagellm.server.responses import (completion_logprobs, joined_logprobs,
-                                      prompt_completion_logprobs, usage)
+from pagellm.server.responses import completion_logprobs, joined_logprobs, usage
 from pagellm.server.state import OpenAIServer
 from pagellm.server.streaming import ChoiceStream, EventStream, chunk_of, finish, stream_events
 
@@ -78,7 +77,7 @@ async def create_completion(request: Request):
         """The prompt's part of an echoed choice's logprobs (None without echo + logprobs)."""
         if echo_lps is None or prompt_lps is None:
             return None
-        return prompt_completion_logprobs(api.token_str, encoded[i][1], prompt_lps, echo_lps)
+        return completion_logprobs(api.token_str, encoded[i][1], prompt_lps, echo_lps, 0)
 
     if req.stream:
         def choice_chunk(ch, comp, text, ids, lps):

@@ -19,34 +19,21 @@ def _top(entries: dict[int, float], num: int) -> list[tuple[int, float]]:
     return sorted(entries.items(), key=lambda kv: -kv[1])[:num]
 
 
-def completion_logprobs(token_str, token_ids: list[int], logprobs: list[dict[int, float]],
-                        num: int, text_offset: int) -> dict:
-    """OpenAI completions format: tokens, token_logprobs, top_logprobs, text_offset."""
+def completion_logprobs(token_str, token_ids: list[int],
+                        logprobs: list[dict[int, float] | None], num: int,
+                        text_offset: int) -> dict:
+    """OpenAI completions format: tokens, token_logprobs, top_logprobs, text_offset. An entry
+    None (a prompt's first token, echoed: nothing comes before it) gives null logprob and
+    top_logprobs."""
     tokens, token_lps, tops, offsets = [], [], [], []
     for tid, entries in zip(token_ids, logprobs):
-        s = token_str(tid)
-        tokens.append(s)
-        token_lps.append(_finite(entries[tid]))
-        tops.append({token_str(t): _finite(lp) for t, lp in _top(entries, num)})
-        offsets.append(text_offset)
-        text_offset += len(s)
-    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
-            "text_offset": offsets}
-
-
-def prompt_completion_logprobs(token_str, token_ids: list[int],
-                               prompt_logprobs: list[dict[int, float] | None], num: int) -> dict:
-    """echo with logprobs: the prompt's tokens in the completions format, the first with a
-    null logprob and top_logprobs (nothing comes before it), text offsets from 0."""
-    tokens, token_lps, tops, offsets, at = [], [], [], [], 0
-    for tid, entries in zip(token_ids, prompt_logprobs):
         s = token_str(tid)
         tokens.append(s)
         token_lps.append(None if entries is None else _finite(entries[tid]))
         tops.append(None if entries is None
                     else {token_str(t): _finite(lp) for t, lp in _top(entries, num)})
-        offsets.append(at)
-        at += len(s)
+        offsets.append(text_offset)
+        text_offset += len(s)
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
             "text_offset": offsets}
 
