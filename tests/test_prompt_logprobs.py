@@ -121,3 +121,24 @@ def test_a_failure_scoring_one_prompt_ends_that_request_alone(tiny, monkeypatch)
     for out in outs[:2]:
         _check(out, hf, 1)
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+
+
+@pytest.mark.parametrize("spec", [None, dict(method="ngram", num_speculative_tokens=3)])
+def test_a_prompt_may_fill_the_context(tiny, spec):
+    """A prompt of exactly max_model_len tokens (a whole window to score) is taken: its prompt
+    logprobs are transformers', its one token comes from the last position (finish "length",
+    nothing past the context runs), and its blocks return; one token more is refused."""
+    path, hf = tiny
+    kw = {"speculative_config": spec} if spec else {}
+    llm = LLM(path, dtype="float32", kv_cache_memory=2**20, block_size=4, max_model_len=51,
+              max_num_batched_tokens=16, **kw)
+    prompt = PROMPTS[1]  # 51 tokens, over four chunks
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, prompt_logprobs=1),
+                       use_tqdm=False)[0]
+    _check(out, hf, 1)
+    assert len(out.outputs[0].token_ids) == 1 and out.outputs[0].finish_reason == "length"
+    assert out.outputs[0].token_ids[0] == int(_reference(hf, prompt)[-1].argmax())
+    bm = llm.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.generate([prompt + [3]], SamplingParams(max_tokens=1), use_tqdm=False)

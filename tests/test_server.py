@@ -342,6 +342,26 @@ def test_echo_with_logprobs_scores_the_prompt(srv, offline):
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens"
 
 
+def test_scoring_a_whole_context_window(srv, offline):
+    """max_tokens 0 with echo scores a prompt of exactly max_model_len tokens (a harness's
+    rolling-window perplexity); one token more is a 400 naming the prompt, as is generating
+    after a prompt that fills the context."""
+    window = [(7 * i + 3) % 4000 + 10 for i in range(ENGINE_KW["max_model_len"])]
+    ref = offline.generate([window], greedy(1, prompt_logprobs=0), use_tqdm=False)[0]
+    res = srv.client.completions.create(model=MODEL, prompt=window, max_tokens=0, logprobs=0,
+                                        echo=True)
+    values = res.choices[0].logprobs.token_logprobs
+    assert len(values) == len(window) and values[0] is None
+    assert values[1:] == pytest.approx([ref.prompt_logprobs[i][window[i]]
+                                        for i in range(1, len(window))], abs=1e-4)
+    assert res.usage.prompt_tokens == len(window) and res.usage.completion_tokens == 0
+    for body in ({"prompt": window + [11], "max_tokens": 0, "echo": True},
+                 {"prompt": window, "max_tokens": 1}, {"prompt": window}):
+        r = post(srv, "/v1/completions", {"model": MODEL, **body})
+        assert r.status_code == 400, (body.keys(), r.text)
+        assert r.json()["error"]["code"] == "context_length_exceeded"
+
+
 def test_echo_and_extra_fields_accepted(srv):
     res = post(srv, "/v1/completions", {"model": MODEL, "prompt": "Hi there", "max_tokens": 3,
                                         "echo": True, "user": "u1", "some_new_field": {"a": 1},

@@ -186,9 +186,11 @@ class LLMEngine:
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"prompt token ids out of range [0, {self.vocab_size}): {bad[:5]}")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(ids)} tokens, which leaves no room to generate "
-                             f"within max_model_len {self.max_model_len}")
+        # a prompt may fill the context: its one token is sampled from the last position
+        # and never runs through the model (what scores a whole window: prompt logprobs)
+        if len(ids) > self.max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens, more than max_model_len "
+                             f"{self.max_model_len}")
         capacity = self.num_blocks * self.config.cache.block_size
         if len(ids) >= capacity:
             raise ValueError(f"prompt has {len(ids)} tokens but the KV cache holds only "

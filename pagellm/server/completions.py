@@ -41,9 +41,11 @@ async def create_completion(request: Request):
         # echo with logprobs: the prompt's tokens' log-probabilities too (what evaluation
         # harnesses score a continuation by)
         echo_lps = req.logprobs if req.echo else None
+        if score_only:  # a whole context window may be scored: the engine's one token
+            for _, ids in encoded:  # comes from its last position and is left out
+                api.check_scored_prompt(len(ids), "prompt")
         params = [req.sampling_params(
-            min(1, api.max_tokens(len(ids), None, "prompt")) if score_only  # room for one
-            else api.max_tokens(len(ids), req.max_tokens, "prompt"),
+            1 if score_only else api.max_tokens(len(ids), req.max_tokens, "prompt"),
             req.logprobs, api.sampling_defaults, structured, echo_lps) for _, ids in encoded]
     except ValueError as e:
         raise sampling_error(e) from None

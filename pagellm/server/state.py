@@ -116,6 +116,14 @@ class OpenAIServer:
                            code="context_length_exceeded")
         return requested
 
+    def check_scored_prompt(self, num_prompt: int, what: str) -> None:
+        """A prompt scored alone (max_tokens 0 with echo) may fill the context; 400 past it."""
+        if num_prompt > self.max_model_len:
+            raise APIError(400, f"This model's maximum context length is {self.max_model_len} "
+                           f"tokens. However, you requested {num_prompt} tokens in the {what}. "
+                           f"Please reduce the length of the {what}.", param=what,
+                           code="context_length_exceeded")
+
     async def add(self, prompts: list[list[int]], params: list, arrival: float,
                   request_id: str, structured_field: str | None = None,
                   cache_salt: str | None = None) -> list[RequestSlot]:
