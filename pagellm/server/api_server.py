@@ -26,8 +26,9 @@ from pagellm.server import routes
 from pagellm.server.chat import create_chat_completion
 from pagellm.server.completions import create_completion
 from pagellm.server.limits import LimitGate, Limits
+from pagellm.server.openai_responses import create_response, delete_response, get_response
 from pagellm.server.errors import APIError
-from pagellm.server.protocol import (ChatCompletionRequest, CompletionRequest,
+from pagellm.server.protocol import (ChatCompletionRequest, CompletionRequest, ResponsesRequest,
                                      DetokenizeRequest, TokenizeRequest)
 from pagellm.server.state import OpenAIServer
 
@@ -87,6 +88,7 @@ def build_app(api: OpenAIServer) -> FastAPI:
     app.add_middleware(Gate, api=api)
     bodies = {"/v1/completions": (create_completion, CompletionRequest),
               "/v1/chat/completions": (create_chat_completion, ChatCompletionRequest),
+              "/v1/responses": (create_response, ResponsesRequest),
               "/tokenize": (routes.tokenize, TokenizeRequest),
               "/detokenize": (routes.detokenize, DetokenizeRequest)}
     for path, (route, _) in bodies.items():
@@ -95,6 +97,8 @@ def build_app(api: OpenAIServer) -> FastAPI:
                         ("/ping", routes.health), ("/metrics", routes.metrics),
                         ("/version", routes.version)):
         app.add_api_route(path, route, methods=["GET"])
+    app.add_api_route("/v1/responses/{response_id}", get_response, methods=["GET"])
+    app.add_api_route("/v1/responses/{response_id}", delete_response, methods=["DELETE"])
 
     def openapi() -> dict:
         """The routes parse their bodies themselves (strict pydantic, errors naming the

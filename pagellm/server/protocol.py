@@ -278,6 +278,34 @@ class ChatCompletionRequest(_Request):
         return v
 
 
+class ResponsesRequest(_Request):
+    """POST /v1/responses (server/openai_responses.py turns input, instructions and tools into
+    a chat). The chat-completion sampling fields above (top_k, stop, seed, ...) are taken
+    too, as vLLM's Responses endpoint takes them."""
+    input: Any  # a string, or a list of items (messages, function calls and their outputs)
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(None, ge=1)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
+    text: dict[str, Any] | None = None  # {"format": {"type": "text" | "json_object" | "json_schema"}}
+    store: bool = True
+    previous_response_id: str | None = None
+    metadata: dict[str, str] | None = None
+    include: list[str] | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    truncation: Literal["auto", "disabled"] | None = None
+
+    @field_validator("input")
+    @classmethod
+    def _input(cls, v):
+        if isinstance(v, str) and v:
+            return v
+        if isinstance(v, list) and v and all(isinstance(item, dict) for item in v):
+            return v
+        raise ValueError("must be a non-empty string or a non-empty list of input items")
+
+
 class TokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
     model: str | None = None
@@ -297,3 +325,4 @@ _Request.model_rebuild()
 CompletionRequest.model_rebuild()
 ChatMessage.model_rebuild()
 ChatCompletionRequest.model_rebuild()
+ResponsesRequest.model_rebuild()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import time
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import Request
@@ -16,6 +17,28 @@ from pagellm.outputs import RequestOutput
 from pagellm.server.limits import Limits
 from pagellm.server.errors import APIError, sampling_error
 from pagellm.structured import StructuredOutputError
+
+
+class ResponseStore:
+    """The newest `capacity` responses of /v1/responses (store: true), each with the chat it
+    ended (server/openai_responses.py): a later request goes on from one by
+    previous_response_id. In memory, so a restart forgets them."""
+
+    def __init__(self, capacity: int = 1024):
+        self.capacity = capacity
+        self._items: OrderedDict[str, tuple[dict, list[dict]]] = OrderedDict()
+
+    def put(self, response_id: str, response: dict, messages: list[dict]) -> None:
+        self._items[response_id] = (response, messages)
+        self._items.move_to_end(response_id)
+        while len(self._items) > self.capacity:
+            self._items.popitem(last=False)
+
+    def get(self, response_id: str) -> tuple[dict, list[dict]] | None:
+        return self._items.get(response_id)
+
+    def delete(self, response_id: str) -> bool:
+        return self._items.pop(response_id, None) is not None
 
 
 class OpenAIServer:
@@ -45,6 +68,7 @@ class OpenAIServer:
         self.draining = False
         self.loop: asyncio.AbstractEventLoop | None = None
         self._token_strs: dict[int, str] = {}
+        self.response_store = ResponseStore()
 
     # ---- helpers ------------------------------------------------------------------------------
     def check_model(self, model: str | None) -> None:

@@ -1,0 +1,408 @@
+"""POST /v1/responses (OpenAI's Responses API, what agent SDKs call by default) on the chat
+machinery, and GET / DELETE /v1/responses/{id} for the responses the server keeps.
+
+A request becomes one chat: its `instructions` (a system message first), the conversation of
+a kept response named by `previous_response_id`, then its `input`: a string (one user
+message) or items: messages (text parts), the `function_call`s the model made before and the
+`function_call_output`s that answer them. Function `tools` and `tool_choice` work as on chat
+completions (server/tools.py: the same prompt form, grammar and parsing); `text.format` is
+response_format. The output is a list of items: a `message` with one `output_text` part, and
+a `function_call` item per call. A stream sends the documented typed events (response.created,
+response.in_progress, output item / content part / text delta events, function call argument
+events, then response.completed, or response.incomplete at max_output_tokens, or
+response.failed), each with its sequence_number.
+
+`store` (default true) keeps the response and its chat in memory (ResponseStore, the newest
+1,024), so that a client can go on from it.
+"""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+
+from pagellm.engine.async_engine import RequestError
+from pagellm.server.errors import APIError, parse_request, sampling_error
+from pagellm.server.protocol import ResponsesRequest, Tool
+from pagellm.server.responses import chat_logprobs
+from pagellm.server.state import OpenAIServer, iterate
+from pagellm.server.streaming import ChoiceStream, EventStream
+from pagellm.server.tools import (TOOL_CLOSE, TOOL_OPEN, ToolStream, call_grammar,
+                                  parse_tool_calls, prompt_messages, resolve_tool_choice,
+                                  template_knows_tools)
+from pagellm.sampling_params import StructuredOutputsParams
+
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+TEXT_PARTS = ("input_text", "output_text", "text")
+
+
+# ---- request -> chat ---------------------------------------------------------------------------
+def _text(content, at: str) -> str:
+    """A message's content: a string, or text parts (input_text / output_text) joined."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise APIError(400, f"{at}: must be a string or a list of content parts", param=at)
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in TEXT_PARTS or not isinstance(part.get("text"), str):
+            raise APIError(400, f"{at}[{j}]: only text parts ({{'type': 'input_text', 'text': "
+                           f"...}}) are supported, got {kind or type(part).__name__!r}",
+                           param=f"{at}[{j}]")
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def _arguments(value, at: str) -> dict:
+    try:
+        args = json.loads(value) if isinstance(value, str) and value.strip() else {}
+    except ValueError:
+        args = None
+    if not isinstance(value, str) or not isinstance(args, dict):
+        raise APIError(400, f"{at}: must be a JSON object in a string", param=at)
+    return args
+
+
+def input_messages(items) -> list[dict]:
+    """`input` -> chat messages in the templates' form (server/tools.py's prompt_messages takes
+    them on): function_call items join the assistant message before them as its tool_calls,
+    function_call_output items become tool messages; reasoning items (which this server never
+    makes) are passed over."""
+    if isinstance(items, str):
+        return [{"role": "user", "content": items}]
+    out: list[dict] = []
+    for i, item in enumerate(items):
+        at = f"input[{i}]"
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = item.get("role")
+            if role not in ("user", "system", "developer", "assistant"):
+                raise APIError(400, f"{at}.role: must be 'user', 'system', 'developer' or "
+                               f"'assistant', got {role!r}", param=f"{at}.role")
+            out.append({"role": "system" if role == "developer" else role,
+                        "content": _text(item.get("content"), f"{at}.content")})
+        elif kind == "function_call":
+            name, call_id = item.get("name"), item.get("call_id")
+            for field, value in (("name", name), ("call_id", call_id)):
+                if not isinstance(value, str) or not value:
+                    raise APIError(400, f"{at}.{field}: must be a non-empty string",
+                                   param=f"{at}.{field}")
+            call = {"id": call_id, "type": "function",
+                    "function": {"name": name,
+                                 "arguments": _arguments(item.get("arguments"), f"{at}.arguments")}}
+            if not (out and out[-1]["role"] == "assistant"):
+                out.append({"role": "assistant", "content": ""})
+            out[-1].setdefault("tool_calls", []).append(call)
+        elif kind == "function_call_output":
+            call_id = item.get("call_id")
+            if not isinstance(call_id, str) or not call_id:
+                raise APIError(400, f"{at}.call_id: must be a non-empty string",
+                               param=f"{at}.call_id")
+            out.append({"role": "tool", "tool_call_id": call_id,
+                        "content": _text(item.get("output"), f"{at}.output")})
+        elif kind != "reasoning":
+            raise APIError(400, f"{at}.type: must be 'message', 'function_call' or "
+                           f"'function_call_output', got {kind!r}", param=f"{at}.type")
+    return out
+
+
+def chat_tools(tools: list[dict] | None) -> list[dict]:
+    """Responses' function tools ({"type": "function", "name", "parameters", ...}) -> chat's
+    ({"type": "function", "function": {...}}), validated as chat completions validates them."""
+    out, names = [], set()
+    for i, t in enumerate(tools or []):
+        if t.get("type") != "function":
+            raise APIError(400, f"tools[{i}].type: only function tools are supported, got "
+                           f"{t.get('type')!r}", param=f"tools[{i}].type")
+        fn = {k: v for k, v in t.items() if k != "type"}
+        try:
+            tool = Tool.model_validate({"type": "function", "function": fn})
+        except ValidationError as e:
+            err = e.errors()[0]
+            where = ".".join(str(p) for p in err["loc"][1:])
+            raise APIError(400, f"tools[{i}].{where}: {err['msg']}",
+                           param=f"tools[{i}].{where}") from None
+        if tool.function.name in names:
+            raise APIError(400, f"tools[{i}].name: function names must be unique, got "
+                           f"{tool.function.name!r} twice", param=f"tools[{i}].name")
+        names.add(tool.function.name)
+        out.append(tool.model_dump(exclude_none=True))
+    return out
+
+
+def chat_tool_choice(choice):
+    """Responses' {"type": "function", "name": ...} -> chat's named choice; strings pass."""
+    if choice is None or isinstance(choice, str):
+        return choice
+    if choice.get("type") == "function" and isinstance(choice.get("name"), str):
+        return {"type": "function", "function": {"name": choice["name"]}}
+    raise APIError(400, "tool_choice: must be 'none', 'auto', 'required' or {'type': "
+                   "'function', 'name': ...}", param="tool_choice")
+
+
+def text_format(req: ResponsesRequest) -> tuple[dict, StructuredOutputsParams | None]:
+    """(text.format as the response reports it, its constraint or None)."""
+    fmt = (req.text or {}).get("format") or {"type": "text"}
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "text":
+        return fmt, None
+    if kind == "json_object":
+        return fmt, StructuredOutputsParams.from_any({"json_object": True})
+    if kind == "json_schema":
+        if not isinstance(fmt.get("schema"), dict):
+            raise APIError(400, "text.format.schema: must be a JSON schema object",
+                           param="text.format.schema")
+        try:
+            return fmt, StructuredOutputsParams.from_any({"json": fmt["schema"]})
+        except ValueError as e:
+            raise APIError(400, f"text.format.schema: {e}", param="text.format.schema") from None
+    raise APIError(400, "text.format.type: must be 'text', 'json_object' or 'json_schema', "
+                   f"got {kind!r}", param="text.format.type")
+
+
+# ---- output ----------------------------------------------------------------------------------
+def _id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def message_item(item_id: str, text: str, status: str, logprobs: list | None) -> dict:
+    return {"id": item_id, "type": "message", "role": "assistant", "status": status,
+            "content": [text_part(text, logprobs)]}
+
+
+def text_part(text: str, logprobs: list | None) -> dict:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
+
+
+def call_item(call: dict, status: str = "completed", arguments: str | None = None) -> dict:
+    """A parsed call (server/tools.py's chat form) as a function_call output item."""
+    fn = call["function"]
+    return {"id": "fc_" + call["id"].removeprefix("call_"), "type": "function_call",
+            "call_id": call["id"], "name": fn["name"],
+            "arguments": fn["arguments"] if arguments is None else arguments, "status": status}
+
+
+def status_of(finish_reason: str | None) -> tuple[str, dict | None]:
+    if finish_reason == "length":
+        return "incomplete", {"reason": "max_output_tokens"}
+    return "completed", None
+
+
+class ResponseBuilder:
+    """What a request's response says besides its output (the request's settings, usage)."""
+
+    def __init__(self, api: OpenAIServer, req: ResponsesRequest, params, fmt: dict,
+                 tools: list[dict]):
+        self.id = _id("resp")
+        self.created = int(time.time())
+        self.api, self.req, self.params, self.fmt, self.tools = api, req, params, fmt, tools
+
+    def body(self, status: str, output: list[dict], usage: dict | None = None,
+             incomplete: dict | None = None, error: dict | None = None) -> dict:
+        req = self.req
+        return {"id": self.id, "object": "response", "created_at": self.created,
+                "status": status, "error": error, "incomplete_details": incomplete,
+                "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
+                "model": self.api.model_name, "output": output,
+                "parallel_tool_calls": req.parallel_tool_calls,
+                "previous_response_id": req.previous_response_id, "reasoning": None,
+                "store": req.store, "temperature": self.params.temperature,
+                "text": {"format": self.fmt}, "tool_choice": req.tool_choice or "auto",
+                "tools": req.tools or [], "top_p": self.params.top_p,
+                "truncation": req.truncation or "disabled", "usage": usage,
+                "metadata": req.metadata or {}, "user": req.user}
+
+
+def response_usage(num_prompt: int, num_cached: int, num_generated: int) -> dict:
+    return {"input_tokens": num_prompt, "input_tokens_details": {"cached_tokens": num_cached},
+            "output_tokens": num_generated, "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": num_prompt + num_generated}
+
+
+def assistant_turn(content: str | None, calls: list[dict]) -> dict:
+    """The output as the assistant message a later request's chat holds."""
+    turn = {"role": "assistant", "content": content or ""}
+    if calls:
+        turn["tool_calls"] = [{"id": c["id"], "type": "function",
+                               "function": {"name": c["function"]["name"],
+                                            "arguments": json.loads(c["function"]["arguments"])}}
+                              for c in calls]
+    return turn
+
+
+# ---- routes ----------------------------------------------------------------------------------
+async def create_response(request: Request):
+    api: OpenAIServer = request.app.state.api
+    arrival = time.monotonic()
+    req = parse_request(ResponsesRequest, await request.body())
+    api.check_model(req.model)
+    api.need_tokenizer("input")
+    if req.n != 1:
+        raise APIError(400, "n: the Responses API gives one output (use n on chat completions)",
+                       param="n")
+    history: list[dict] = []
+    if req.previous_response_id is not None:
+        kept = api.response_store.get(req.previous_response_id)
+        if kept is None:
+            raise APIError(400, f"Previous response with id '{req.previous_response_id}' not "
+                           "found.", param="previous_response_id",
+                           code="previous_response_not_found")
+        history = kept[1]
+    conversation = history + input_messages(req.input)
+    tools = chat_tools(req.tools)
+    tool_choice, only = resolve_tool_choice(chat_tool_choice(req.tool_choice), tools)
+    native = template_knows_tools(api.tokenizer)
+    api.limits.check_stop(req.stop)
+    api.limits.check_logprobs(req.top_logprobs, "top_logprobs")
+    system = [{"role": "system", "content": req.instructions}] if req.instructions else []
+    messages = prompt_messages(system + conversation, tools, native)
+    ids = await api.off_loop(api.encode_chat, messages, True, tools if native else None)
+    api.limits.check_prompt_tokens(len(ids), "input")
+    num_top = (req.top_logprobs or 0) if LOGPROBS_INCLUDE in (req.include or []) else None
+    fmt, structured = text_format(req)
+    structured_field = "text.format" if structured is not None else None
+    other, other_field = req.structured()
+    if other is not None:
+        if structured is not None:
+            raise APIError(400, f"{other_field}: give only one structured output constraint "
+                           "(also got text.format)", param=other_field)
+        structured, structured_field = other, other_field
+    if tool_choice == "required":
+        if structured is not None:
+            raise APIError(400, f"tool_choice: a required tool call cannot be combined with "
+                           f"{structured_field}", param="tool_choice")
+        structured, structured_field = call_grammar(
+            tools, only, req.parallel_tool_calls, api.tag_id(TOOL_OPEN),
+            api.tag_id(TOOL_CLOSE)), "tools"
+    try:
+        params = req.sampling_params(api.max_tokens(len(ids), req.max_output_tokens, "input"),
+                                     num_top, api.sampling_defaults, structured)
+    except ValueError as e:
+        raise sampling_error(e) from None
+    builder = ResponseBuilder(api, req, params, fmt, tools)
+    slots = await api.add([ids], [params], arrival, builder.id, structured_field, req.cache_salt)
+    tool_names = {t["function"]["name"] for t in tools} if tool_choice != "none" else set()
+
+    def logprobs(tids, lps):
+        return chat_logprobs(api.token_str, tids, lps, num_top)["content"] if num_top is not None else None
+
+    def keep(body: dict, content: str | None, calls: list[dict]) -> None:
+        if req.store:
+            api.response_store.put(builder.id, body, conversation + [assistant_turn(content, calls)])
+
+    if req.stream:
+        events = _stream(api, slots, params, builder, tool_names, num_top, len(ids),
+                         logprobs, keep)
+        return EventStream(events, on_close=lambda: api.abort(slots))
+
+    (final,) = await api.final_outputs(request, slots)
+    comp = final.outputs[0]
+    status, incomplete = status_of(comp.finish_reason)
+    content, calls = parse_tool_calls(comp.text, tool_names) if tool_names else (comp.text, [])
+    output = ([message_item(_id("msg"), content or "", status,
+                            logprobs(comp.token_ids, comp.logprobs or []))]
+              if content or not calls else [])
+    body = builder.body(status, output + [call_item(c) for c in calls], response_usage(
+        len(ids), final.num_cached_tokens, len(comp.token_ids)), incomplete)
+    keep(body, content, calls)
+    return JSONResponse(body)
+
+
+async def _stream(api, slots, params, builder: ResponseBuilder, tool_names: set[str],
+                  num_top: int | None, num_prompt: int, logprobs, keep):
+    """The typed events of one streamed response."""
+    seq = 0
+
+    def event(kind: str, **fields) -> str:
+        nonlocal seq
+        data = json.dumps({"type": kind, "sequence_number": seq, **fields}, ensure_ascii=False,
+                          separators=(",", ":"))
+        seq += 1
+        return f"event: {kind}\ndata: {data}\n\n"
+
+    yield event("response.created", response=builder.body("in_progress", []))
+    yield event("response.in_progress", response=builder.body("in_progress", []))
+    choice = ChoiceStream(0, params)
+    tool_stream = ToolStream(tool_names) if tool_names else None
+    msg_id, opened, text, lps, pending = _id("msg"), False, "", [], []
+    where = {"item_id": msg_id, "output_index": 0, "content_index": 0}
+    try:
+        async for _, out in iterate(slots):
+            comp = out.outputs[0]
+            piece = choice.advance(comp, num_top is not None)
+            if piece is None:
+                continue
+            delta, tids, tlps = piece
+            pending += logprobs(tids, tlps) or []
+            calls = []
+            if tool_stream is not None:
+                delta, calls = tool_stream.feed(delta, comp.finished)
+            if delta:
+                if not opened:
+                    opened = True
+                    yield event("response.output_item.added", output_index=0,
+                                item={**message_item(msg_id, "", "in_progress", None),
+                                      "content": []})
+                    yield event("response.content_part.added", **where,
+                                part=text_part("", None))
+                yield event("response.output_text.delta", **where, delta=delta, logprobs=pending)
+                text, lps, pending = text + delta, lps + pending, []
+            if not comp.finished:
+                continue
+            status, incomplete = status_of(comp.finish_reason)
+            output = []
+            if opened or not calls:
+                if not opened:
+                    yield event("response.output_item.added", output_index=0,
+                                item={**message_item(msg_id, "", "in_progress", None),
+                                      "content": []})
+                    yield event("response.content_part.added", **where, part=text_part("", None))
+                lps += pending
+                yield event("response.output_text.done", **where, text=text, logprobs=lps)
+                yield event("response.content_part.done", **where, part=text_part(text, lps))
+                item = message_item(msg_id, text, status, lps)
+                yield event("response.output_item.done", output_index=0, item=item)
+                output.append(item)
+            for call in calls:
+                index = len(output)
+                item = call_item(call, "in_progress", "")
+                yield event("response.output_item.added", output_index=index, item=item)
+                args = call["function"]["arguments"]
+                yield event("response.function_call_arguments.delta", item_id=item["id"],
+                            output_index=index, delta=args)
+                yield event("response.function_call_arguments.done", item_id=item["id"],
+                            output_index=index, name=call["function"]["name"], arguments=args)
+                item = call_item(call)
+                yield event("response.output_item.done", output_index=index, item=item)
+                output.append(item)
+            body = builder.body(status, output, response_usage(
+                num_prompt, out.num_cached_tokens, len(comp.token_ids)), incomplete)
+            keep(body, text if (opened or not calls) else None, calls)
+            yield event("response.completed" if status == "completed" else "response.incomplete",
+                        response=body)
+    except RequestError as e:  # the engine failed the request: the stream says so and ends
+        yield event("response.failed", response=builder.body(
+            "failed", [], error={"code": "server_error" if e.status_code >= 500
+                                 else "invalid_request_error", "message": e.message}))
+
+
+async def get_response(request: Request, response_id: str):
+    api: OpenAIServer = request.app.state.api
+    kept = api.response_store.get(response_id)
+    if kept is None:
+        raise APIError(404, f"No response found with id '{response_id}'.", param="response_id",
+                       code="not_found")
+    return JSONResponse(kept[0])
+
+
+async def delete_response(request: Request, response_id: str):
+    api: OpenAIServer = request.app.state.api
+    if not api.response_store.delete(response_id):
+        raise APIError(404, f"No response found with id '{response_id}'.", param="response_id",
+                       code="not_found")
+    return JSONResponse({"id": response_id, "object": "response", "deleted": True})

@@ -1,0 +1,242 @@
+"""/v1/responses with the official `openai` client (client.responses.create, .stream, .retrieve,
+.delete): each answer is what chat completions gives for the same chat (text, tool calls,
+usage, logprobs), streamed as the documented typed events; input items, instructions,
+previous_response_id, function calls and their outputs, text.format, and bad requests as 400s
+naming the field, after which no block is leaked (the srv fixture checks)."""
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+
+from pagellm import LLM
+# the tiny chat model and its shared server come from test_server's fixtures
+from tests.test_server import (MODEL, post, running_server, server, srv,  # noqa: F401
+                               tiny_path, wait_idle)
+
+WEATHER = {"type": "function", "name": "get_weather", "description": "Weather in a city",
+           "parameters": {"type": "object", "properties": {
+               "city": {"type": "string", "maxLength": 12},
+               "unit": {"type": "string", "enum": ["c", "f"]}},
+               "required": ["city", "unit"], "additionalProperties": False}}
+TIME = {"type": "function", "name": "get_time", "description": "Local time in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string",
+                                                                  "maxLength": 12}},
+                       "required": ["city"], "additionalProperties": False}}
+
+
+@pytest.fixture(scope="module")
+def real_server():
+    """The real default model: a random tiny model left to itself writes JSON whitespace for
+    ever, even inside a tool call's grammar."""
+    with running_server(LLM(kv_cache_memory=2**26)) as s:
+        yield s
+
+
+@pytest.fixture
+def rsrv(real_server):
+    yield real_server
+    wait_idle(real_server)
+
+
+def chat_form(tool: dict) -> dict:
+    return {"type": "function", "function": {k: v for k, v in tool.items() if k != "type"}}
+
+
+def test_text_is_chat_completions_text(srv):
+    c = srv.client
+    r = c.responses.create(model=MODEL, instructions="Answer briefly.", input="Name a colour.",
+                           max_output_tokens=12, temperature=0)
+    ref = c.chat.completions.create(model=MODEL, max_tokens=12, temperature=0, messages=[
+        {"role": "system", "content": "Answer briefly."},
+        {"role": "user", "content": "Name a colour."}])
+    assert r.object == "response" and r.id.startswith("resp_") and r.model == MODEL
+    assert r.output_text == ref.choices[0].message.content
+    assert [o.type for o in r.output] == ["message"] and r.output[0].role == "assistant"
+    length = ref.choices[0].finish_reason == "length"
+    assert r.status == ("incomplete" if length else "completed")
+    assert (r.incomplete_details is not None
+            and r.incomplete_details.reason == "max_output_tokens") == length
+    assert r.usage.input_tokens == ref.usage.prompt_tokens
+    assert r.usage.output_tokens == ref.usage.completion_tokens
+    assert r.usage.total_tokens == r.usage.input_tokens + r.usage.output_tokens
+    assert r.instructions == "Answer briefly." and r.max_output_tokens == 12
+
+
+def test_stream_sends_the_typed_events(srv):
+    c = srv.client
+    kw = dict(model=MODEL, input="Tell me a story.", max_output_tokens=10, temperature=0)
+    whole = c.responses.create(**kw)
+    events = list(c.responses.create(**kw, stream=True))
+    kinds = [e.type for e in events]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert kinds[:4] == ["response.created", "response.in_progress",
+                         "response.output_item.added", "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done",
+                          "response.output_item.done", f"response.{whole.status}"]
+    assert set(kinds[4:-4]) == {"response.output_text.delta"}
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert deltas == whole.output_text == events[-4].text
+    item_id = events[2].item.id
+    assert all(e.item_id == item_id for e in events if hasattr(e, "item_id"))
+    final = events[-1].response
+    assert final.output_text == whole.output_text and final.usage.output_tokens == \
+        whole.usage.output_tokens
+    assert events[0].response.status == "in_progress" and events[0].response.output == []
+    # the SDK's stream helper assembles the same text (its get_final_response wants
+    # response.completed: a response cut at max_output_tokens ends with response.incomplete)
+    with c.responses.stream(**kw) as stream:
+        helper = list(stream)
+    assert helper[0].type == "response.created" and helper[-1].type == kinds[-1]
+    assert [e.snapshot for e in helper if e.type == "response.output_text.delta"][-1] == \
+        whole.output_text
+
+
+def test_input_items_and_previous_response_id(srv):
+    c = srv.client
+    items = [{"role": "developer", "content": "Be terse."},
+             {"type": "message", "role": "user",
+              "content": [{"type": "input_text", "text": "Hello "},
+                          {"type": "input_text", "text": "there."}]}]
+    r1 = c.responses.create(model=MODEL, input=items, max_output_tokens=6, temperature=0)
+    chat = [{"role": "system", "content": "Be terse."},
+            {"role": "user", "content": "Hello there."}]
+    ref1 = c.chat.completions.create(model=MODEL, messages=chat, max_tokens=6, temperature=0)
+    assert r1.output_text == ref1.choices[0].message.content
+    # going on from r1: its chat, its answer, then the new input
+    r2 = c.responses.create(model=MODEL, previous_response_id=r1.id, input="And then?",
+                            max_output_tokens=6, temperature=0)
+    ref2 = c.chat.completions.create(model=MODEL, max_tokens=6, temperature=0, messages=chat + [
+        {"role": "assistant", "content": r1.output_text},
+        {"role": "user", "content": "And then?"}])
+    assert r2.output_text == ref2.choices[0].message.content
+    assert r2.previous_response_id == r1.id
+    assert r2.usage.input_tokens == ref2.usage.prompt_tokens
+    # kept responses can be read back and deleted
+    assert c.responses.retrieve(r1.id).output_text == r1.output_text
+    c.responses.delete(r1.id)
+    with pytest.raises(openai.NotFoundError):
+        c.responses.retrieve(r1.id)
+    with pytest.raises(openai.BadRequestError) as e:
+        c.responses.create(model=MODEL, previous_response_id=r1.id, input="x")
+    assert e.value.body["code"] == "previous_response_not_found"
+    unkept = c.responses.create(model=MODEL, input="x", max_output_tokens=2, store=False)
+    with pytest.raises(openai.NotFoundError):
+        c.responses.retrieve(unkept.id)
+
+
+def test_function_calls_round_trip(rsrv):
+    """tool_choice "required": the calls are chat completions' calls, as function_call items
+    (streamed too: their argument events); their outputs go back as function_call_output items
+    and the answer is chat's answer to the same tool messages (the real default model)."""
+    c = rsrv.client
+    ask = "What is the weather in Oslo?"
+    r = c.responses.create(model=MODEL, input=ask, tools=[WEATHER, TIME], tool_choice="required",
+                           max_output_tokens=120, temperature=0)
+    ref = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": ask}],
+                                    tools=[chat_form(WEATHER), chat_form(TIME)],
+                                    tool_choice="required", max_tokens=120, temperature=0)
+    calls = [o for o in r.output if o.type == "function_call"]
+    assert calls and r.status == "completed"
+    assert [(o.name, json.loads(o.arguments)) for o in calls] == [
+        (t.function.name, json.loads(t.function.arguments))
+        for t in ref.choices[0].message.tool_calls]
+    for o in calls:
+        assert o.call_id.startswith("call_") and o.status == "completed"
+        args = json.loads(o.arguments)
+        assert o.name in ("get_weather", "get_time") and isinstance(args["city"], str)
+    events = list(c.responses.create(model=MODEL, input=ask, tools=[WEATHER, TIME],
+                                     tool_choice="required", max_output_tokens=120,
+                                     temperature=0, stream=True))
+    done = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert [(e.name, json.loads(e.arguments)) for e in done] == [
+        (o.name, json.loads(o.arguments)) for o in calls]
+    assert [o.type for o in events[-1].response.output] == ["function_call"] * len(calls)
+    with c.responses.stream(model=MODEL, input=ask, tools=[WEATHER, TIME], temperature=0,
+                            tool_choice="required", max_output_tokens=120) as stream:
+        final = stream.get_final_response()
+    assert [(o.name, o.arguments) for o in final.output] == [(o.name, o.arguments) for o in calls]
+    # the results go back; the answer is chat's for the same messages
+    results = [{"type": "function_call_output", "call_id": o.call_id,
+                "output": json.dumps({"temperature": 18})} for o in calls]
+    follow = c.responses.create(model=MODEL, input=[{"role": "user", "content": ask}]
+                                + [o.model_dump(exclude_none=True) for o in calls] + results,
+                                tools=[WEATHER, TIME], tool_choice="none",
+                                max_output_tokens=8, temperature=0)
+    messages = [{"role": "user", "content": ask},
+                {"role": "assistant", "content": "", "tool_calls": [
+                    {"id": o.call_id, "type": "function",
+                     "function": {"name": o.name, "arguments": o.arguments}} for o in calls]}]
+    messages += [{"role": "tool", "tool_call_id": o.call_id,
+                  "content": json.dumps({"temperature": 18})} for o in calls]
+    ref2 = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0,
+                                     tools=[chat_form(WEATHER), chat_form(TIME)],
+                                     tool_choice="none")
+    assert follow.output_text == ref2.choices[0].message.content
+    # the same, from the kept response: previous_response_id and the outputs alone
+    again = c.responses.create(model=MODEL, previous_response_id=r.id, input=results,
+                               tools=[WEATHER, TIME], tool_choice="none", max_output_tokens=8,
+                               temperature=0)
+    assert again.output_text == follow.output_text
+    # a named function: one call of it
+    one = c.responses.create(model=MODEL, input=ask, tools=[WEATHER, TIME],
+                             tool_choice={"type": "function", "name": "get_time"},
+                             parallel_tool_calls=False, max_output_tokens=120, temperature=0)
+    assert [o.name for o in one.output if o.type == "function_call"] == ["get_time"]
+
+
+def test_text_format_and_logprobs(srv):
+    c = srv.client
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0,
+                                                     "maximum": 9}},
+              "required": ["n"], "additionalProperties": False}
+    r = c.responses.create(model=MODEL, input="A digit as JSON.", max_output_tokens=60,
+                           text={"format": {"type": "json_schema", "name": "digit",
+                                            "schema": schema, "strict": True}})
+    assert 0 <= json.loads(r.output_text)["n"] <= 9
+    assert r.text.format.type == "json_schema"
+    r = c.responses.create(model=MODEL, input="Count.", max_output_tokens=5, temperature=0,
+                           include=["message.output_text.logprobs"], top_logprobs=2)
+    ref = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Count."}],
+                                    max_tokens=5, temperature=0, logprobs=True, top_logprobs=2)
+    lps = r.output[0].content[0].logprobs
+    want = ref.choices[0].logprobs.content
+    assert len(lps) == len(want) == r.usage.output_tokens
+    for got, exp in zip(lps, want):
+        assert got.token == exp.token and got.logprob == pytest.approx(exp.logprob, abs=1e-5)
+        assert [t.token for t in got.top_logprobs] == [t.token for t in exp.top_logprobs]
+    plain = c.responses.create(model=MODEL, input="Count.", max_output_tokens=5, temperature=0)
+    assert plain.output[0].content[0].logprobs == []
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"input": []}, "input"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+     "input[0].content[0]"),
+    ({"input": [{"type": "web_search_call", "id": "w"}]}, "input[0].type"),
+    ({"input": [{"role": "tool", "content": "x"}]}, "input[0].role"),
+    ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "[1]"}]},
+     "input[0].arguments"),
+    ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0].type"),
+    ({"input": "x", "tools": [{"type": "function", "name": "bad name!"}]}, "tools[0].name"),
+    ({"input": "x", "tools": [WEATHER, WEATHER]}, "tools[1].name"),
+    ({"input": "x", "tools": [WEATHER], "tool_choice": {"type": "function", "name": "nope"}},
+     "tool_choice"),
+    ({"input": "x", "tool_choice": {"type": "allowed_tools"}}, "tool_choice"),
+    ({"input": "x", "text": {"format": {"type": "yaml"}}}, "text.format.type"),
+    ({"input": "x", "text": {"format": {"type": "json_schema", "name": "s"}}},
+     "text.format.schema"),
+    ({"input": "x", "text": {"format": {"type": "json_object"}},
+      "response_format": {"type": "json_object"}}, "response_format"),
+    ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
+    ({"input": "x", "max_output_tokens": 5000}, "max_tokens"),
+    ({"input": "x", "n": 2}, "n"),
+    ({"input": "x", "previous_response_id": "resp_none"}, "previous_response_id"),
+])
+def test_bad_requests_are_400s_naming_the_field(srv, body, param):
+    r = post(srv, "/v1/responses", {"model": MODEL, **body})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param, r.json()
+    ok = srv.client.responses.create(model=MODEL, input="still serving", max_output_tokens=2)
+    assert ok.usage.output_tokens >= 1
