@@ -232,6 +232,7 @@ def test_text_format_and_logprobs(srv):
     ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
     ({"input": "x", "max_output_tokens": 5000}, "max_tokens"),
     ({"input": "x", "n": 2}, "n"),
+    ({"input": "x", "background": True}, "background"),
     ({"input": "x", "previous_response_id": "resp_none"}, "previous_response_id"),
 ])
 def test_bad_requests_are_400s_naming_the_field(srv, body, param):

@@ -295,6 +295,14 @@ class ResponsesRequest(_Request):
     include: list[str] | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
     truncation: Literal["auto", "disabled"] | None = None
+    background: bool = False
+
+    @field_validator("background")
+    @classmethod
+    def _background(cls, v):
+        if v:
+            raise ValueError("background responses are not supported by this server")
+        return v
 
     @field_validator("input")
     @classmethod
