@@ -210,6 +210,32 @@ def test_text_format_and_logprobs(srv):
     assert plain.output[0].content[0].logprobs == []
 
 
+def test_truncation_auto_drops_the_oldest_turns(srv):
+    """truncation "auto": the oldest turns go, a user turn at a time, until the input leaves
+    room for max_output_tokens; the answer is chat's for the turns kept. "disabled" (the
+    default) is a 400 for the same input."""
+    c, limit = srv.client, srv.api.max_model_len
+    words = " ".join(f"w{i}" for i in range(60))
+    turns = []
+    for k in range(12):
+        turns += [{"role": "user", "content": f"Question {k}: {words}"},
+                  {"role": "assistant", "content": f"Answer {k}: {words}"}]
+    turns.append({"role": "user", "content": "Last question?"})
+    with pytest.raises(openai.BadRequestError):
+        c.responses.create(model=MODEL, input=turns, max_output_tokens=16)
+    r = c.responses.create(model=MODEL, input=turns, max_output_tokens=16, temperature=0,
+                           instructions="Be brief.", truncation="auto")
+    system = [{"role": "system", "content": "Be brief."}]
+    for start in range(0, len(turns), 2):  # the longest tail from a user turn that fits
+        n = post(srv, "/tokenize", {"messages": system + turns[start:]}).json()["count"]
+        if n + 16 <= limit:
+            break
+    assert start > 0 and r.usage.input_tokens == n
+    ref = c.chat.completions.create(model=MODEL, messages=system + turns[start:], max_tokens=16,
+                                    temperature=0)
+    assert r.output_text == ref.choices[0].message.content
+
+
 @pytest.mark.parametrize("body, param", [
     ({"input": []}, "input"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},

@@ -111,6 +111,12 @@ def input_messages(items) -> list[dict]:
     return out
 
 
+def _later_turns(turns: list[dict]) -> list[dict]:
+    """The conversation from its second user message on (empty: there is none)."""
+    users = [i for i, m in enumerate(turns) if m["role"] == "user" and i > 0]
+    return turns[users[0]:] if users else []
+
+
 def chat_tools(tools: list[dict] | None) -> list[dict]:
     """Responses' function tools ({"type": "function", "name", "parameters", ...}) -> chat's
     ({"type": "function", "function": {...}}), validated as chat completions validates them."""
@@ -260,8 +266,18 @@ async def create_response(request: Request):
     api.limits.check_stop(req.stop)
     api.limits.check_logprobs(req.top_logprobs, "top_logprobs")
     system = [{"role": "system", "content": req.instructions}] if req.instructions else []
-    messages = prompt_messages(system + conversation, tools, native)
-    ids = await api.off_loop(api.encode_chat, messages, True, tools if native else None)
+
+    async def encode(turns: list[dict]) -> list[int]:
+        return await api.off_loop(api.encode_chat, prompt_messages(system + turns, tools, native),
+                                  True, tools if native else None)
+
+    ids = await encode(conversation)
+    if req.truncation == "auto":
+        # OpenAI's "auto": the oldest turns are dropped, a user turn at a time, until the
+        # input leaves room for the answer (the kept conversation stays whole)
+        turns, room = conversation, req.max_output_tokens or 1
+        while len(ids) + room > api.max_model_len and (turns := _later_turns(turns)):
+            ids = await encode(turns)
     api.limits.check_prompt_tokens(len(ids), "input")
     num_top = (req.top_logprobs or 0) if LOGPROBS_INCLUDE in (req.include or []) else None
     fmt, structured = text_format(req)
