@@ -6,14 +6,16 @@ naming the field, after which no block is leaked (the srv fixture checks)."""
 from __future__ import annotations
 
 import json
+import re
 
+import httpx
 import openai
 import pytest
 
 from pagellm import LLM
 # the tiny chat model and its shared server come from test_server's fixtures
-from tests.test_server import (MODEL, post, running_server, server, srv,  # noqa: F401
-                               tiny_path, wait_idle)
+from tests.test_server import (MODEL, _aborted, post, running_server, server,  # noqa: F401
+                               srv, tiny_path, wait_idle)
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "Weather in a city",
            "parameters": {"type": "object", "properties": {
@@ -256,7 +258,15 @@ def test_truncation_auto_drops_the_oldest_turns(srv):
     ({"input": "x", "text": {"format": {"type": "json_object"}},
       "response_format": {"type": "json_object"}}, "response_format"),
     ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
-    ({"input": "x", "max_output_tokens": 5000}, "max_tokens"),
+    ({"input": "x", "max_output_tokens": 5000}, "max_output_tokens"),
+    ({"input": "x", "text": {"format": {"type": "json_schema", "schema": {}}}},
+     "text.format.name"),
+    ({"input": [{"type": "function_call_output", "call_id": "c1", "output": "1"}]}, "input"),
+    ({"input": [{"role": "user", "content": "x"},
+                {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"}]},
+     "input"),
+    ({"input": [{"type": "function_call", "call_id": "c1", "name": "f",
+                 "arguments": "[" * 50000 + "]" * 50000}]}, "input[0].arguments"),
     ({"input": "x", "n": 2}, "n"),
     ({"input": "x", "background": True}, "background"),
     ({"input": "x", "previous_response_id": "resp_none"}, "previous_response_id"),
@@ -267,3 +277,161 @@ def test_bad_requests_are_400s_naming_the_field(srv, body, param):
     assert r.json()["error"]["param"] == param, r.json()
     ok = srv.client.responses.create(model=MODEL, input="still serving", max_output_tokens=2)
     assert ok.usage.output_tokens >= 1
+
+
+def test_text_before_a_call_and_its_logprobs_agree_streamed_or_not(srv):
+    """An output of text, a call and more text (forced by a regex, tool_choice auto): the
+    message is the text before the call, streamed or not, and so is the assistant turn a later
+    request's chat holds; the message's log-probs are its own tokens'."""
+    c = srv.client
+    regex = (r'Sure thing\. <tool_call>\{"name": "get_time", "arguments": '
+             r'\{"city": "Oslo"\}\}</tool_call> bye')
+    kw = dict(model=MODEL, input="Time in Oslo?", tools=[WEATHER, TIME], max_output_tokens=80,
+              temperature=0, include=["message.output_text.logprobs"], top_logprobs=1,
+              extra_body={"guided_regex": regex})
+    whole = c.responses.create(**kw)
+    events = list(c.responses.create(**kw, stream=True))
+    final = events[-1].response
+    for r in (whole, final):
+        assert [o.type for o in r.output] == ["message", "function_call"]
+        assert r.output[0].content[0].text == "Sure thing. "
+        assert (r.output[1].name, json.loads(r.output[1].arguments)) == ("get_time",
+                                                                        {"city": "Oslo"})
+        tokens = "".join(t.token for t in r.output[0].content[0].logprobs)
+        assert "Sure thing. ".startswith(tokens) and len(tokens) >= len("Sure thing")
+    assert [lp.token for lp in whole.output[0].content[0].logprobs] == \
+        [lp.token for lp in final.output[0].content[0].logprobs]
+    streamed = [lp.token for e in events if e.type == "response.output_text.delta"
+                for lp in e.logprobs]
+    assert streamed == [lp.token for lp in final.output[0].content[0].logprobs]
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == \
+        "Sure thing. "
+    args = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    assert args == final.output[1].arguments
+    # the kept chat is the same whichever way the response went
+    follow = dict(model=MODEL, input=[{"type": "function_call_output",
+                                       "call_id": None, "output": "12:00"}],
+                  tools=[WEATHER, TIME], tool_choice="none", max_output_tokens=6,
+                  temperature=0)
+    answers = []
+    for r in (whole, final):
+        follow["input"][0]["call_id"] = r.output[1].call_id
+        answers.append(c.responses.create(previous_response_id=r.id, **follow).output_text)
+    assert answers[0] == answers[1]
+    ref = c.chat.completions.create(
+        model=MODEL, max_tokens=6, temperature=0, tool_choice="none",
+        tools=[chat_form(WEATHER), chat_form(TIME)], messages=[
+            {"role": "user", "content": "Time in Oslo?"},
+            {"role": "assistant", "content": "Sure thing. ", "tool_calls": [
+                {"id": "x", "type": "function",
+                 "function": {"name": "get_time", "arguments": '{"city": "Oslo"}'}}]},
+            {"role": "tool", "tool_call_id": "x", "content": "12:00"}])
+    assert answers[0] == ref.choices[0].message.content
+
+
+def test_streamed_logprobs_and_cached_tokens(srv):
+    c = srv.client
+    prompt = "A prompt long enough to fill a block or two of the cache: " + "lorem ipsum " * 12
+    kw = dict(model=MODEL, input=prompt, max_output_tokens=6, temperature=0,
+              include=["message.output_text.logprobs"], top_logprobs=2)
+    first = c.responses.create(**kw)
+    events = list(c.responses.create(**kw, stream=True))
+    streamed = [lp for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]
+    want = first.output[0].content[0].logprobs
+    assert [(lp.token, len(lp.top_logprobs)) for lp in streamed] == \
+        [(lp.token, 2) for lp in want]
+    assert [lp.logprob for lp in streamed] == pytest.approx([lp.logprob for lp in want],
+                                                            abs=1e-5)
+    # the second request found the first's prompt in the prefix cache
+    assert events[-1].response.usage.input_tokens_details.cached_tokens >= 16
+    assert first.usage.input_tokens_details.cached_tokens < \
+        events[-1].response.usage.input_tokens_details.cached_tokens
+
+
+def test_instructions_are_not_carried_and_nulls_are_defaults(srv):
+    c = srv.client
+    r1 = c.responses.create(model=MODEL, instructions="Speak like a pirate.", input="Hi.",
+                           max_output_tokens=4, temperature=0)
+    r2 = c.responses.create(model=MODEL, previous_response_id=r1.id, input="Again.",
+                            max_output_tokens=4, temperature=0)
+    ref = c.chat.completions.create(model=MODEL, max_tokens=4, temperature=0, messages=[
+        {"role": "user", "content": "Hi."}, {"role": "assistant", "content": r1.output_text},
+        {"role": "user", "content": "Again."}])
+    assert r2.output_text == ref.choices[0].message.content
+    r = post(srv, "/v1/responses", {"model": MODEL, "input": "x", "max_output_tokens": 2,
+                                    "store": None, "stream": None, "background": None,
+                                    "parallel_tool_calls": None})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["store"] is True and body["parallel_tool_calls"] is True
+    assert srv.client.responses.retrieve(body["id"]).id == body["id"]
+
+
+def test_a_failed_stream_and_a_client_that_leaves(srv):
+    """A grammar the model's tokens cannot complete fails the stream with response.failed (the
+    server goes on); a client that leaves mid-stream has its request aborted."""
+    events = list(srv.client.responses.create(
+        model=MODEL, input="x", max_output_tokens=8, temperature=0, stream=True,
+        extra_body={"guided_regex": "\U0006d472\U00099f8f"}))
+    assert events[-1].type == "response.failed"
+    assert events[-1].response.status == "failed"
+    assert "cannot be completed" in events[-1].response.error.message
+    before = _aborted(srv)
+    body = {"model": MODEL, "input": "Once upon a time", "max_output_tokens": 900,
+            "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", srv.url + "/v1/responses", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        deltas = 0
+        for line in r.iter_lines():
+            deltas += bool(re.match(r"event: response\.output_text\.delta", line))
+            if deltas == 3:
+                break
+    wait_idle(srv)
+    assert _aborted(srv) == before + 1
+
+
+def test_a_json_format_beside_tools_leaves_them_callable(rsrv):
+    """tool_choice auto with text.format json_schema (what an agent with an output type and
+    tools sends): the model may call a tool, and an answer in text follows the schema."""
+    c = rsrv.client
+    schema = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 30}},
+              "required": ["answer"], "additionalProperties": False}
+    fmt = {"format": {"type": "json_schema", "name": "answer", "schema": schema}}
+    r = c.responses.create(model=MODEL, input="What is the weather in Oslo? Use the tool.",
+                           tools=[WEATHER, TIME], text=fmt, max_output_tokens=120,
+                           temperature=0)
+    kinds = [o.type for o in r.output]
+    assert kinds in (["message"], ["function_call"], ["function_call", "function_call"])
+    if kinds == ["message"]:
+        assert isinstance(json.loads(r.output_text)["answer"], str)
+    else:
+        assert all(json.loads(o.arguments)["city"] for o in r.output)
+    r = c.responses.create(model=MODEL, input="Say hello.", tools=[WEATHER, TIME], text=fmt,
+                           tool_choice="none", max_output_tokens=60, temperature=0)
+    assert isinstance(json.loads(r.output_text)["answer"], str)
+
+
+def test_the_store_keeps_to_its_bounds():
+    from pagellm.server.state import ResponseStore
+
+    store = ResponseStore(capacity=3, max_bytes=100)
+    for i in range(5):
+        store.put(f"r{i}", {"i": i}, [], 10)
+    assert [store.get(f"r{i}") is not None for i in range(5)] == [False, False, True, True, True]
+    store.put("big", {}, [], 80)  # past the count and the bytes: the oldest goes
+    assert store.get("r2") is None and store.get("r3") is not None and store.num_bytes == 100
+    store.put("bigger", {}, [], 95)  # the bytes alone: all but it go
+    assert store.get("big") is None and store.get("r4") is None and store.num_bytes == 95
+    assert store.delete("bigger") and store.num_bytes == 0 and not store.delete("bigger")
+
+
+def test_json_nested_past_the_stack_is_a_400_on_chat_too(srv):
+    deep = "[" * 50000 + "]" * 50000
+    r = post(srv, "/v1/chat/completions", {"model": MODEL, "max_tokens": 2, "messages": [
+        {"role": "user", "content": "x"},
+        {"role": "assistant", "tool_calls": [{"id": "c", "type": "function",
+                                              "function": {"name": "f", "arguments": deep}}]}]})
+    assert r.status_code == 400 and "arguments" in r.json()["error"]["param"], r.text
+    r = post(srv, "/v1/chat/completions", {"model": MODEL, "max_tokens": 2, "guided_json": deep,
+                                           "messages": [{"role": "user", "content": "x"}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "guided_json", r.text

@@ -61,7 +61,7 @@ def _text(content, at: str) -> str:
 def _arguments(value, at: str) -> dict:
     try:
         args = json.loads(value) if isinstance(value, str) and value.strip() else {}
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON, or nested past the stack
         args = None
     if not isinstance(value, str) or not isinstance(args, dict):
         raise APIError(400, f"{at}: must be a JSON object in a string", param=at)
@@ -111,12 +111,6 @@ def input_messages(items) -> list[dict]:
     return out
 
 
-def _later_turns(turns: list[dict]) -> list[dict]:
-    """The conversation from its second user message on (empty: there is none)."""
-    users = [i for i, m in enumerate(turns) if m["role"] == "user" and i > 0]
-    return turns[users[0]:] if users else []
-
-
 def chat_tools(tools: list[dict] | None) -> list[dict]:
     """Responses' function tools ({"type": "function", "name", "parameters", ...}) -> chat's
     ({"type": "function", "function": {...}}), validated as chat completions validates them."""
@@ -151,24 +145,44 @@ def chat_tool_choice(choice):
                    "'function', 'name': ...}", param="tool_choice")
 
 
-def text_format(req: ResponsesRequest) -> tuple[dict, StructuredOutputsParams | None]:
-    """(text.format as the response reports it, its constraint or None)."""
+def text_format(req: ResponsesRequest) -> tuple[dict, dict | None]:
+    """(text.format as the response reports it, the JSON schema the answer must follow or
+    None for free text)."""
     fmt = (req.text or {}).get("format") or {"type": "text"}
     kind = fmt.get("type") if isinstance(fmt, dict) else None
     if kind == "text":
         return fmt, None
     if kind == "json_object":
-        return fmt, StructuredOutputsParams.from_any({"json_object": True})
+        return fmt, {"type": "object"}
     if kind == "json_schema":
+        if not isinstance(fmt.get("name"), str) or not fmt["name"]:
+            raise APIError(400, "text.format.name: a json_schema format needs a name",
+                           param="text.format.name")
         if not isinstance(fmt.get("schema"), dict):
             raise APIError(400, "text.format.schema: must be a JSON schema object",
                            param="text.format.schema")
-        try:
-            return fmt, StructuredOutputsParams.from_any({"json": fmt["schema"]})
-        except ValueError as e:
-            raise APIError(400, f"text.format.schema: {e}", param="text.format.schema") from None
+        return fmt, fmt["schema"]
     raise APIError(400, "text.format.type: must be 'text', 'json_object' or 'json_schema', "
                    f"got {kind!r}", param="text.format.type")
+
+
+def check_calls_answered(conversation: list[dict]) -> None:
+    """Every function_call_output answers an earlier call, and every call has its output
+    (OpenAI refuses an input either way)."""
+    answered: dict[str, bool] = {}
+    for m in conversation:
+        for call in m.get("tool_calls") or []:
+            answered[call["id"]] = False
+        if m["role"] == "tool":
+            if m["tool_call_id"] not in answered:
+                raise APIError(400, "input: no function call found for the "
+                               f"function_call_output with call_id {m['tool_call_id']!r}",
+                               param="input")
+            answered[m["tool_call_id"]] = True
+    missing = [call_id for call_id, done in answered.items() if not done]
+    if missing:
+        raise APIError(400, f"input: no function_call_output for the function call with "
+                       f"call_id {missing[0]!r}", param="input")
 
 
 # ---- output ----------------------------------------------------------------------------------
@@ -193,6 +207,29 @@ def call_item(call: dict, status: str = "completed", arguments: str | None = Non
             "arguments": fn["arguments"] if arguments is None else arguments, "status": status}
 
 
+def message_text(text: str, calls: list[dict]) -> str | None:
+    """The message part of an output: all of it without calls; with calls, the text before the
+    first <tool_call> (what a stream may have sent before it saw one; text after the calls is
+    dropped), or None where that is only white space."""
+    if not calls:
+        return text
+    i = text.find(TOOL_OPEN)
+    head = text[:i] if i >= 0 else ""
+    return head if head.strip() else None
+
+
+def tokens_within(token_str, token_ids: list[int], limit: int | None) -> int:
+    """How many of the tokens lie within the first `limit` characters (None: all)."""
+    if limit is None:
+        return len(token_ids)
+    end = 0
+    for n, tid in enumerate(token_ids):
+        end += len(token_str(tid))
+        if end > limit:
+            return n
+    return len(token_ids)
+
+
 def status_of(finish_reason: str | None) -> tuple[str, dict | None]:
     if finish_reason == "length":
         return "incomplete", {"reason": "max_output_tokens"}
@@ -202,11 +239,10 @@ def status_of(finish_reason: str | None) -> tuple[str, dict | None]:
 class ResponseBuilder:
     """What a request's response says besides its output (the request's settings, usage)."""
 
-    def __init__(self, api: OpenAIServer, req: ResponsesRequest, params, fmt: dict,
-                 tools: list[dict]):
+    def __init__(self, api: OpenAIServer, req: ResponsesRequest, params, fmt: dict):
         self.id = _id("resp")
         self.created = int(time.time())
-        self.api, self.req, self.params, self.fmt, self.tools = api, req, params, fmt, tools
+        self.api, self.req, self.params, self.fmt = api, req, params, fmt
 
     def body(self, status: str, output: list[dict], usage: dict | None = None,
              incomplete: dict | None = None, error: dict | None = None) -> dict:
@@ -215,17 +251,19 @@ class ResponseBuilder:
                 "status": status, "error": error, "incomplete_details": incomplete,
                 "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
                 "model": self.api.model_name, "output": output,
-                "parallel_tool_calls": req.parallel_tool_calls,
+                "parallel_tool_calls": req.parallel_tool_calls is not False,
                 "previous_response_id": req.previous_response_id, "reasoning": None,
-                "store": req.store, "temperature": self.params.temperature,
+                "store": req.store is not False, "temperature": self.params.temperature,
                 "text": {"format": self.fmt}, "tool_choice": req.tool_choice or "auto",
                 "tools": req.tools or [], "top_p": self.params.top_p,
+                "top_logprobs": req.top_logprobs,
                 "truncation": req.truncation or "disabled", "usage": usage,
                 "metadata": req.metadata or {}, "user": req.user}
 
 
 def response_usage(num_prompt: int, num_cached: int, num_generated: int) -> dict:
-    return {"input_tokens": num_prompt, "input_tokens_details": {"cached_tokens": num_cached},
+    return {"input_tokens": num_prompt,
+            "input_tokens_details": {"cached_tokens": num_cached, "cache_write_tokens": 0},
             "output_tokens": num_generated, "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": num_prompt + num_generated}
 
@@ -259,17 +297,25 @@ async def create_response(request: Request):
                            "found.", param="previous_response_id",
                            code="previous_response_not_found")
         history = kept[1]
-    conversation = history + input_messages(req.input)
+    added = input_messages(req.input)
+    conversation = history + added
+    check_calls_answered(conversation)
     tools = chat_tools(req.tools)
     tool_choice, only = resolve_tool_choice(chat_tool_choice(req.tool_choice), tools)
+    parallel = req.parallel_tool_calls is not False
     native = template_knows_tools(api.tokenizer)
     api.limits.check_stop(req.stop)
     api.limits.check_logprobs(req.top_logprobs, "top_logprobs")
     system = [{"role": "system", "content": req.instructions}] if req.instructions else []
 
     async def encode(turns: list[dict]) -> list[int]:
-        return await api.off_loop(api.encode_chat, prompt_messages(system + turns, tools, native),
-                                  True, tools if native else None)
+        try:
+            return await api.off_loop(api.encode_chat,
+                                      prompt_messages(system + turns, tools, native), True,
+                                      tools if native else None)
+        except APIError as e:  # the chat template's complaint is about the input
+            raise APIError(400, e.message.replace("messages:", "input:", 1),
+                           param="input") from None
 
     ids = await encode(conversation)
     if req.truncation == "auto":
@@ -280,36 +326,55 @@ async def create_response(request: Request):
             ids = await encode(turns)
     api.limits.check_prompt_tokens(len(ids), "input")
     num_top = (req.top_logprobs or 0) if LOGPROBS_INCLUDE in (req.include or []) else None
-    fmt, structured = text_format(req)
-    structured_field = "text.format" if structured is not None else None
+    fmt, answer_schema = text_format(req)
+    fmt_field = "text.format.schema" if fmt.get("type") == "json_schema" else "text.format"
     other, other_field = req.structured()
-    if other is not None:
-        if structured is not None:
-            raise APIError(400, f"{other_field}: give only one structured output constraint "
-                           "(also got text.format)", param=other_field)
-        structured, structured_field = other, other_field
-    if tool_choice == "required":
-        if structured is not None:
+    if other is not None and answer_schema is not None:
+        raise APIError(400, f"{other_field}: give only one structured output constraint "
+                       "(also got text.format)", param=other_field)
+    open_id, close_id = api.tag_id(TOOL_OPEN), api.tag_id(TOOL_CLOSE)
+    if tool_choice == "required":  # calls only: text.format is a text answer's, and none comes
+        if other is not None:
             raise APIError(400, f"tool_choice: a required tool call cannot be combined with "
-                           f"{structured_field}", param="tool_choice")
-        structured, structured_field = call_grammar(
-            tools, only, req.parallel_tool_calls, api.tag_id(TOOL_OPEN),
-            api.tag_id(TOOL_CLOSE)), "tools"
+                           f"{other_field}", param="tool_choice")
+        structured, structured_field = call_grammar(tools, only, parallel, open_id,
+                                                    close_id), "tools"
+    elif answer_schema is not None and tool_choice == "auto":
+        # the tools stay callable, and an answer follows the format (agents with an output
+        # type and tools send both)
+        structured, structured_field = call_grammar(tools, None, parallel, open_id, close_id,
+                                                    answer_schema), fmt_field
+    elif answer_schema is not None:
+        structured, structured_field = StructuredOutputsParams.from_any(
+            {"json": answer_schema}), fmt_field
+    else:
+        structured, structured_field = other, other_field
     try:
-        params = req.sampling_params(api.max_tokens(len(ids), req.max_output_tokens, "input"),
-                                     num_top, api.sampling_defaults, structured)
+        params = req.sampling_params(
+            api.max_tokens(len(ids), req.max_output_tokens, "input", "max_output_tokens"),
+            num_top, api.sampling_defaults, structured)
     except ValueError as e:
         raise sampling_error(e) from None
-    builder = ResponseBuilder(api, req, params, fmt, tools)
+    builder = ResponseBuilder(api, req, params, fmt)
     slots = await api.add([ids], [params], arrival, builder.id, structured_field, req.cache_salt)
     tool_names = {t["function"]["name"] for t in tools} if tool_choice != "none" else set()
 
-    def logprobs(tids, lps):
-        return chat_logprobs(api.token_str, tids, lps, num_top)["content"] if num_top is not None else None
+    def logprobs(tids, lps) -> list | None:
+        if num_top is None:
+            return None
+        return chat_logprobs(api.token_str, tids, lps, num_top)["content"]
 
     def keep(body: dict, content: str | None, calls: list[dict]) -> None:
-        if req.store:
-            api.response_store.put(builder.id, body, conversation + [assistant_turn(content, calls)])
+        """A finished response into the store, with the chat it ends (its logprobs left out:
+        they are most of a response's bytes)."""
+        if req.store is False:
+            return
+        for item in body["output"]:
+            for part in item.get("content", []):
+                part["logprobs"] = []
+        turn = assistant_turn(content, calls)
+        nbytes = len(json.dumps(body)) + len(json.dumps(added + [turn]))
+        api.response_store.put(builder.id, body, conversation + [turn], nbytes)
 
     if req.stream:
         events = _stream(api, slots, params, builder, tool_names, num_top, len(ids),
@@ -319,19 +384,30 @@ async def create_response(request: Request):
     (final,) = await api.final_outputs(request, slots)
     comp = final.outputs[0]
     status, incomplete = status_of(comp.finish_reason)
-    content, calls = parse_tool_calls(comp.text, tool_names) if tool_names else (comp.text, [])
-    output = ([message_item(_id("msg"), content or "", status,
-                            logprobs(comp.token_ids, comp.logprobs or []))]
-              if content or not calls else [])
+    calls = parse_tool_calls(comp.text, tool_names)[1] if tool_names else []
+    content = message_text(comp.text, calls)
+    n = tokens_within(api.token_str, comp.token_ids, len(content or "") if calls else None)
+    output = ([message_item(_id("msg"), content, status,
+                            logprobs(comp.token_ids[:n], (comp.logprobs or [])[:n]))]
+              if content is not None else [])
     body = builder.body(status, output + [call_item(c) for c in calls], response_usage(
         len(ids), final.num_cached_tokens, len(comp.token_ids)), incomplete)
+    response = JSONResponse(body)
     keep(body, content, calls)
-    return JSONResponse(body)
+    return response
+
+
+def _later_turns(turns: list[dict]) -> list[dict]:
+    """The conversation from its second user message on (empty: there is none)."""
+    users = [i for i, m in enumerate(turns) if m["role"] == "user" and i > 0]
+    return turns[users[0]:] if users else []
 
 
 async def _stream(api, slots, params, builder: ResponseBuilder, tool_names: set[str],
                   num_top: int | None, num_prompt: int, logprobs, keep):
-    """The typed events of one streamed response."""
+    """The typed events of one streamed response. A message item opens with the first text
+    that is not white space; with tools, text that may be a call is held back (ToolStream),
+    and each delta carries the log-probs of the tokens whose text it completes."""
     seq = 0
 
     def event(kind: str, **fields) -> str:
@@ -345,43 +421,67 @@ async def _stream(api, slots, params, builder: ResponseBuilder, tool_names: set[
     yield event("response.in_progress", response=builder.body("in_progress", []))
     choice = ChoiceStream(0, params)
     tool_stream = ToolStream(tool_names) if tool_names else None
-    msg_id, opened, text, lps, pending = _id("msg"), False, "", [], []
+    msg_id, opened, sent, held = _id("msg"), False, "", ""
     where = {"item_id": msg_id, "output_index": 0, "content_index": 0}
+    tids: list[int] = []  # every token so far, and their log-prob entries
+    entries: list = []
+    lps: list = []  # the log-probs sent, formatted
+
+    def take_logprobs(limit: int | None) -> list:
+        """The formatted log-probs of the tokens not yet sent whose text lies within `limit`
+        characters (None: all of them)."""
+        n = tokens_within(api.token_str, tids, limit)
+        new = logprobs(tids[len(lps):n], entries[len(lps):n]) if n > len(lps) else []
+        new = new or []
+        lps.extend(new)
+        return new
+
+    def open_message():
+        return [event("response.output_item.added", output_index=0,
+                      item={**message_item(msg_id, "", "in_progress", None), "content": []}),
+                event("response.content_part.added", **where, part=text_part("", None))]
+
     try:
         async for _, out in iterate(slots):
             comp = out.outputs[0]
             piece = choice.advance(comp, num_top is not None)
             if piece is None:
                 continue
-            delta, tids, tlps = piece
-            pending += logprobs(tids, tlps) or []
-            calls = []
+            delta, new_ids, new_lps = piece
+            tids += new_ids
+            entries += new_lps
             if tool_stream is not None:
-                delta, calls = tool_stream.feed(delta, comp.finished)
-            if delta:
+                delta = tool_stream.feed(delta, comp.finished)[0]
+            held += delta
+            if held.strip() and not comp.finished:  # a message's text (white space waits)
                 if not opened:
                     opened = True
-                    yield event("response.output_item.added", output_index=0,
-                                item={**message_item(msg_id, "", "in_progress", None),
-                                      "content": []})
-                    yield event("response.content_part.added", **where,
-                                part=text_part("", None))
-                yield event("response.output_text.delta", **where, delta=delta, logprobs=pending)
-                text, lps, pending = text + delta, lps + pending, []
+                    for e in open_message():
+                        yield e
+                sent += held
+                yield event("response.output_text.delta", **where, delta=held,
+                            logprobs=take_logprobs(len(sent)))
+                held = ""
             if not comp.finished:
                 continue
             status, incomplete = status_of(comp.finish_reason)
+            full = tool_stream.text if tool_stream is not None else comp.text
+            calls = parse_tool_calls(full, tool_names)[1] if tool_names else []
+            content = message_text(full, calls)
             output = []
-            if opened or not calls:
+            if content is not None:
                 if not opened:
-                    yield event("response.output_item.added", output_index=0,
-                                item={**message_item(msg_id, "", "in_progress", None),
-                                      "content": []})
-                    yield event("response.content_part.added", **where, part=text_part("", None))
-                lps += pending
-                yield event("response.output_text.done", **where, text=text, logprobs=lps)
-                yield event("response.content_part.done", **where, part=text_part(text, lps))
-                item = message_item(msg_id, text, status, lps)
+                    opened = True
+                    for e in open_message():
+                        yield e
+                rest = content[len(sent):] if content.startswith(sent) else ""
+                if rest or not calls:
+                    yield event("response.output_text.delta", **where, delta=rest,
+                                logprobs=take_logprobs(len(content) if calls else None))
+                sent += rest
+                yield event("response.output_text.done", **where, text=sent, logprobs=lps)
+                yield event("response.content_part.done", **where, part=text_part(sent, lps))
+                item = message_item(msg_id, sent, status, lps)
                 yield event("response.output_item.done", output_index=0, item=item)
                 output.append(item)
             for call in calls:
@@ -398,13 +498,15 @@ async def _stream(api, slots, params, builder: ResponseBuilder, tool_names: set[
                 output.append(item)
             body = builder.body(status, output, response_usage(
                 num_prompt, out.num_cached_tokens, len(comp.token_ids)), incomplete)
-            keep(body, text if (opened or not calls) else None, calls)
-            yield event("response.completed" if status == "completed" else "response.incomplete",
-                        response=body)
+            final = event("response.completed" if status == "completed"
+                          else "response.incomplete", response=body)
+            keep(body, content if content is not None else None, calls)
+            yield final
     except RequestError as e:  # the engine failed the request: the stream says so and ends
+        output = [message_item(msg_id, sent, "incomplete", lps)] if opened else []
         yield event("response.failed", response=builder.body(
-            "failed", [], error={"code": "server_error" if e.status_code >= 500
-                                 else "invalid_request_error", "message": e.message}))
+            "failed", output, error={"code": "server_error" if e.status_code >= 500
+                                     else "invalid_prompt", "message": e.message}))
 
 
 async def get_response(request: Request, response_id: str):

@@ -43,7 +43,7 @@ class _Request(BaseModel):
     skip_special_tokens: bool = True
     logit_bias: dict[str, float] | None = None
     user: str | None = None
-    stream: bool = False
+    stream: bool | None = False  # null: false (clients that send every field)
     stream_options: StreamOptions | None = None
     # Structured outputs: OpenAI's response_format, vLLM's fields, llama.cpp's json_schema and
     # grammar (GBNF). At most one may be given.
@@ -222,7 +222,7 @@ class ToolCallFunction(BaseModel):
     def _arguments(cls, v):
         try:
             args = json.loads(v) if v.strip() else {}
-        except ValueError:
+        except (ValueError, RecursionError):  # not JSON, or nested past the stack
             raise ValueError("must be a JSON object in a string") from None
         if not isinstance(args, dict):
             raise ValueError("must be a JSON object in a string")
@@ -287,15 +287,15 @@ class ResponsesRequest(_Request):
     max_output_tokens: int | None = Field(None, ge=1)
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool = True
+    parallel_tool_calls: bool | None = None  # null: true
     text: dict[str, Any] | None = None  # {"format": {"type": "text" | "json_object" | "json_schema"}}
-    store: bool = True
+    store: bool | None = None  # null: true
     previous_response_id: str | None = None
     metadata: dict[str, str] | None = None
     include: list[str] | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
     truncation: Literal["auto", "disabled"] | None = None
-    background: bool = False
+    background: bool | None = None
 
     @field_validator("background")
     @classmethod

@@ -20,25 +20,34 @@ from pagellm.structured import StructuredOutputError
 
 
 class ResponseStore:
-    """The newest `capacity` responses of /v1/responses (store: true), each with the chat it
-    ended (server/openai_responses.py): a later request goes on from one by
-    previous_response_id. In memory, so a restart forgets them."""
+    """The newest responses of /v1/responses (store: true), each with the chat it ended
+    (server/openai_responses.py): a later request goes on from one by previous_response_id.
+    At most `capacity` of them and about `max_bytes` of their text (a response's body and
+    the messages it added; a chain's earlier messages are shared, not copied); the oldest go
+    first. In memory, so a restart forgets them."""
 
-    def __init__(self, capacity: int = 1024):
-        self.capacity = capacity
-        self._items: OrderedDict[str, tuple[dict, list[dict]]] = OrderedDict()
+    def __init__(self, capacity: int = 1024, max_bytes: int = 256 * 2**20):
+        self.capacity, self.max_bytes = capacity, max_bytes
+        self._items: OrderedDict[str, tuple[dict, list[dict], int]] = OrderedDict()
+        self.num_bytes = 0
 
-    def put(self, response_id: str, response: dict, messages: list[dict]) -> None:
-        self._items[response_id] = (response, messages)
-        self._items.move_to_end(response_id)
-        while len(self._items) > self.capacity:
-            self._items.popitem(last=False)
+    def put(self, response_id: str, response: dict, messages: list[dict], nbytes: int) -> None:
+        self.delete(response_id)
+        self._items[response_id] = (response, messages, nbytes)
+        self.num_bytes += nbytes
+        while self._items and (len(self._items) > self.capacity
+                               or self.num_bytes > self.max_bytes):
+            self.num_bytes -= self._items.popitem(last=False)[1][2]
 
     def get(self, response_id: str) -> tuple[dict, list[dict]] | None:
-        return self._items.get(response_id)
+        item = self._items.get(response_id)
+        return None if item is None else item[:2]
 
     def delete(self, response_id: str) -> bool:
-        return self._items.pop(response_id, None) is not None
+        item = self._items.pop(response_id, None)
+        if item is not None:
+            self.num_bytes -= item[2]
+        return item is not None
 
 
 class OpenAIServer:
@@ -121,8 +130,10 @@ class OpenAIServer:
                            param="messages") from None
         return ids
 
-    def max_tokens(self, num_prompt: int, requested: int | None, what: str) -> int:
-        """The generation budget; 400 when prompt + max_tokens exceed the context."""
+    def max_tokens(self, num_prompt: int, requested: int | None, what: str,
+                   field: str = "max_tokens") -> int:
+        """The generation budget; 400 (naming `field`, the request's budget field) when
+        prompt + budget exceed the context."""
         limit = self.max_model_len
         if requested is None:
             if num_prompt >= limit:
@@ -136,7 +147,7 @@ class OpenAIServer:
             raise APIError(400, f"This model's maximum context length is {limit} tokens. However, "
                            f"you requested {num_prompt + requested} tokens ({num_prompt} in the "
                            f"{what}, {requested} in the completion). Please reduce the length "
-                           f"of the {what} or completion.", param="max_tokens",
+                           f"of the {what} or completion.", param=field,
                            code="context_length_exceeded")
         return requested
 

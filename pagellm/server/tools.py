@@ -109,10 +109,13 @@ def _call_text(name: str, arguments) -> str:
 
 
 def call_grammar(tools: list[dict], only: str | None, parallel: bool,
-                 open_id: int | None, close_id: int | None) -> StructuredOutputsParams:
+                 open_id: int | None, close_id: int | None,
+                 answer_schema: dict | None = None) -> StructuredOutputsParams:
     """A grammar for one (or, with parallel calls, several) tool calls of the allowed
     functions, each call's arguments constrained to the function's parameters schema. Where the
-    tokenizer has the tags as single tokens (Qwen2.5), the grammar names those tokens."""
+    tokenizer has the tags as single tokens (Qwen2.5), the grammar names those tokens.
+    answer_schema: or else an answer in JSON of that schema (tool_choice "auto" beside a JSON
+    output format: the format is the final answer's, and the tools stay callable)."""
     variants = []
     for t in tools:
         fn = t["function"]
@@ -126,7 +129,8 @@ def call_grammar(tools: list[dict], only: str | None, parallel: bool,
     open_tag = f"<[{open_id}]>" if open_id is not None else json.dumps(TOOL_OPEN)
     close_tag = f"<[{close_id}]>" if close_id is not None else json.dumps(TOOL_CLOSE)
     repeat = ' ("\\n" call)*' if parallel else ""
-    lark = (f"start: call{repeat}\n"
+    answer = f" | %json {json.dumps(answer_schema)}" if answer_schema is not None else ""
+    lark = (f"start: call{repeat}{answer}\n"
             f"call: {open_tag} \"\\n\" %json {json.dumps(schema)} \"\\n\" {close_tag}\n")
     return StructuredOutputsParams(grammar=lark)
 
@@ -148,7 +152,7 @@ def parse_tool_calls(text: str, tool_names: set[str]) -> tuple[str | None, list[
         if stripped.startswith(("{", "[")):
             try:
                 obj = json.loads(stripped)
-            except ValueError:
+            except (ValueError, RecursionError):
                 obj = None
             items = obj if isinstance(obj, list) else [obj]
             found = [_as_call(json.dumps(o), tool_names) for o in items]
@@ -166,7 +170,7 @@ def parse_tool_calls(text: str, tool_names: set[str]) -> tuple[str | None, list[
 def _as_call(body: str, tool_names: set[str]) -> dict | None:
     try:
         obj = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
     if not isinstance(obj, dict) or obj.get("name") not in tool_names:
         return None
@@ -174,7 +178,7 @@ def _as_call(body: str, tool_names: set[str]) -> dict | None:
     if isinstance(args, str):
         try:
             args = json.loads(args)
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
     if not isinstance(args, dict):
         return None

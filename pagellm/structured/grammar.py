@@ -70,6 +70,8 @@ def grammar_source(params: StructuredOutputsParams) -> str:
         raise
     except (ValueError, TypeError, GbnfToLarkError) as e:  # JSONDecodeError is a ValueError
         raise StructuredOutputError(kind, str(e)) from None
+    except RecursionError:  # JSON nested past the interpreter's stack
+        raise StructuredOutputError(kind, "nested too deeply") from None
 
 
 def compile_grammar(params: StructuredOutputsParams, tokenizer: llguidance.LLTokenizer) -> str:
