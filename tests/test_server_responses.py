@@ -213,9 +213,10 @@ def test_text_format_and_logprobs(srv):
 
 
 def test_truncation_auto_drops_the_oldest_turns(srv):
-    """truncation "auto": the oldest turns go, a user turn at a time, until the input leaves
-    room for max_output_tokens; the answer is chat's for the turns kept. "disabled" (the
-    default) is a 400 for the same input."""
+    """truncation "auto": the oldest items go (cut before a user or assistant message; a
+    leading system message stays) until the input leaves room for max_output_tokens; the
+    answer is chat's for the turns kept. "disabled" (the default) is a 400 for the same
+    input."""
     c, limit = srv.client, srv.api.max_model_len
     words = " ".join(f"w{i}" for i in range(60))
     turns = []
@@ -228,14 +229,29 @@ def test_truncation_auto_drops_the_oldest_turns(srv):
     r = c.responses.create(model=MODEL, input=turns, max_output_tokens=16, temperature=0,
                            instructions="Be brief.", truncation="auto")
     system = [{"role": "system", "content": "Be brief."}]
-    for start in range(0, len(turns), 2):  # the longest tail from a user turn that fits
+    for start in range(1, len(turns)):  # the longest tail that fits
         n = post(srv, "/tokenize", {"messages": system + turns[start:]}).json()["count"]
         if n + 16 <= limit:
             break
-    assert start > 0 and r.usage.input_tokens == n
+    assert start > 1 and r.usage.input_tokens == n
     ref = c.chat.completions.create(model=MODEL, messages=system + turns[start:], max_tokens=16,
                                     temperature=0)
     assert r.output_text == ref.choices[0].message.content
+    # an agent's loop (one question, then calls and their outputs) is cut too, a call and its
+    # output together; a developer message first stays
+    loop = [{"role": "developer", "content": "Use tools."},
+            {"role": "user", "content": "Go."}]
+    for k in range(14):
+        loop += [{"type": "function_call", "call_id": f"c{k}", "name": "get_time",
+                  "arguments": json.dumps({"city": words[:40]})},
+                 {"type": "function_call_output", "call_id": f"c{k}", "output": words}]
+    r = c.responses.create(model=MODEL, input=loop, tools=[TIME], tool_choice="none",
+                           max_output_tokens=16, truncation="auto")
+    assert 0 < r.usage.input_tokens <= limit - 16
+    # nothing to drop: still a 400
+    with pytest.raises(openai.BadRequestError):
+        c.responses.create(model=MODEL, input="w " * 1100, max_output_tokens=16,
+                           truncation="auto")
 
 
 @pytest.mark.parametrize("body, param", [
@@ -435,3 +451,20 @@ def test_json_nested_past_the_stack_is_a_400_on_chat_too(srv):
     r = post(srv, "/v1/chat/completions", {"model": MODEL, "max_tokens": 2, "guided_json": deep,
                                            "messages": [{"role": "user", "content": "x"}]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "guided_json", r.text
+
+
+def test_call_grammar_bounds_white_space_and_json_answers_stay_answers():
+    """The schemas inside the tool grammar get the white-space bound a lone schema gets (a small
+    model otherwise writes new lines until max_tokens); beside a JSON answer, a JSON text is
+    the answer even when it looks like a call."""
+    from pagellm.server.tools import ToolStream, call_grammar, parse_tool_calls
+    from pagellm.structured.grammar import JSON_OPTIONS
+
+    tools = [{"type": "function", "function": {k: v for k, v in TIME.items() if k != "type"}}]
+    lark = call_grammar(tools, None, True, None, None, {"type": "object"}).grammar
+    assert lark.count(json.dumps({"x-guidance": JSON_OPTIONS})[1:-1]) == 2, lark
+    text = '{"name": "get_time", "arguments": {"city": "Oslo"}}'
+    assert parse_tool_calls(text, {"get_time"})[1]  # a bare call where calls may be bare
+    assert parse_tool_calls(text, {"get_time"}, bare_json=False) == (text, [])
+    stream = ToolStream({"get_time"}, bare_json=False)
+    assert stream.feed(text[:10], False) == (text[:10], [])  # an answer streams as it comes

@@ -213,21 +213,33 @@ def message_text(text: str, calls: list[dict]) -> str | None:
     dropped), or None where that is only white space."""
     if not calls:
         return text
+    if text.lstrip().startswith(("{", "[")):  # the calls were the whole text, as JSON
+        return None
     i = text.find(TOOL_OPEN)
     head = text[:i] if i >= 0 else ""
     return head if head.strip() else None
 
 
-def tokens_within(token_str, token_ids: list[int], limit: int | None) -> int:
-    """How many of the tokens lie within the first `limit` characters (None: all)."""
-    if limit is None:
-        return len(token_ids)
-    end = 0
-    for n, tid in enumerate(token_ids):
-        end += len(token_str(tid))
-        if end > limit:
-            return n
-    return len(token_ids)
+class TokenCursor:
+    """How many of an output's tokens lie within its first `limit` characters, the tokens'
+    texts summed as the stream goes (each token's text read once, however often asked)."""
+
+    def __init__(self, token_str):
+        self.token_str = token_str
+        self.count = 0  # tokens within the last limit
+        self.end = 0  # their characters
+
+    def within(self, token_ids: list[int], limit: int | None) -> int:
+        if limit is None:
+            self.count = len(token_ids)
+            return self.count
+        while self.count < len(token_ids):
+            width = len(self.token_str(token_ids[self.count]))
+            if self.end + width > limit:
+                break
+            self.end += width
+            self.count += 1
+        return self.count
 
 
 def status_of(finish_reason: str | None) -> tuple[str, dict | None]:
@@ -319,11 +331,12 @@ async def create_response(request: Request):
 
     ids = await encode(conversation)
     if req.truncation == "auto":
-        # OpenAI's "auto": the oldest turns are dropped, a user turn at a time, until the
-        # input leaves room for the answer (the kept conversation stays whole)
-        turns, room = conversation, req.max_output_tokens or 1
-        while len(ids) + room > api.max_model_len and (turns := _later_turns(turns)):
-            ids = await encode(turns)
+        # OpenAI's "auto": the oldest items go until the input leaves room for the answer
+        # (the kept conversation stays whole)
+        fits = min(api.max_model_len - (req.max_output_tokens or 1),
+                   api.limits.max_prompt_tokens or api.max_model_len)
+        if len(ids) > fits:
+            ids = await _truncated(conversation, encode, fits) or ids
     api.limits.check_prompt_tokens(len(ids), "input")
     num_top = (req.top_logprobs or 0) if LOGPROBS_INCLUDE in (req.include or []) else None
     fmt, answer_schema = text_format(req)
@@ -358,6 +371,8 @@ async def create_response(request: Request):
     builder = ResponseBuilder(api, req, params, fmt)
     slots = await api.add([ids], [params], arrival, builder.id, structured_field, req.cache_salt)
     tool_names = {t["function"]["name"] for t in tools} if tool_choice != "none" else set()
+    # beside a JSON answer, calls come only in tags: a JSON text is the answer
+    bare_json = not (answer_schema is not None and tool_choice == "auto")
 
     def logprobs(tids, lps) -> list | None:
         if num_top is None:
@@ -373,20 +388,22 @@ async def create_response(request: Request):
             for part in item.get("content", []):
                 part["logprobs"] = []
         turn = assistant_turn(content, calls)
-        nbytes = len(json.dumps(body)) + len(json.dumps(added + [turn]))
-        api.response_store.put(builder.id, body, conversation + [turn], nbytes)
+        kept = conversation + [turn]  # counted whole: a chain's turns are shared, not copied,
+        nbytes = len(json.dumps(body)) + len(json.dumps(kept))  # so this over-counts, safely
+        api.response_store.put(builder.id, body, kept, nbytes)
 
     if req.stream:
-        events = _stream(api, slots, params, builder, tool_names, num_top, len(ids),
-                         logprobs, keep)
+        events = _stream(api, slots, params, builder, tool_names, bare_json, num_top,
+                         len(ids), logprobs, keep)
         return EventStream(events, on_close=lambda: api.abort(slots))
 
     (final,) = await api.final_outputs(request, slots)
     comp = final.outputs[0]
     status, incomplete = status_of(comp.finish_reason)
-    calls = parse_tool_calls(comp.text, tool_names)[1] if tool_names else []
+    calls = parse_tool_calls(comp.text, tool_names, bare_json)[1] if tool_names else []
     content = message_text(comp.text, calls)
-    n = tokens_within(api.token_str, comp.token_ids, len(content or "") if calls else None)
+    n = TokenCursor(api.token_str).within(comp.token_ids,
+                                          len(content or "") if calls else None)
     output = ([message_item(_id("msg"), content, status,
                             logprobs(comp.token_ids[:n], (comp.logprobs or [])[:n]))]
               if content is not None else [])
@@ -397,14 +414,26 @@ async def create_response(request: Request):
     return response
 
 
-def _later_turns(turns: list[dict]) -> list[dict]:
-    """The conversation from its second user message on (empty: there is none)."""
-    users = [i for i, m in enumerate(turns) if m["role"] == "user" and i > 0]
-    return turns[users[0]:] if users else []
+async def _truncated(turns: list[dict], encode, fits: int) -> list[int] | None:
+    """The ids of the longest tail of the conversation whose prompt is at most `fits` tokens:
+    its leading system messages kept, the rest cut before a user or assistant message (a
+    call's outputs go with it), the cut found by bisection (a few encodes, however long the
+    conversation). None: even the last such tail is too long."""
+    lead = next((i for i, m in enumerate(turns) if m["role"] != "system"), len(turns))
+    cuts = [i for i in range(lead + 1, len(turns)) if turns[i]["role"] in ("user", "assistant")]
+    lo, hi, best = 0, len(cuts) - 1, None
+    while lo <= hi:  # the first cut whose tail fits
+        mid = (lo + hi) // 2
+        ids = await encode(turns[:lead] + turns[cuts[mid]:])
+        if len(ids) <= fits:
+            best, hi = ids, mid - 1
+        else:
+            lo = mid + 1
+    return best
 
 
 async def _stream(api, slots, params, builder: ResponseBuilder, tool_names: set[str],
-                  num_top: int | None, num_prompt: int, logprobs, keep):
+                  bare_json: bool, num_top: int | None, num_prompt: int, logprobs, keep):
     """The typed events of one streamed response. A message item opens with the first text
     that is not white space; with tools, text that may be a call is held back (ToolStream),
     and each delta carries the log-probs of the tokens whose text it completes."""
@@ -420,19 +449,21 @@ async def _stream(api, slots, params, builder: ResponseBuilder, tool_names: set[
     yield event("response.created", response=builder.body("in_progress", []))
     yield event("response.in_progress", response=builder.body("in_progress", []))
     choice = ChoiceStream(0, params)
-    tool_stream = ToolStream(tool_names) if tool_names else None
+    tool_stream = ToolStream(tool_names, bare_json) if tool_names else None
     msg_id, opened, sent, held = _id("msg"), False, "", ""
     where = {"item_id": msg_id, "output_index": 0, "content_index": 0}
     tids: list[int] = []  # every token so far, and their log-prob entries
     entries: list = []
     lps: list = []  # the log-probs sent, formatted
+    cursor = TokenCursor(api.token_str)
 
     def take_logprobs(limit: int | None) -> list:
         """The formatted log-probs of the tokens not yet sent whose text lies within `limit`
         characters (None: all of them)."""
-        n = tokens_within(api.token_str, tids, limit)
+        if num_top is None:
+            return []
+        n = cursor.within(tids, limit)
         new = logprobs(tids[len(lps):n], entries[len(lps):n]) if n > len(lps) else []
-        new = new or []
         lps.extend(new)
         return new
 
@@ -466,7 +497,7 @@ async def _stream(api, slots, params, builder: ResponseBuilder, tool_names: set[
                 continue
             status, incomplete = status_of(comp.finish_reason)
             full = tool_stream.text if tool_stream is not None else comp.text
-            calls = parse_tool_calls(full, tool_names)[1] if tool_names else []
+            calls = parse_tool_calls(full, tool_names, bare_json)[1] if tool_names else []
             content = message_text(full, calls)
             output = []
             if content is not None:
@@ -475,9 +506,9 @@ async def _stream(api, slots, params, builder: ResponseBuilder, tool_names: set[
                     for e in open_message():
                         yield e
                 rest = content[len(sent):] if content.startswith(sent) else ""
-                if rest or not calls:
-                    yield event("response.output_text.delta", **where, delta=rest,
-                                logprobs=take_logprobs(len(content) if calls else None))
+                last = take_logprobs(len(content) if calls else None)
+                if rest or last:
+                    yield event("response.output_text.delta", **where, delta=rest, logprobs=last)
                 sent += rest
                 yield event("response.output_text.done", **where, text=sent, logprobs=lps)
                 yield event("response.content_part.done", **where, part=text_part(sent, lps))
@@ -500,7 +531,7 @@ async def _stream(api, slots, params, builder: ResponseBuilder, tool_names: set[
                 num_prompt, out.num_cached_tokens, len(comp.token_ids)), incomplete)
             final = event("response.completed" if status == "completed"
                           else "response.incomplete", response=body)
-            keep(body, content if content is not None else None, calls)
+            keep(body, content, calls)
             yield final
     except RequestError as e:  # the engine failed the request: the stream says so and ends
         output = [message_item(msg_id, sent, "incomplete", lps)] if opened else []

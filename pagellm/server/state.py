@@ -33,6 +33,8 @@ class ResponseStore:
 
     def put(self, response_id: str, response: dict, messages: list[dict], nbytes: int) -> None:
         self.delete(response_id)
+        if nbytes > self.max_bytes:  # it alone would empty the store: not kept
+            return
         self._items[response_id] = (response, messages, nbytes)
         self.num_bytes += nbytes
         while self._items and (len(self._items) > self.capacity

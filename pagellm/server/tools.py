@@ -24,6 +24,7 @@ import re
 import uuid
 
 from pagellm.sampling_params import StructuredOutputsParams
+from pagellm.structured.grammar import JSON_OPTIONS
 from pagellm.server.errors import APIError
 
 TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
@@ -125,20 +126,29 @@ def call_grammar(tools: list[dict], only: str | None, parallel: bool,
         variants.append({"type": "object", "properties": {
             "name": {"const": fn["name"]}, "arguments": params},
             "required": ["name", "arguments"], "additionalProperties": False})
-    schema = variants[0] if len(variants) == 1 else {"anyOf": variants}
+    schema = _bounded_space(variants[0] if len(variants) == 1 else {"anyOf": variants})
     open_tag = f"<[{open_id}]>" if open_id is not None else json.dumps(TOOL_OPEN)
     close_tag = f"<[{close_id}]>" if close_id is not None else json.dumps(TOOL_CLOSE)
     repeat = ' ("\\n" call)*' if parallel else ""
-    answer = f" | %json {json.dumps(answer_schema)}" if answer_schema is not None else ""
+    answer = (f" | %json {json.dumps(_bounded_space(answer_schema))}"
+              if answer_schema is not None else "")
     lark = (f"start: call{repeat}{answer}\n"
             f"call: {open_tag} \"\\n\" %json {json.dumps(schema)} \"\\n\" {close_tag}\n")
     return StructuredOutputsParams(grammar=lark)
 
 
-def parse_tool_calls(text: str, tool_names: set[str]) -> tuple[str | None, list[dict]]:
+def _bounded_space(schema: dict) -> dict:
+    """A schema inside a lark grammar with the white space a lone schema gets
+    (structured/grammar.py's JSON_OPTIONS), unless it sets its own."""
+    return schema if "x-guidance" in schema else {**schema, "x-guidance": JSON_OPTIONS}
+
+
+def parse_tool_calls(text: str, tool_names: set[str],
+                     bare_json: bool = True) -> tuple[str | None, list[dict]]:
     """Model text -> (content outside the calls or None, OpenAI tool_calls). Calls are the
-    <tool_call> blocks holding {"name", "arguments"} of a known function, or the whole text
-    as one such JSON object (or a list of them); anything else stays content."""
+    <tool_call> blocks holding {"name", "arguments"} of a known function, or (bare_json) the
+    whole text as one such JSON object (or a list of them); anything else stays content.
+    bare_json False: where a JSON text is an answer (a grammar of calls or a JSON answer)."""
     calls, spans = [], []
     for m in re.finditer(re.escape(TOOL_OPEN) + r"\s*(.*?)\s*(?:" + re.escape(TOOL_CLOSE)
                          + r"|$)", text, re.DOTALL):
@@ -149,7 +159,7 @@ def parse_tool_calls(text: str, tool_names: set[str]) -> tuple[str | None, list[
         spans.append(m.span())
     if not calls:
         stripped = text.strip()
-        if stripped.startswith(("{", "[")):
+        if bare_json and stripped.startswith(("{", "[")):
             try:
                 obj = json.loads(stripped)
             except (ValueError, RecursionError):
@@ -196,8 +206,9 @@ class ToolStream:
     (a <tool_call> tag, a prefix of one at the end, or output that opens with a JSON object);
     the calls are parsed and sent when the choice finishes."""
 
-    def __init__(self, tool_names: set[str]):
+    def __init__(self, tool_names: set[str], bare_json: bool = True):
         self.tool_names = tool_names
+        self.bare_json = bare_json  # False: calls come only in tags (parse_tool_calls)
         self.text = ""
         self.sent = 0
 
@@ -205,7 +216,7 @@ class ToolStream:
         """-> (content to send now, tool calls: only at the finish)."""
         self.text += delta
         if finished:
-            content, calls = parse_tool_calls(self.text, self.tool_names)
+            content, calls = parse_tool_calls(self.text, self.tool_names, self.bare_json)
             if not calls:
                 return self._send(len(self.text)), []
             head = self.text[:self.text.find(TOOL_OPEN)] if TOOL_OPEN in self.text else ""
@@ -214,7 +225,7 @@ class ToolStream:
         return self._send(self._safe_end()), []
 
     def _safe_end(self) -> int:
-        if self.text.lstrip().startswith(("{", "[")):
+        if self.bare_json and self.text.lstrip().startswith(("{", "[")):
             return self.sent  # maybe a bare JSON call: hold it
         i = self.text.find(TOOL_OPEN)
         if i >= 0:
