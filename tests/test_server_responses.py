@@ -468,3 +468,59 @@ def test_call_grammar_bounds_white_space_and_json_answers_stay_answers():
     assert parse_tool_calls(text, {"get_time"}, bare_json=False) == (text, [])
     stream = ToolStream({"get_time"}, bare_json=False)
     assert stream.feed(text[:10], False) == (text[:10], [])  # an answer streams as it comes
+
+
+# A chat template that renders tools, calls and their outputs itself (as Qwen2.5's does)
+TOOLS_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}"
+    "<|im_end|>\n{% endif %}"
+    "{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content or '' }}"
+    "{%- for c in m.tool_calls or [] %}<tool_call>{{ c.function | tojson }}</tool_call>"
+    "{% endfor %}<|im_end|>\n{% endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def native_server(tmp_path_factory):
+    from pagellm.models.loader import load_model_files
+    from tests.helpers import make_tiny_model
+    from tests.test_server import ENGINE_KW
+
+    tok = load_model_files(None).tokenizer
+    path = tmp_path_factory.mktemp("tiny_tools_template")
+    make_tiny_model(path, "llama", vocab_size=len(tok), max_position_embeddings=4096)
+    tok.chat_template = TOOLS_TEMPLATE
+    tok.save_pretrained(path)
+    with running_server(LLM(str(path), **ENGINE_KW)) as s:
+        yield s
+        wait_idle(s)
+
+
+def test_a_template_that_renders_tools_gets_them_and_the_calls(native_server):
+    """With a template that reads `tools`, the Responses input (a call and its output) renders
+    what chat completions renders for the same chat: the tools and the call's arguments in
+    the template's own form, and the same answer."""
+    from pagellm.chat_template import render_chat
+
+    c = native_server.client
+    call = {"type": "function_call", "call_id": "c1", "name": "get_time",
+            "arguments": json.dumps({"city": "Oslo"})}
+    items = [{"role": "user", "content": "Time in Oslo?"}, call,
+             {"type": "function_call_output", "call_id": "c1", "output": "12:00"}]
+    r = c.responses.create(model=MODEL, input=items, tools=[TIME], tool_choice="none",
+                           max_output_tokens=8, temperature=0)
+    messages = [{"role": "user", "content": "Time in Oslo?"},
+                {"role": "assistant", "content": "", "tool_calls": [
+                    {"id": "c1", "type": "function",
+                     "function": {"name": "get_time", "arguments": call["arguments"]}}]},
+                {"role": "tool", "tool_call_id": "c1", "content": "12:00"}]
+    ref = c.chat.completions.create(model=MODEL, messages=messages, tools=[chat_form(TIME)],
+                                    tool_choice="none", max_tokens=8, temperature=0)
+    assert r.output_text == ref.choices[0].message.content
+    assert r.usage.input_tokens == ref.usage.prompt_tokens
+    tok = native_server.api.tokenizer
+    text = tok.decode(render_chat(tok, [{**m, "tool_calls": [
+        {**tc, "function": {**tc["function"], "arguments": {"city": "Oslo"}}}
+        for tc in m.get("tool_calls", [])]} for m in messages], True, [chat_form(TIME)]))
+    assert '"name": "get_time"' in text and '{"city": "Oslo"}' in text and "12:00" in text
+    assert len(tok.encode(text, add_special_tokens=False)) == r.usage.input_tokens
