@@ -5,15 +5,16 @@ A request becomes one chat: its `instructions` (a system message first), the con
 a kept response named by `previous_response_id`, then its `input`: a string (one user
 message) or items: messages (text parts), the `function_call`s the model made before and the
 `function_call_output`s that answer them. Function `tools` and `tool_choice` work as on chat
-completions (server/tools.py: the same prompt form, grammar and parsing); `text.format` is
-response_format. The output is a list of items: a `message` with one `output_text` part, and
-a `function_call` item per call. A stream sends the documented typed events (response.created,
+completions (server/tools.py: the same prompt form, grammar and parsing); `text.format`
+constrains the answer (beside tools on "auto", to calls or that JSON). The output is a list of
+items: a `message` with one `output_text` part (with calls, the text before the first), and a
+`function_call` item per call. A stream sends the documented typed events (response.created,
 response.in_progress, output item / content part / text delta events, function call argument
 events, then response.completed, or response.incomplete at max_output_tokens, or
 response.failed), each with its sequence_number.
 
-`store` (default true) keeps the response and its chat in memory (ResponseStore, the newest
-1,024), so that a client can go on from it.
+`store` (default true) keeps the response and its chat in memory (state.py's ResponseStore,
+bounded in count and bytes), so that a client can go on from it.
 """
 from __future__ import annotations
 
@@ -496,9 +497,8 @@ async def _stream(api, slots, params, builder: ResponseBuilder, tool_names: set[
             if not comp.finished:
                 continue
             status, incomplete = status_of(comp.finish_reason)
-            full = tool_stream.text if tool_stream is not None else comp.text
-            calls = parse_tool_calls(full, tool_names, bare_json)[1] if tool_names else []
-            content = message_text(full, calls)
+            calls = parse_tool_calls(comp.text, tool_names, bare_json)[1] if tool_names else []
+            content = message_text(comp.text, calls)
             output = []
             if content is not None:
                 if not opened:

@@ -22,9 +22,10 @@ from pagellm.structured import StructuredOutputError
 class ResponseStore:
     """The newest responses of /v1/responses (store: true), each with the chat it ended
     (server/openai_responses.py): a later request goes on from one by previous_response_id.
-    At most `capacity` of them and about `max_bytes` of their text (a response's body and
-    the messages it added; a chain's earlier messages are shared, not copied); the oldest go
-    first. In memory, so a restart forgets them."""
+    At most `capacity` of them and about `max_bytes` of their JSON (a response's body and its
+    whole chat, though a chain's earlier messages are shared, not copied: an over-count); the
+    oldest go first, and one past max_bytes alone is not kept. In memory, so a restart
+    forgets them."""
 
     def __init__(self, capacity: int = 1024, max_bytes: int = 256 * 2**20):
         self.capacity, self.max_bytes = capacity, max_bytes
