@@ -361,3 +361,24 @@ def test_draft_quantization_is_checked(cfg, match):
     from pagellm.config import SpeculativeConfig
     with pytest.raises(ValueError, match=match):
         SpeculativeConfig.from_dict(cfg)
+
+
+def test_the_vocabularys_end_tokens_end_generation():
+    """Besides the file's EOS, the vocabulary's end-of-text and repository / file separator
+    tokens end generation (as llama.cpp reads a vocabulary): the default model's file names
+    <|im_end|> its EOS, and the engine stops at <|endoftext|> too (the real Qwen2.5-Coder's
+    case is in test_real_models.py)."""
+    files = load_model_files(None)
+    tok = files.tokenizer
+    ends = files.config.eos_token_id
+    assert ends[0] == tok.eos_token_id == tok.convert_tokens_to_ids("<|im_end|>")
+    assert {tok.convert_ids_to_tokens(i) for i in ends} == {
+        "<|im_end|>", "<|endoftext|>", "<repo_name>", "<reponame>", "<file_sep>"}
+    llm = LLM(None, dtype="float32", kv_cache_memory=2**24, max_model_len=256)
+    assert llm.engine.eos_token_ids == set(ends)
+    endoftext = tok.convert_tokens_to_ids("<|endoftext|>")
+    # a logit bias makes the model write <|endoftext|> first: generation ends there
+    out = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=8,
+                                                 logit_bias={endoftext: 100.0}),
+                       use_tqdm=False)[0].outputs[0]
+    assert (out.token_ids, out.finish_reason, out.text) == ([endoftext], "stop", "")

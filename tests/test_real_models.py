@@ -155,3 +155,24 @@ def test_the_real_pair_gives_the_targets_greedy_tokens_with_the_draft_on(dtype):
     assert one_by_one(llm) == off
     stats = llm.engine.spec.stats
     assert stats.num_drafts >= 10 and stats.acceptance_rate > 0.3, stats.as_dict()
+
+
+def test_fill_in_the_middle_on_the_real_coder():
+    """Qwen2.5-Coder-0.5B fills a gap from the code on both sides (its FIM tokens, found by
+    their spelling: pagellm/infill.py) and ends the infill with <|endoftext|>, which its file
+    does not name as EOS (the GGUF loader adds the vocabulary's end tokens)."""
+    from pagellm.infill import fim_tokens, infill_prompt
+
+    llm = LLM(str(fetch.fetch("qwen2.5-coder-0.5b-instruct-q4_k_m", progress=False)),
+              kv_cache_memory="64MiB")
+    tok = llm.get_tokenizer()
+    endoftext = tok.convert_tokens_to_ids("<|endoftext|>")
+    assert endoftext in llm.engine.eos_token_ids != {endoftext}
+    ids = infill_prompt(tok, fim_tokens(tok),
+                        "def fib(n):\n    if n < 2:\n        return n\n    return ",
+                        "\n\nprint(fib(10))\n")
+    assert tok.decode(ids).startswith("<|fim_prefix|>def fib(n):")
+    out = llm.generate([{"prompt_token_ids": ids}], SamplingParams(temperature=0, max_tokens=48),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.text.replace(" ", "").startswith("fib(n-1)+fib(n-2)"), out.text
+    assert (out.finish_reason, out.token_ids[-1]) == ("stop", endoftext), out.text

@@ -14,6 +14,7 @@ import re
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -48,6 +49,19 @@ _ARCHITECTURES = {"llama": ("LlamaConfig", "LlamaForCausalLM"),
 # config/tokenizer attribute prefix -> GGUF key `tokenizer.ggml.<name>_token_id`
 _SPECIAL_TOKENS = {"bos": "bos", "eos": "eos", "pad": "padding", "unk": "unknown"}
 
+# Tokens that end generation besides the file's EOS, where the vocabulary has them as special
+# tokens (as llama.cpp reads a vocabulary): an instruct model's end of text or of turn (a Qwen2.5
+# instruct file names <|im_end|> its EOS, yet ends a plain completion with <|endoftext|>), and a
+# code model's fill-in-the-middle pad and file / repository separators (an infill is over there).
+END_TOKEN_NAMES = frozenset((
+    "<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>",
+    "<|fim_pad|>", "<|file_sep|>", "<|repo_name|>", "<fim_pad>", "<file_sep>", "<repo_name>",
+    "<reponame>", "<EOT>", "\u2581<EOT>", "<\uff5cend\u2581of\u2581sentence\uff5c>"))
+_END_BYTES = frozenset(n.encode() for n in END_TOKEN_NAMES)
+_END_LENGTHS = frozenset(len(b) for b in _END_BYTES)
+_END_TOKENS_FOUND = "pagellm.end_tokens"  # metadata key: the ids of END_TOKEN_NAMES in the file
+_CONTROL, _USER_DEFINED = 3, 4  # tokenizer.ggml.token_type values of special tokens
+
 _TOP_LEVEL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _BLOCK_NAMES = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
@@ -55,6 +69,11 @@ _BLOCK_NAMES = {
     "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
 }
 _BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+
+class _StringArray(NamedTuple):
+    count: int
+    end_tokens: list[int]  # indices of END_TOKEN_NAMES
 
 
 @dataclass(frozen=True)
@@ -92,6 +111,10 @@ def read_gguf(path: str) -> GGUFFile:
         key, pos = _read_string(blob, pos)
         (value_type,) = struct.unpack_from("<I", blob, pos)
         metadata[key], pos = _read_value(blob, pos + 4, value_type)
+        if isinstance(metadata[key], _StringArray):  # kept as its length
+            metadata[key], found = metadata[key]
+            if key == "tokenizer.ggml.tokens":
+                metadata[_END_TOKENS_FOUND] = found
     raw_tensors = []
     for _ in range(tensor_count):
         name, pos = _read_string(blob, pos)
@@ -136,11 +159,14 @@ def _read_value(blob: np.ndarray, pos: int, value_type: int):
     if item_type != _STRING:
         raise ValueError(f"GGUF metadata arrays of type {item_type} are not supported")
     # The tokenizer reads the vocabulary itself; here we only step over it (decoding 49k strings
-    # would cost ~0.5 s for nothing) and keep its length.
-    for _ in range(count):
+    # would cost ~0.5 s for nothing) and keep its length, noting where END_TOKEN_NAMES are.
+    found = []
+    for i in range(count):
         (length,) = struct.unpack_from("<Q", blob, pos)
+        if length in _END_LENGTHS and bytes(blob[pos + 8:pos + 8 + length]) in _END_BYTES:
+            found.append(i)
         pos += 8 + length
-    return count, pos
+    return _StringArray(count, found), pos
 
 
 def _plan_tensor(path, metadata, name, shape, ggml_type, offset) -> GGUFTensor:
@@ -407,6 +433,9 @@ def gguf_config(gguf_file: GGUFFile):
     for token, gguf_key in _SPECIAL_TOKENS.items():
         if f"tokenizer.ggml.{gguf_key}_token_id" in md:
             kwargs[f"{token}_token_id"] = md[f"tokenizer.ggml.{gguf_key}_token_id"]
+    ends = end_token_ids(md)
+    if len(ends) > 1:  # as a Hub model lists them (generation_config.json's eos_token_id)
+        kwargs["eos_token_id"] = ends
     config = getattr(transformers, config_class_name)(**kwargs)
     if ROPE_FREQS in names:  # Llama 3.x: the rotary embedding divides its frequencies by these
         tensor = names[ROPE_FREQS]
@@ -414,6 +443,17 @@ def gguf_config(gguf_file: GGUFFile):
         config.rope_freq_factors = _load_tensor(blob, tensor).float().reshape(-1).tolist()
     config._name_or_path = gguf_file.path  # as AutoConfig does for a folder: where it came from
     return config
+
+
+def end_token_ids(md: dict) -> list[int]:
+    """The ids that end generation: the file's EOS first, then its end-of-turn / end-of-message
+    ids and the special tokens named in END_TOKEN_NAMES."""
+    ids = [md[f"tokenizer.ggml.{k}_token_id"] for k in ("eos", "eot", "eom")
+           if f"tokenizer.ggml.{k}_token_id" in md]
+    types = md.get("tokenizer.ggml.token_type")
+    ids += [i for i in md.get(_END_TOKENS_FOUND, ())
+            if types is None or types[i] in (_CONTROL, _USER_DEFINED)]
+    return list(dict.fromkeys(int(i) for i in ids))
 
 
 def gguf_tokenizer(gguf_file: GGUFFile):

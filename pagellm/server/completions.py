@@ -35,7 +35,13 @@ async def create_completion(request: Request):
     api.limits.check_sequences(len(prompts), req.n)
     api.limits.check_stop(req.stop)
     api.limits.check_logprobs(req.logprobs, "logprobs")
-    encoded = await api.off_loop(lambda: [api.encode_prompt(p) for p in prompts])
+    if req.suffix is not None:  # fill-in-the-middle: each prompt is the text before the gap
+        if req.echo:
+            raise APIError(400, "echo: not supported with suffix (an infill returns only the "
+                           "inserted text)", param="echo")
+        encoded = await api.off_loop(lambda: [api.encode_infill(p, req.suffix) for p in prompts])
+    else:
+        encoded = await api.off_loop(lambda: [api.encode_prompt(p) for p in prompts])
     structured, structured_field = req.structured()
     try:
         # echo with logprobs: the prompt's tokens' log-probabilities too (what evaluation

@@ -142,7 +142,7 @@ class CompletionRequest(_Request):
     max_tokens: int | None = Field(16, ge=0)  # 0: with echo only (the prompt scored)
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
-    suffix: str | None = None
+    suffix: str | None = None  # fill-in-the-middle: the text after the insertion (pagellm.infill)
     best_of: int | None = Field(None, ge=1)
 
     @field_validator("prompt")
@@ -159,13 +159,6 @@ class CompletionRequest(_Request):
                              "of token id lists")
         if v == [] or v == "":
             raise ValueError("must not be empty")
-        return v
-
-    @field_validator("suffix")
-    @classmethod
-    def _suffix(cls, v):
-        if v:
-            raise ValueError("is not supported by this server")
         return v
 
     def prompts(self) -> list[str | list[int]]:
@@ -314,6 +307,44 @@ class ResponsesRequest(_Request):
         raise ValueError("must be a non-empty string or a non-empty list of input items")
 
 
+class InfillChunk(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)  # llama.vim also sends `time`
+    filename: str = ""
+    text: str
+
+
+class InfillRequest(_Request):
+    """llama.cpp's POST /infill (llama.vim, llama.vscode): the code before and after the
+    cursor, other files as context, and llama.cpp's names for the sampling fields. Fields of
+    llama.cpp's own machinery (cache_prompt, samplers, t_max_prompt_ms, id_slot) are accepted
+    and ignored like any unknown field: pagellm always caches prefixes and has one sampler
+    order."""
+    input_prefix: str = ""
+    input_suffix: str = ""
+    input_extra: list[InfillChunk] = []
+    prompt: str = ""  # the text typed on the cursor's line: it ends the prefix
+    n_predict: int | None = Field(None, ge=-1)  # -1: until the context is full
+    max_tokens: int | None = Field(None, ge=0)  # n_predict's other name in llama.cpp
+    repeat_penalty: float | None = Field(None, gt=0)
+    n_probs: int = Field(0, ge=0, le=20)
+    n_indent: int = Field(0, ge=0)
+    t_max_predict_ms: int = Field(0, ge=0)
+    response_fields: list[str] | None = None
+    return_tokens: bool = False
+
+    @field_validator("n")
+    @classmethod
+    def _one(cls, v):
+        if v != 1:
+            raise ValueError("must be 1 (an infill is one completion)")
+        return v
+
+    def budget(self) -> int | None:
+        """The generation budget asked for: None until the context is full, else a count."""
+        n = self.n_predict if self.n_predict is not None else self.max_tokens
+        return None if n is None or n < 0 else n
+
+
 class TokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
     model: str | None = None
@@ -334,3 +365,4 @@ CompletionRequest.model_rebuild()
 ChatMessage.model_rebuild()
 ChatCompletionRequest.model_rebuild()
 ResponsesRequest.model_rebuild()
+InfillRequest.model_rebuild()

@@ -12,6 +12,7 @@ from fastapi import Request
 
 from pagellm.chat_template import render_chat
 from pagellm.engine.async_engine import AsyncEngine, RequestError, RequestSlot
+from pagellm.infill import ExtraFile, infill_prompt, require_fim
 from pagellm.metrics import ServerMetrics
 from pagellm.outputs import RequestOutput
 from pagellm.server.limits import Limits
@@ -119,6 +120,19 @@ class OpenAIServer:
         self.limits.check_prompt_tokens(len(ids), "prompt")
         return prompt, ids
 
+    def encode_infill(self, prefix: str | list[int], suffix: str,
+                      files: list[ExtraFile] = (), what: str = "suffix") -> tuple[None, list[int]]:
+        """A fill-in-the-middle prompt (pagellm.infill); 400 naming `what` when the model has
+        no FIM tokens."""
+        self.need_tokenizer(what)
+        try:
+            fim = require_fim(self.tokenizer, what)
+        except ValueError as e:
+            raise APIError(400, str(e), param=what) from None
+        ids = infill_prompt(self.tokenizer, fim, prefix, suffix, files)
+        self.limits.check_prompt_tokens(len(ids), "prompt")
+        return None, ids
+
     def encode_chat(self, messages, add_generation_prompt: bool,
                     tools: list[dict] | None = None) -> list[int]:
         """messages: ChatMessage models or dicts already in the template's form."""
@@ -207,15 +221,23 @@ class OpenAIServer:
             if not slot.done:
                 self.async_engine.abort(slot.request_id)
 
-    async def final_outputs(self, request: Request,
-                            slots: list[RequestSlot]) -> list[RequestOutput]:
-        """Wait for every slot to finish; abort them if the client goes away meanwhile."""
+    async def final_outputs(self, request: Request, slots: list[RequestSlot],
+                            until=None) -> list[RequestOutput]:
+        """Wait for every slot to finish; abort them if the client goes away meanwhile.
+        until(i, output) -> True takes slot i's unfinished output as its last (the route's own
+        stop condition; the request is aborted)."""
         finals: list[RequestOutput | None] = [None] * len(slots)
 
         async def collect():
             async for i, out in iterate(slots):
-                if out.finished:
+                if finals[i] is not None:  # stopped by `until`: the abort's output is not it
+                    continue
+                if out.finished or (until is not None and until(i, out)):
                     finals[i] = out
+                    if not out.finished:
+                        self.abort([slots[i]])
+                        if all(f is not None for f in finals):
+                            return
 
         task = asyncio.ensure_future(collect())
         watcher = asyncio.ensure_future(wait_disconnect(request))

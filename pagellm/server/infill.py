@@ -1,0 +1,227 @@
+"""POST /infill: llama.cpp's fill-in-the-middle endpoint, as editor plugins call it (llama.vim,
+llama.vscode). The prompt is pagellm.infill's; the answer is llama.cpp's completion object
+({"content", "stop", "stop_type", "timings", ...}), streamed as `data:` events of the same
+shape. Two stop conditions are the route's own, as llama.cpp's: `n_indent` (a new line indented
+less than the cursor's line ends the infill, without that line) and `t_max_predict_ms` (past
+this long since the first token, the infill ends at the next new line)."""
+from __future__ import annotations
+
+import time
+import uuid
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+
+from pagellm.engine.async_engine import RequestError
+from pagellm.infill import ExtraFile, fit_infill, require_fim
+from pagellm.outputs import RequestOutput
+from pagellm.server.errors import APIError, parse_request, sampling_error
+from pagellm.server.protocol import InfillRequest
+from pagellm.server.state import OpenAIServer, iterate
+from pagellm.server.streaming import EventStream, sse
+
+
+async def create_infill(request: Request):
+    api: OpenAIServer = request.app.state.api
+    arrival = time.monotonic()
+    req = parse_request(InfillRequest, await request.body())
+    api.check_model(req.model)
+    api.need_tokenizer("input_prefix")
+    api.limits.check_stop(req.stop)
+    api.limits.check_logprobs(req.n_probs or None, "n_probs")
+    try:
+        fim = require_fim(api.tokenizer, "input_prefix")
+    except ValueError as e:
+        raise APIError(400, str(e), param="input_prefix") from None
+    budget = req.budget()
+    room = api.max_model_len - max(budget or 0, 1)  # the prompt's share of the context
+    if api.limits.max_prompt_tokens is not None:
+        room = min(room, api.limits.max_prompt_tokens)
+    if room < 1:
+        raise APIError(400, f"n_predict: {budget} leaves no room for the prompt in this "
+                       f"model's context of {api.max_model_len} tokens", param="n_predict")
+    files = [ExtraFile(c.filename, c.text) for c in req.input_extra]
+
+    def encode():
+        return fit_infill(api.tokenizer, fim, req.input_prefix + req.prompt, req.input_suffix,
+                          files, budget=room)
+
+    try:
+        ids, truncated = await api.off_loop(encode)
+    except ValueError as e:
+        raise APIError(400, f"input_prefix: {e}", param="input_prefix") from None
+    # n_predict 0 fills the prefix cache (llama.vim sends its context ahead so): the engine
+    # runs one token, which the answer leaves out
+    warm_only = budget == 0
+    update = {}
+    if req.repeat_penalty is not None and req.repetition_penalty is None:
+        update["repetition_penalty"] = req.repeat_penalty
+    if req.seed == -1:  # llama.cpp's "random"
+        update["seed"] = None
+    req = req.model_copy(update=update)
+    try:
+        params = req.sampling_params(1 if warm_only else budget or api.max_model_len - len(ids),
+                                     req.n_probs or None, api.sampling_defaults)
+    except ValueError as e:
+        raise sampling_error(e) from None
+    slots = await api.add([ids], [params], arrival, f"infill-{uuid.uuid4().hex}")
+    watch = _Watch(req.n_indent, req.t_max_predict_ms, warm_only)
+
+    def answer(out: RequestOutput) -> dict:
+        return _completion(api, req, ids, truncated, out, watch)
+
+    if req.stream:
+        async def events():
+            sent = 0
+            try:
+                async for _, out in iterate(slots):
+                    comp = out.outputs[0]
+                    end = watch.visible(comp, out.finished)
+                    if end > sent:
+                        yield sse({"index": 0, "content": watch.text(comp)[sent:end],
+                                   "tokens": list(comp.token_ids[-1:]) if req.return_tokens
+                                   else [], "stop": False, "id_slot": -1,
+                                   "tokens_predicted": len(comp.token_ids),
+                                   "tokens_evaluated": len(ids)})
+                        sent = end
+                    if out.finished or watch.stopped:
+                        api.abort(slots)
+                        rest = watch.text(comp)[sent:]  # a tail held back for a stop string
+                        if rest:
+                            yield sse({"index": 0, "content": rest, "tokens": [],
+                                       "stop": False, "id_slot": -1,
+                                       "tokens_predicted": len(comp.token_ids),
+                                       "tokens_evaluated": len(ids)})
+                        yield sse({**answer(out), "content": ""})
+                        return
+            except RequestError as e:
+                yield sse(APIError(e.status_code, e.message).body())
+        return EventStream(events(), on_close=lambda: api.abort(slots))
+
+    out = (await api.final_outputs(request, slots,
+                                   until=lambda _, o: watch.check(o.outputs[0])))[0]
+    return JSONResponse(answer(out))
+
+
+class _Watch:
+    """The route's own stop conditions over one output's text, and how much of the text
+    stands (a stream holds back a line until it shows it is indented enough)."""
+
+    def __init__(self, n_indent: int, t_max_predict_ms: int, warm_only: bool):
+        self.n_indent, self.t_max = n_indent, t_max_predict_ms / 1000
+        self.warm_only = warm_only
+        self.first_token: float | None = None
+        self.cut: int | None = None  # where an under-indented line starts
+        self.judged = 0  # lines that start before this newline are indented enough
+        self.stopped = False
+
+    def check(self, comp) -> bool:
+        """True once a condition has ended the infill (the text is then cut at self.cut)."""
+        if self.stopped:
+            return True
+        text = comp.text
+        while self.n_indent:  # the lines not yet judged, each once
+            start = text.find("\n", self.judged)
+            if start < 0:
+                break
+            end = text.find("\n", start + 1)
+            line = text[start + 1:] if end < 0 else text[start + 1:end]
+            body = line.lstrip(" \t")
+            if not body:
+                if end < 0:
+                    break  # not yet past its indentation
+                self.judged = end  # a blank line
+                continue
+            if len(line) - len(body) < self.n_indent:
+                self.cut, self.stopped = start + 1, True
+                return True
+            self.judged = start + 1
+        if comp.token_ids and self.first_token is None:
+            self.first_token = time.monotonic()
+        if (self.t_max and self.first_token is not None and "\n" in text
+                and time.monotonic() - self.first_token > self.t_max):
+            self.stopped = True
+        return self.stopped
+
+    def text(self, comp) -> str:
+        if self.warm_only:
+            return ""
+        return comp.text if self.cut is None else comp.text[:self.cut]
+
+    def visible(self, comp, finished: bool) -> int:
+        """How much of the text a stream may send now."""
+        self.check(comp)
+        if self.warm_only:
+            return 0
+        if self.cut is not None:
+            return self.cut
+        end = comp.stable_text_len
+        if self.n_indent and not finished and not self.stopped:
+            line_start = comp.text.rfind("\n", 0, end) + 1
+            if line_start and not comp.text[line_start:end].strip(" \t"):
+                end = line_start  # a new line not yet past its indentation
+        return end
+
+
+def _completion(api: OpenAIServer, req: InfillRequest, ids: list[int], truncated: bool,
+                out: RequestOutput, watch: _Watch) -> dict:
+    """llama.cpp's completion object (response_fields: only those, "a/b" read inside "a")."""
+    comp = out.outputs[0]
+    generated = 0 if watch.warm_only else len(comp.token_ids)
+    if watch.stopped or comp.finish_reason == "length":
+        stop_type, word = "limit", ""
+    elif isinstance(comp.stop_reason, str):
+        stop_type, word = "word", comp.stop_reason
+    else:
+        stop_type, word = "eos", ""
+    m = out.metrics
+    first = m.first_token_time or time.monotonic()
+    last = m.token_times[-1] if m.token_times else first
+    prompt_ms = (first - m.arrival_time) * 1000
+    computed = len(ids) - out.num_cached_tokens
+    predicted_ms = (last - first) * 1000
+
+    def rate(n, ms):
+        return n / ms * 1000 if ms > 0 else 0.0
+
+    text = watch.text(comp)
+    body = {
+        "index": 0, "content": text,
+        "tokens": list(comp.token_ids[:generated]) if req.return_tokens else [],
+        "id_slot": -1, "stop": True, "model": api.model_name,
+        "tokens_predicted": generated, "tokens_evaluated": len(ids),
+        "has_new_line": "\n" in text, "truncated": truncated,
+        "stop_type": stop_type, "stopping_word": word,
+        "tokens_cached": len(ids) + generated,
+        "timings": {"prompt_n": computed, "prompt_ms": prompt_ms,
+                    "prompt_per_token_ms": prompt_ms / max(computed, 1),
+                    "prompt_per_second": rate(computed, prompt_ms),
+                    "predicted_n": generated, "predicted_ms": predicted_ms,
+                    "predicted_per_token_ms": predicted_ms / max(generated, 1),
+                    "predicted_per_second": rate(generated, predicted_ms)},
+    }
+    if req.n_probs:
+        body["completion_probabilities"] = _probabilities(api, comp, req.n_probs, generated)
+    if req.response_fields is None:
+        return body
+    picked = {}
+    for path in req.response_fields:
+        value = body
+        for key in path.split("/"):
+            value = value.get(key) if isinstance(value, dict) else None
+        if value is not None:
+            picked[path] = value
+    return picked
+
+
+def _probabilities(api: OpenAIServer, comp, num: int, count: int) -> list[dict]:
+    """llama.cpp's completion_probabilities: each token with its log-probability and the
+    `num` most likely at its position."""
+    def entry(tid: int, lp: float) -> dict:
+        s = api.token_str(tid)
+        return {"id": tid, "token": s, "bytes": list(s.encode("utf-8")),
+                "logprob": max(lp, -9999.0)}
+
+    return [{**entry(tid, lps[tid]), "top_logprobs": [
+                entry(t, lp) for t, lp in sorted(lps.items(), key=lambda kv: -kv[1])[:num]]}
+            for tid, lps in zip(comp.token_ids[:count], (comp.logprobs or [])[:count])]
