@@ -32,16 +32,25 @@ class FimTokens:
     middle: int
     repo_name: int | None = None
     file_sep: int | None = None
+    # the vocabulary's special tokens that end an infill (END_TOKEN_NAMES: end of text, FIM
+    # pad, separators): an infill request stops at them even where the model's EOS is another
+    # (an HF folder's config names only its chat end)
+    ends: tuple[int, ...] = ()
 
 
 def fim_tokens(tokenizer) -> FimTokens | None:
     """The tokenizer's FIM tokens, or None when it has no complete set."""
+    from pagellm.models.gguf_loader import END_TOKEN_NAMES
+
     if tokenizer is None:
         return None
-    ids = {added.content: tid for tid, added in tokenizer.added_tokens_decoder.items()}
+    added = tokenizer.added_tokens_decoder.items()
+    ids = {token.content: tid for tid, token in added}
+    ends = tuple(sorted(tid for tid, token in added
+                        if token.special and token.content in END_TOKEN_NAMES))
     for pre, suf, mid, repo, sep in _FORMS:
         if pre in ids and suf in ids and mid in ids:
-            return FimTokens(ids[pre], ids[suf], ids[mid], ids.get(repo), ids.get(sep))
+            return FimTokens(ids[pre], ids[suf], ids[mid], ids.get(repo), ids.get(sep), ends)
     return None
 
 
@@ -71,8 +80,9 @@ def fit_infill(tokenizer, fim: FimTokens, prefix: str | list[int], suffix: str |
     the gap matters most, then the code right before it). ValueError when even the FIM tokens
     do not fit."""
     def enc(text: str | list[int]) -> list[int]:
+        # the code is text: a "<|fim_middle|>" written in it is not the token
         return list(text) if isinstance(text, list) else tokenizer.encode(
-            text, add_special_tokens=False)
+            text, add_special_tokens=False, split_special_tokens=True)
 
     bos = [t for t in tokenizer.encode("") if t == tokenizer.bos_token_id]
     head, pieces, tail = [], [], []
@@ -108,9 +118,8 @@ def fit_infill(tokenizer, fim: FimTokens, prefix: str | list[int], suffix: str |
     return bos + context + [fim.prefix] + pre + [fim.suffix] + suf + [fim.middle], truncated
 
 
-def require_fim(tokenizer, field: str) -> FimTokens:
-    """The FIM tokens; ValueError naming `field` when the model has none."""
-    fim = fim_tokens(tokenizer)
+def require_fim(fim: FimTokens | None, field: str) -> FimTokens:
+    """`fim` (a model's fim_tokens); ValueError naming `field` when the model has none."""
     if fim is None:
         raise ValueError(f"{field}: this model has no fill-in-the-middle tokens (a code model "
                          "trained for infilling has them, e.g. Qwen2.5-Coder's <|fim_prefix|>)")

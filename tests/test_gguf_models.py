@@ -292,7 +292,9 @@ def test_llama3_byte_level_tokenizer_and_template_from_the_file(tmp_path):
     for text in ("x 12345", "a<|eot_id|>b", "Hello, world!\n\t 99"):
         assert tok(text).input_ids == ref(text).input_ids, text
     assert tok("a<|eot_id|>b").input_ids[1] == tokens.index("<|eot_id|>")
-    assert files.config.eos_token_id == 2 and tok.chat_template == LLAMA3_TEMPLATE
+    # the file's EOS, then the vocabulary's end of turn (it ends generation too)
+    assert files.config.eos_token_id == [2, tokens.index("<|eot_id|>")]
+    assert tok.chat_template == LLAMA3_TEMPLATE
     llm = LLM(str(path), dtype="float32", kv_cache_memory=2**22)
     msgs = [{"role": "user", "content": "12345"}]
     expected = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False)

@@ -132,8 +132,10 @@ def test_completions_suffix_is_the_infill_prompt(srv, fim_tokenizer):
     ids = infill_prompt(fim_tokenizer, fim_tokens(fim_tokenizer), prefix, suffix)
     r = c.completions.create(model=MODEL, prompt=prefix, suffix=suffix, max_tokens=12,
                              temperature=0, logprobs=2)
+    ends = fim_tokens(fim_tokenizer).ends  # they end an infill whatever the model's EOS
+    assert set(ids_of(fim_tokenizer, "<|fim_pad|>", "<|file_sep|>", "<|endoftext|>")) <= set(ends)
     ref = c.completions.create(model=MODEL, prompt=ids, max_tokens=12, temperature=0,
-                               logprobs=2)
+                               logprobs=2, extra_body={"stop_token_ids": list(ends)})
     assert r.usage.prompt_tokens == len(ids)
     assert r.choices[0].text == ref.choices[0].text
     assert r.choices[0].logprobs.tokens == ref.choices[0].logprobs.tokens
@@ -175,7 +177,8 @@ def test_infill_answers_what_the_prompt_completes_to(srv, fim_tokenizer):
     ids = infill_prompt(tok, fim_tokens(tok), INFILL["input_prefix"] + INFILL["prompt"],
                         INFILL["input_suffix"], [ExtraFile("util.py", INFILL["input_extra"][0]["text"])])
     ref = srv.client.completions.create(model=MODEL, prompt=ids, max_tokens=10, temperature=0,
-                                        logprobs=3)
+                                        logprobs=3, extra_body={
+                                            "stop_token_ids": list(fim_tokens(tok).ends)})
     # llama.vim's own knobs are accepted (cache_prompt, samplers, t_max_prompt_ms, id_slot)
     r = post(srv, "/infill", {**INFILL, "n_predict": 10, "temperature": 0, "n_probs": 3,
                               "return_tokens": True, "cache_prompt": True,
@@ -188,6 +191,10 @@ def test_infill_answers_what_the_prompt_completes_to(srv, fim_tokenizer):
     assert body["tokens_evaluated"] == len(ids) == ref.usage.prompt_tokens
     assert body["tokens_predicted"] == ref.usage.completion_tokens == len(body["tokens"])
     assert body["stop_type"] == ("limit" if ref.choices[0].finish_reason == "length" else "eos")
+    # streamed, the tokens arrive in pieces that join to the same list
+    events = [json.loads(e) for e in sse_events(srv, "/infill", {
+        **INFILL, "n_predict": 10, "temperature": 0, "return_tokens": True, "stream": True})]
+    assert [t for e in events for t in e["tokens"]] == body["tokens"]
     assert body["timings"]["predicted_n"] == body["tokens_predicted"]
     # the prompt was just computed by the completion above: only its uncached tail is counted
     assert body["timings"]["prompt_n"] < len(ids)
@@ -278,7 +285,51 @@ def test_t_max_predict_ms_ends_at_a_new_line_after_the_time(monkeypatch):
     monkeypatch.setattr(infill_route.time, "monotonic", lambda: now[0])
     w = infill_route._Watch(n_indent=0, t_max_predict_ms=500, warm_only=False)
     assert not w.check(_comp("a"))  # the first token: the clock starts
+    assert not w.check(_comp("a\nb"))  # a new line within the time
     now[0] += 0.6
-    assert not w.check(_comp("a b"))  # past the time, but no new line yet
-    assert w.check(_comp("a b\nc"))
-    assert w.text(_comp("a b\nc")) == "a b\nc"
+    assert not w.check(_comp("a\nbcd"))  # past the time, no new line in the new text
+    assert w.check(_comp("a\nbcd e\nf"))  # the line the new text completes ends the answer
+    assert w.text(_comp("a\nbcd e\nf")) == "a\nbcd e\n"
+    assert w.visible(_comp("a\nbcd e\nf"), False) == len("a\nbcd e\n")
+
+
+def test_the_last_output_is_judged_too():
+    """An output that finishes (its budget spent) with an under-indented line still loses it."""
+    w = infill_route._Watch(n_indent=4, t_max_predict_ms=0, warm_only=False)
+    assert not w.check(_comp("x = 1\n    y"))
+    comp = SimpleNamespace(text="x = 1\n    y = 2\nz = 3", token_ids=[7, 8, 9],
+                           finish_reason="length", stop_reason=None, logprobs=None)
+    out = SimpleNamespace(outputs=[comp], num_cached_tokens=0, metrics=SimpleNamespace(
+        arrival_time=1.0, first_token_time=1.5, token_times=[1.5, 1.6, 1.7]))
+    req = SimpleNamespace(return_tokens=True, n_probs=0, response_fields=[])
+    api = SimpleNamespace(model_name="m")
+    body = infill_route._completion(api, req, [1, 2], False, out, w)
+    assert body["content"] == "x = 1\n    y = 2\n" and body["stop_type"] == "limit"
+    assert body["tokens"] == [7, 8, 9] and body["timings"]["predicted_n"] == 3
+
+
+def test_special_token_text_in_the_code_is_text(fim_tokenizer):
+    """Code that spells a special token (a file about FIM, say) stays text in the prompt."""
+    tok = fim_tokenizer
+    fim = fim_tokens(tok)
+    ids = infill_prompt(tok, fim, 'MID = "<|fim_middle|>"\n', "<|endoftext|>",
+                        [ExtraFile("a.py", "<|file_sep|>")])
+    assert ids.count(fim.middle) == 1 and ids[-1] == fim.middle
+    assert ids.count(fim.file_sep) == 2  # the file's and the edited file's separators only
+    assert not set(fim.ends) & set(ids[ids.index(fim.suffix):])
+    assert tok.decode(ids).endswith('MID = "<|fim_middle|>"\n<|fim_suffix|><|endoftext|>'
+                                    '<|fim_middle|>')
+
+
+def test_infill_grammar_and_empty_suffix(srv):
+    """llama.cpp's `grammar` constrains an infill; an empty `suffix` is a plain completion."""
+    for _ in range(3):
+        r = post(srv, "/infill", {**INFILL, "n_predict": 8, "temperature": 1.0,
+                                  "grammar": 'root ::= "yes" | "no"'}).json()
+        assert r["content"] in ("yes", "no") and r["stop_type"] == "eos"
+    plain = srv.client.completions.create(model=MODEL, prompt="def f", max_tokens=6,
+                                          temperature=0)
+    empty = srv.client.completions.create(model=MODEL, prompt="def f", suffix="", max_tokens=6,
+                                          temperature=0)
+    assert empty.choices[0].text == plain.choices[0].text
+    assert empty.usage.prompt_tokens == plain.usage.prompt_tokens

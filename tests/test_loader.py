@@ -60,9 +60,12 @@ def test_default_gguf_config_matches_transformers(default_files, reference_model
     assert ours.architectures == ["LlamaForCausalLM"]
     for field in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                   "num_key_value_heads", "head_dim", "rms_norm_eps", "max_position_embeddings",
-                  "vocab_size", "tie_word_embeddings", "bos_token_id", "eos_token_id", "pad_token_id",
+                  "vocab_size", "tie_word_embeddings", "bos_token_id", "pad_token_id",
                   "rope_parameters"):
         assert getattr(ours, field) == getattr(theirs, field), field
+    # the file's EOS first; then the vocabulary's end tokens, which transformers' GGUF config
+    # leaves out (tests/test_gguf_models.py::test_the_vocabularys_end_tokens_end_generation)
+    assert ours.eos_token_id[0] == theirs.eos_token_id and len(ours.eos_token_id) == 5
 
 
 # Ids checked once against transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name),

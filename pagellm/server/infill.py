@@ -3,7 +3,7 @@ llama.vscode). The prompt is pagellm.infill's; the answer is llama.cpp's complet
 ({"content", "stop", "stop_type", "timings", ...}), streamed as `data:` events of the same
 shape. Two stop conditions are the route's own, as llama.cpp's: `n_indent` (a new line indented
 less than the cursor's line ends the infill, without that line) and `t_max_predict_ms` (past
-this long since the first token, the infill ends at the next new line)."""
+this long since the first token, the infill ends with the next line it completes)."""
 from __future__ import annotations
 
 import time
@@ -13,7 +13,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from pagellm.engine.async_engine import RequestError
-from pagellm.infill import ExtraFile, fit_infill, require_fim
+from pagellm.infill import ExtraFile, fit_infill
 from pagellm.outputs import RequestOutput
 from pagellm.server.errors import APIError, parse_request, sampling_error
 from pagellm.server.protocol import InfillRequest
@@ -29,12 +29,13 @@ async def create_infill(request: Request):
     api.need_tokenizer("input_prefix")
     api.limits.check_stop(req.stop)
     api.limits.check_logprobs(req.n_probs or None, "n_probs")
-    try:
-        fim = require_fim(api.tokenizer, "input_prefix")
-    except ValueError as e:
-        raise APIError(400, str(e), param="input_prefix") from None
+    fim = api.infill_tokens("input_prefix")
+    structured, structured_field = req.structured()  # llama.cpp's grammar / json_schema too
     budget = req.budget()
-    room = api.max_model_len - max(budget or 0, 1)  # the prompt's share of the context
+    # the prompt's share of the context; without a budget a quarter (at most 512) is kept
+    # for the answer, so that a long context still leaves room to write
+    keep = budget if budget is not None else min(512, api.max_model_len // 4)
+    room = api.max_model_len - max(keep, 1)
     if api.limits.max_prompt_tokens is not None:
         room = min(room, api.limits.max_prompt_tokens)
     if room < 1:
@@ -53,7 +54,9 @@ async def create_infill(request: Request):
     # n_predict 0 fills the prefix cache (llama.vim sends its context ahead so): the engine
     # runs one token, which the answer leaves out
     warm_only = budget == 0
-    update = {}
+    # the vocabulary's end tokens end the infill whatever the model's EOS
+    update = {"stop_token_ids": [*(req.stop_token_ids or []),
+                                 *(t for t in fim.ends if t not in (req.stop_token_ids or []))]}
     if req.repeat_penalty is not None and req.repetition_penalty is None:
         update["repetition_penalty"] = req.repeat_penalty
     if req.seed == -1:  # llama.cpp's "random"
@@ -61,10 +64,11 @@ async def create_infill(request: Request):
     req = req.model_copy(update=update)
     try:
         params = req.sampling_params(1 if warm_only else budget or api.max_model_len - len(ids),
-                                     req.n_probs or None, api.sampling_defaults)
+                                     req.n_probs or None, api.sampling_defaults, structured)
     except ValueError as e:
         raise sampling_error(e) from None
-    slots = await api.add([ids], [params], arrival, f"infill-{uuid.uuid4().hex}")
+    slots = await api.add([ids], [params], arrival, f"infill-{uuid.uuid4().hex}",
+                          structured_field, req.cache_salt)
     watch = _Watch(req.n_indent, req.t_max_predict_ms, warm_only)
 
     def answer(out: RequestOutput) -> dict:
@@ -72,28 +76,35 @@ async def create_infill(request: Request):
 
     if req.stream:
         async def events():
-            sent = 0
+            sent, tokens_sent = 0, 0
+
+            def piece(comp, end):
+                nonlocal sent, tokens_sent
+                chunk = {"index": 0, "content": watch.text(comp)[sent:end],
+                         "tokens": list(comp.token_ids[tokens_sent:]) if req.return_tokens
+                         else [], "stop": False, "id_slot": -1,
+                         "tokens_predicted": len(comp.token_ids), "tokens_evaluated": len(ids)}
+                sent, tokens_sent = end, len(comp.token_ids)
+                return sse(chunk)
+
             try:
                 async for _, out in iterate(slots):
                     comp = out.outputs[0]
                     end = watch.visible(comp, out.finished)
-                    if end > sent:
-                        yield sse({"index": 0, "content": watch.text(comp)[sent:end],
-                                   "tokens": list(comp.token_ids[-1:]) if req.return_tokens
-                                   else [], "stop": False, "id_slot": -1,
-                                   "tokens_predicted": len(comp.token_ids),
-                                   "tokens_evaluated": len(ids)})
-                        sent = end
                     if out.finished or watch.stopped:
                         api.abort(slots)
-                        rest = watch.text(comp)[sent:]  # a tail held back for a stop string
-                        if rest:
-                            yield sse({"index": 0, "content": rest, "tokens": [],
-                                       "stop": False, "id_slot": -1,
-                                       "tokens_predicted": len(comp.token_ids),
-                                       "tokens_evaluated": len(ids)})
-                        yield sse({**answer(out), "content": ""})
+                        rest = len(watch.text(comp))  # with a tail held back for a stop string
+                        if rest > sent or (req.return_tokens and not watch.warm_only
+                                           and len(comp.token_ids) > tokens_sent):
+                            yield piece(comp, rest)
+                        # the last event: the whole object, its text and tokens already sent
+                        last = answer(out)
+                        last.update({k: type(last[k])() for k in ("content", "tokens")
+                                     if k in last})
+                        yield sse(last)
                         return
+                    if end > sent:
+                        yield piece(comp, end)
             except RequestError as e:
                 yield sse(APIError(e.status_code, e.message).body())
         return EventStream(events(), on_close=lambda: api.abort(slots))
@@ -104,15 +115,16 @@ async def create_infill(request: Request):
 
 
 class _Watch:
-    """The route's own stop conditions over one output's text, and how much of the text
-    stands (a stream holds back a line until it shows it is indented enough)."""
+    """The route's own stop conditions over one output's growing text, and how much of the
+    text stands (a stream holds back a line until it shows it is indented enough)."""
 
     def __init__(self, n_indent: int, t_max_predict_ms: int, warm_only: bool):
         self.n_indent, self.t_max = n_indent, t_max_predict_ms / 1000
         self.warm_only = warm_only
         self.first_token: float | None = None
-        self.cut: int | None = None  # where an under-indented line starts
+        self.cut: int | None = None  # where the answer ends when a condition ended it
         self.judged = 0  # lines that start before this newline are indented enough
+        self.seen = 0  # text length at the last check
         self.stopped = False
 
     def check(self, comp) -> bool:
@@ -127,10 +139,10 @@ class _Watch:
             end = text.find("\n", start + 1)
             line = text[start + 1:] if end < 0 else text[start + 1:end]
             body = line.lstrip(" \t")
-            if not body:
+            if not body.strip("\r"):  # blank so far (CRLF ends count as blank)
                 if end < 0:
                     break  # not yet past its indentation
-                self.judged = end  # a blank line
+                self.judged = end
                 continue
             if len(line) - len(body) < self.n_indent:
                 self.cut, self.stopped = start + 1, True
@@ -138,9 +150,12 @@ class _Watch:
             self.judged = start + 1
         if comp.token_ids and self.first_token is None:
             self.first_token = time.monotonic()
-        if (self.t_max and self.first_token is not None and "\n" in text
+        new = text[self.seen:]
+        if (self.t_max and self.first_token is not None and "\n" in new
                 and time.monotonic() - self.first_token > self.t_max):
-            self.stopped = True
+            # out of time: the answer ends with the line the new text completes
+            self.cut, self.stopped = self.seen + new.rindex("\n") + 1, True
+        self.seen = len(text)
         return self.stopped
 
     def text(self, comp) -> str:
@@ -153,12 +168,12 @@ class _Watch:
         self.check(comp)
         if self.warm_only:
             return 0
-        if self.cut is not None:
-            return self.cut
         end = comp.stable_text_len
-        if self.n_indent and not finished and not self.stopped:
+        if self.cut is not None:
+            return min(end, self.cut)
+        if self.n_indent and not finished:
             line_start = comp.text.rfind("\n", 0, end) + 1
-            if line_start and not comp.text[line_start:end].strip(" \t"):
+            if line_start and not comp.text[line_start:end].strip(" \t\r"):
                 end = line_start  # a new line not yet past its indentation
         return end
 
@@ -167,6 +182,7 @@ def _completion(api: OpenAIServer, req: InfillRequest, ids: list[int], truncated
                 out: RequestOutput, watch: _Watch) -> dict:
     """llama.cpp's completion object (response_fields: only those, "a/b" read inside "a")."""
     comp = out.outputs[0]
+    watch.check(comp)  # the last output may be the one that ends the infill
     generated = 0 if watch.warm_only else len(comp.token_ids)
     if watch.stopped or comp.finish_reason == "length":
         stop_type, word = "limit", ""
@@ -202,7 +218,7 @@ def _completion(api: OpenAIServer, req: InfillRequest, ids: list[int], truncated
     }
     if req.n_probs:
         body["completion_probabilities"] = _probabilities(api, comp, req.n_probs, generated)
-    if req.response_fields is None:
+    if not req.response_fields:
         return body
     picked = {}
     for path in req.response_fields:

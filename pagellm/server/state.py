@@ -12,7 +12,7 @@ from fastapi import Request
 
 from pagellm.chat_template import render_chat
 from pagellm.engine.async_engine import AsyncEngine, RequestError, RequestSlot
-from pagellm.infill import ExtraFile, infill_prompt, require_fim
+from pagellm.infill import FimTokens, fim_tokens, infill_prompt, require_fim
 from pagellm.metrics import ServerMetrics
 from pagellm.outputs import RequestOutput
 from pagellm.server.limits import Limits
@@ -82,6 +82,7 @@ class OpenAIServer:
         self.loop: asyncio.AbstractEventLoop | None = None
         self._token_strs: dict[int, str] = {}
         self.response_store = ResponseStore()
+        self.fim = fim_tokens(self.tokenizer)  # read once: the tokenizer stays on its thread
 
     # ---- helpers ------------------------------------------------------------------------------
     def check_model(self, model: str | None) -> None:
@@ -120,16 +121,17 @@ class OpenAIServer:
         self.limits.check_prompt_tokens(len(ids), "prompt")
         return prompt, ids
 
-    def encode_infill(self, prefix: str | list[int], suffix: str,
-                      files: list[ExtraFile] = (), what: str = "suffix") -> tuple[None, list[int]]:
-        """A fill-in-the-middle prompt (pagellm.infill); 400 naming `what` when the model has
-        no FIM tokens."""
+    def infill_tokens(self, what: str) -> FimTokens:
+        """The model's FIM tokens; 400 naming `what` when it has none."""
         self.need_tokenizer(what)
         try:
-            fim = require_fim(self.tokenizer, what)
+            return require_fim(self.fim, what)
         except ValueError as e:
             raise APIError(400, str(e), param=what) from None
-        ids = infill_prompt(self.tokenizer, fim, prefix, suffix, files)
+
+    def encode_infill(self, prefix: str | list[int], suffix: str) -> tuple[None, list[int]]:
+        """A fill-in-the-middle prompt (pagellm.infill) for OpenAI's `suffix`."""
+        ids = infill_prompt(self.tokenizer, self.infill_tokens("suffix"), prefix, suffix)
         self.limits.check_prompt_tokens(len(ids), "prompt")
         return None, ids
 
@@ -224,20 +226,18 @@ class OpenAIServer:
     async def final_outputs(self, request: Request, slots: list[RequestSlot],
                             until=None) -> list[RequestOutput]:
         """Wait for every slot to finish; abort them if the client goes away meanwhile.
-        until(i, output) -> True takes slot i's unfinished output as its last (the route's own
-        stop condition; the request is aborted)."""
+        until(i, output) -> True takes slot i's output as its last (the route's own stop
+        condition; the request is aborted once every slot has its last output)."""
         finals: list[RequestOutput | None] = [None] * len(slots)
 
         async def collect():
             async for i, out in iterate(slots):
-                if finals[i] is not None:  # stopped by `until`: the abort's output is not it
+                if finals[i] is not None:  # stopped by `until`: it runs on until the others end
                     continue
                 if out.finished or (until is not None and until(i, out)):
                     finals[i] = out
-                    if not out.finished:
-                        self.abort([slots[i]])
-                        if all(f is not None for f in finals):
-                            return
+                    if all(f is not None for f in finals):
+                        return  # the finally below aborts what `until` stopped
 
         task = asyncio.ensure_future(collect())
         watcher = asyncio.ensure_future(wait_disconnect(request))
