@@ -176,3 +176,36 @@ def test_fill_in_the_middle_on_the_real_coder():
                        use_tqdm=False)[0].outputs[0]
     assert out.text.replace(" ", "").startswith("fib(n-1)+fib(n-2)"), out.text
     assert (out.finish_reason, out.token_ids[-1]) == ("stop", endoftext), out.text
+
+
+def test_strict_tools_under_auto_on_the_real_coder():
+    """Qwen2.5-Coder-0.5B asked for the weather with a strict tool and tool_choice auto (the
+    grammar of tools.auto_grammar, its tags single tokens): it calls, through chat completions
+    and the Responses API, with arguments that follow the schema."""
+    import json
+
+    from tests.test_server import running_server
+
+    params = {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 30},
+        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+        "required": ["city", "unit"], "additionalProperties": False}
+    llm = LLM(str(fetch.fetch("qwen2.5-coder-0.5b-instruct-q4_k_m", progress=False)),
+              kv_cache_memory="64MiB", max_model_len=2048)
+    with running_server(llm) as srv:
+        c = srv.client
+        r = c.responses.create(model="tiny", input="What is the weather in Paris, in celsius?",
+                               tools=[{"type": "function", "name": "get_weather",
+                                       "strict": True, "parameters": params}],
+                               temperature=0, max_output_tokens=80)
+        (call,) = [o for o in r.output if o.type == "function_call"]
+        assert call.name == "get_weather"
+        assert json.loads(call.arguments) == {"city": "Paris", "unit": "celsius"}
+        for seed in range(3):
+            r = c.chat.completions.create(
+                model="tiny", seed=seed, temperature=1.0, max_tokens=80,
+                messages=[{"role": "user", "content": "What is the weather in Paris, in celsius?"}],
+                tools=[{"type": "function", "function": {"name": "get_weather", "strict": True,
+                                                         "parameters": params}}])
+            for tc in r.choices[0].message.tool_calls or []:
+                assert set(json.loads(tc.function.arguments)) == {"city", "unit"}

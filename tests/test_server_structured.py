@@ -17,7 +17,7 @@ from pydantic import BaseModel, Field
 
 from pagellm import LLM, SamplingParams
 from pagellm.server.defaults import LLAMA_CPP, sampling_defaults
-from pagellm.server.tools import ToolStream, parse_tool_calls, prompt_messages
+from pagellm.server.tools import ToolStream, auto_grammar, parse_tool_calls, prompt_messages
 # the tiny chat model and its shared server come from test_server's fixtures
 from tests.test_server import (ENGINE_KW, MODEL, offline, post, running_server,  # noqa: F401
                                server, srv, tiny_path, wait_idle)
@@ -304,6 +304,66 @@ def test_sampling_defaults_apply_to_omitted_fields(tiny_path, offline, tmp_path)
     d, _ = sampling_defaults(str(folder), flags={"top_k": 20, "min_p": None})
     assert d == {"temperature": 0.6, "top_p": 0.9, "top_k": 20}
     assert sampling_defaults(str(folder), "none")[0] == {}
+
+
+def _strict(tool: dict) -> dict:
+    return {**tool, "function": {**tool["function"], "strict": True}}
+
+
+def test_strict_functions_under_auto_follow_their_schemas(rsrv):
+    """tool_choice auto with a strict function (what OpenAI's Agents SDK sends): the model
+    answers in text or calls, and a text answer carries no half-made call (the grammar's
+    cases are test_the_strict_auto_grammar's; the real Qwen2.5-Coder's calls under it are in
+    test_real_models.py)."""
+    client = rsrv["off"].client
+    for seed in range(4):
+        r = client.chat.completions.create(model=MODEL, messages=ASK, tools=[_strict(WEATHER)],
+                                           temperature=1.0, seed=seed, max_tokens=160)
+        choice = r.choices[0]
+        for call in choice.message.tool_calls or []:
+            _check_call(call, "get_weather")
+        if choice.finish_reason == "stop" and not choice.message.tool_calls:
+            content = choice.message.content or ""
+            assert "<tool_call>" not in content and not content.startswith("{")
+
+
+@pytest.mark.parametrize("tags_are_tokens", [False, True])
+def test_the_strict_auto_grammar(tags_are_tokens):
+    """Text, or text then calls of the strict function with valid arguments (any object for a
+    function that is not strict); nothing after the calls; one call without parallel calls."""
+    from pagellm.models.loader import load_model_files
+    from pagellm.structured.matcher import GrammarBackend
+
+    tok = load_model_files(None).tokenizer
+    ids = (None, None)
+    if tags_are_tokens:  # as Qwen2.5's tokenizer has them
+        tok.add_tokens(["<tool_call>", "</tool_call>"])
+        ids = tuple(tok.convert_tokens_to_ids(t) for t in ("<tool_call>", "</tool_call>"))
+    backend = GrammarBackend(tok, len(tok), {tok.eos_token_id})
+
+    def accepts(text, parallel=True, tools=(_strict(WEATHER), TIME)):
+        c = backend.constraint(auto_grammar(list(tools), parallel, *ids))
+        return (all(c.accept(t) for t in tok.encode(text, add_special_tokens=False))
+                and c.accept(tok.eos_token_id))
+
+    def call(name, args):
+        return f"<tool_call>\n{json.dumps({'name': name, 'arguments': args})}\n</tool_call>"
+
+    good = call("get_weather", {"city": "Oslo", "unit": "celsius"})
+    assert accepts("It is sunny in Oslo < 20 degrees, no tool_call needed.")
+    assert accepts("") and accepts(good) and accepts("Let me look.\n" + good)
+    assert accepts(good + "\n" + call("get_time", {"anything": [1, 2]}))  # TIME is not strict
+    assert not accepts(good + "\n" + good, parallel=False)
+    assert not accepts(call("get_weather", {"city": "Oslo", "unit": "kelvin"}))
+    assert not accepts(call("get_weather", {"city": "Oslo"}))
+    assert not accepts(call("get_news", {}))
+    assert not accepts(good + " and more text")
+    assert not accepts("text <tool_call> and no call")
+    # a bare JSON call (the whole answer) follows the schema too; other text may not start "{"
+    assert accepts(json.dumps({"name": "get_weather", "arguments": {"city": "Oslo",
+                                                                    "unit": "celsius"}}))
+    assert not accepts(json.dumps({"name": "get_weather", "arguments": {"city": "Oslo"}}))
+    assert not accepts('{"a": 1}') and accepts('The JSON {"a": 1}')
 
 
 # ---- tool-call text: parsing, streaming hold-back, prompts for templates without tools -------

@@ -12,9 +12,9 @@ from pagellm.server.protocol import ChatCompletionRequest
 from pagellm.server.responses import chat_logprobs, usage
 from pagellm.server.state import OpenAIServer
 from pagellm.server.streaming import ChoiceStream, EventStream, chunk_of, finish, stream_events
-from pagellm.server.tools import (TOOL_CLOSE, TOOL_OPEN, ToolStream, call_grammar,
-                                  parse_tool_calls, prompt_messages, resolve_tool_choice,
-                                  template_knows_tools, tool_dicts)
+from pagellm.server.tools import (TOOL_CLOSE, TOOL_OPEN, ToolStream, auto_grammar, call_grammar,
+                                  has_strict, parse_tool_calls, prompt_messages,
+                                  resolve_tool_choice, template_knows_tools, tool_dicts)
 
 
 async def create_chat_completion(request: Request):
@@ -44,6 +44,10 @@ async def create_chat_completion(request: Request):
         structured, structured_field = call_grammar(
             tools, only, req.parallel_tool_calls, api.tag_id(TOOL_OPEN),
             api.tag_id(TOOL_CLOSE)), "tools"
+    elif tool_choice == "auto" and structured is None and has_strict(tools):
+        # strict functions: text, or calls whose arguments follow their schemas
+        structured, structured_field = auto_grammar(
+            tools, req.parallel_tool_calls, api.tag_id(TOOL_OPEN), api.tag_id(TOOL_CLOSE)), "tools"
     try:
         params = req.sampling_params(
             api.max_tokens(len(ids), req.max_completion_tokens or req.max_tokens, "messages"),

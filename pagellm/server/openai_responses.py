@@ -32,9 +32,9 @@ from pagellm.server.protocol import ResponsesRequest, Tool
 from pagellm.server.responses import chat_logprobs
 from pagellm.server.state import OpenAIServer, iterate
 from pagellm.server.streaming import ChoiceStream, EventStream
-from pagellm.server.tools import (TOOL_CLOSE, TOOL_OPEN, ToolStream, call_grammar,
-                                  parse_tool_calls, prompt_messages, resolve_tool_choice,
-                                  template_knows_tools)
+from pagellm.server.tools import (TOOL_CLOSE, TOOL_OPEN, ToolStream, auto_grammar, call_grammar,
+                                  has_strict, parse_tool_calls, prompt_messages,
+                                  resolve_tool_choice, template_knows_tools)
 from pagellm.sampling_params import StructuredOutputsParams
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
@@ -358,6 +358,9 @@ async def create_response(request: Request):
         # type and tools send both)
         structured, structured_field = call_grammar(tools, None, parallel, open_id, close_id,
                                                     answer_schema), fmt_field
+    elif answer_schema is None and other is None and tool_choice == "auto" and has_strict(tools):
+        # strict functions: text, or calls whose arguments follow their schemas
+        structured, structured_field = auto_grammar(tools, parallel, open_id, close_id), "tools"
     elif answer_schema is not None:
         structured, structured_field = StructuredOutputsParams.from_any(
             {"json": answer_schema}), fmt_field

@@ -15,7 +15,8 @@ assistant's text in the form above, and tool results into a user message inside
 
 tool_choice "required" or a named function constrains the output to calls of those functions
 whose arguments follow each function's JSON schema (so they always parse); "auto" leaves the
-model free and parses what it wrote; "none" does not parse.
+model free and parses what it wrote, except that where a function is strict its calls follow
+its schema (auto_grammar); "none" does not parse.
 """
 from __future__ import annotations
 
@@ -109,6 +110,29 @@ def _call_text(name: str, arguments) -> str:
                                           ensure_ascii=False) + f"\n{TOOL_CLOSE}")
 
 
+def _call_schema(tools: list[dict], only: str | None, strict_only: bool = False) -> dict:
+    """The JSON schema of one call ({"name", "arguments"}) of the allowed functions, each
+    call's arguments following the function's parameters (strict_only: only a strict
+    function's; any object for the others)."""
+    variants = []
+    for t in tools:
+        fn = t["function"]
+        if only is not None and fn["name"] != only:
+            continue
+        params = fn.get("parameters") or {"type": "object"}
+        if strict_only and not fn.get("strict"):
+            params = {"type": "object"}
+        variants.append({"type": "object", "properties": {
+            "name": {"const": fn["name"]}, "arguments": params},
+            "required": ["name", "arguments"], "additionalProperties": False})
+    return _bounded_space(variants[0] if len(variants) == 1 else {"anyOf": variants})
+
+
+def _tags(open_id: int | None, close_id: int | None) -> tuple[str, str]:
+    return (f"<[{open_id}]>" if open_id is not None else json.dumps(TOOL_OPEN),
+            f"<[{close_id}]>" if close_id is not None else json.dumps(TOOL_CLOSE))
+
+
 def call_grammar(tools: list[dict], only: str | None, parallel: bool,
                  open_id: int | None, close_id: int | None,
                  answer_schema: dict | None = None) -> StructuredOutputsParams:
@@ -117,23 +141,47 @@ def call_grammar(tools: list[dict], only: str | None, parallel: bool,
     tokenizer has the tags as single tokens (Qwen2.5), the grammar names those tokens.
     answer_schema: or else an answer in JSON of that schema (tool_choice "auto" beside a JSON
     output format: the format is the final answer's, and the tools stay callable)."""
-    variants = []
-    for t in tools:
-        fn = t["function"]
-        if only is not None and fn["name"] != only:
-            continue
-        params = fn.get("parameters") or {"type": "object"}
-        variants.append({"type": "object", "properties": {
-            "name": {"const": fn["name"]}, "arguments": params},
-            "required": ["name", "arguments"], "additionalProperties": False})
-    schema = _bounded_space(variants[0] if len(variants) == 1 else {"anyOf": variants})
-    open_tag = f"<[{open_id}]>" if open_id is not None else json.dumps(TOOL_OPEN)
-    close_tag = f"<[{close_id}]>" if close_id is not None else json.dumps(TOOL_CLOSE)
+    schema = _call_schema(tools, only)
+    open_tag, close_tag = _tags(open_id, close_id)
     repeat = ' ("\\n" call)*' if parallel else ""
     answer = (f" | %json {json.dumps(_bounded_space(answer_schema))}"
               if answer_schema is not None else "")
     lark = (f"start: call{repeat}{answer}\n"
             f"call: {open_tag} \"\\n\" %json {json.dumps(schema)} \"\\n\" {close_tag}\n")
+    return StructuredOutputsParams(grammar=lark)
+
+
+def has_strict(tools: list[dict]) -> bool:
+    return any(t["function"].get("strict") for t in tools)
+
+
+def auto_grammar(tools: list[dict], parallel: bool, open_id: int | None,
+                 close_id: int | None) -> StructuredOutputsParams:
+    """tool_choice "auto" where a function is strict (OpenAI: its calls follow its schema):
+    text, or text followed by calls in tags, or a bare JSON call (the whole answer, as small
+    models write one), every call's arguments following its function's schema where the
+    function is strict (any object for the others); the calls end the answer, and a text that
+    starts with "{" is such a bare call. Where the tags are single tokens no text can spell
+    them; where they are text the lead-in is a lazy lexeme that ends at the tag (a greedy one
+    would swallow it)."""
+    schema = json.dumps(_call_schema(tools, None, strict_only=True))
+    not_json = r"~/(?s:\{.*)/"
+    if open_id is not None and close_id is not None:
+        more = f' ("\\n" <[{open_id}]> body)*' if parallel else ""
+        lark = (f"start: PROSE? (<[{open_id}]> body{more})? | bare\n"
+                f"PROSE: /(?s:.+)/ & {not_json}\n"
+                f"body: \"\\n\" %json {schema} \"\\n\" <[{close_id}]>\n")
+    else:
+        tag = json.dumps(TOOL_OPEN)
+        more = f' ("\\n" {tag} body)*' if parallel else ""
+        lark = ("start: PROSE | lead calls | bare\n"
+                f"PROSE: /(?s:.*)/ & ~/(?s:.*{re.escape(TOOL_OPEN)}.*)/ & {not_json}\n"
+                # not from "{": that is a bare call's (a lazy lead-in alive beside it keeps
+                # the call from ending)
+                f"lead[stop={tag}]: /(?s:([^{{].*)?)/\n"
+                f"calls: body{more}\n"
+                f"body: \"\\n\" %json {schema} \"\\n\" {json.dumps(TOOL_CLOSE)}\n")
+    lark += f"bare: %json {schema}\n"
     return StructuredOutputsParams(grammar=lark)
 
 
