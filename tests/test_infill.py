@@ -15,7 +15,7 @@ import pytest
 
 from pagellm import LLM
 from pagellm.infill import ExtraFile, fim_tokens, fit_infill, infill_prompt
-from pagellm.server import infill as infill_route
+from pagellm.server import llama_cpp as infill_route
 from tests.test_server import (ENGINE_KW, MODEL, post, running_server, sse_events, tiny_path,
                                wait_idle)
 

@@ -25,12 +25,13 @@ from pagellm.engine.async_engine import RequestError
 from pagellm.server import routes
 from pagellm.server.chat import create_chat_completion
 from pagellm.server.completions import create_completion
-from pagellm.server.infill import create_infill
+from pagellm.server.llama_cpp import create_infill, create_llama_completion
 from pagellm.server.limits import LimitGate, Limits
 from pagellm.server.openai_responses import create_response, delete_response, get_response
 from pagellm.server.errors import APIError
 from pagellm.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                     InfillRequest, ResponsesRequest, TokenizeRequest)
+                                     InfillRequest, LlamaCompletionRequest, ResponsesRequest,
+                                     TokenizeRequest)
 from pagellm.server.state import OpenAIServer
 
 __all__ = ["OpenAIServer", "build_app", "default_model_name", "serve"]
@@ -91,6 +92,8 @@ def build_app(api: OpenAIServer) -> FastAPI:
               "/v1/chat/completions": (create_chat_completion, ChatCompletionRequest),
               "/v1/responses": (create_response, ResponsesRequest),
               "/infill": (create_infill, InfillRequest),
+              "/completion": (create_llama_completion, LlamaCompletionRequest),
+              "/completions": (create_llama_completion, LlamaCompletionRequest),
               "/tokenize": (routes.tokenize, TokenizeRequest),
               "/detokenize": (routes.detokenize, DetokenizeRequest)}
     for path, (route, _) in bodies.items():

@@ -313,16 +313,11 @@ class InfillChunk(BaseModel):
     text: str
 
 
-class InfillRequest(_Request):
-    """llama.cpp's POST /infill (llama.vim, llama.vscode): the code before and after the
-    cursor, other files as context, and llama.cpp's names for the sampling fields. Fields of
-    llama.cpp's own machinery (cache_prompt, samplers, t_max_prompt_ms, id_slot) are accepted
-    and ignored like any unknown field: pagellm always caches prefixes and has one sampler
-    order."""
-    input_prefix: str = ""
-    input_suffix: str = ""
-    input_extra: list[InfillChunk] = []
-    prompt: str = ""  # the text typed on the cursor's line: it ends the prefix
+class LlamaCppRequest(_Request):
+    """The fields llama.cpp's own routes (/completion, /infill) share: its names for the
+    budget and sampling fields, and its answer's options. Fields of llama.cpp's own machinery
+    (cache_prompt, samplers, t_max_prompt_ms, id_slot) are accepted and ignored like any
+    unknown field: pagellm always caches prefixes and has one sampler order."""
     n_predict: int | None = Field(None, ge=-1)  # -1: until the context is full
     max_tokens: int | None = Field(None, ge=0)  # n_predict's other name in llama.cpp
     repeat_penalty: float | None = Field(None, gt=0)
@@ -336,7 +331,7 @@ class InfillRequest(_Request):
     @classmethod
     def _one(cls, v):
         if v != 1:
-            raise ValueError("must be 1 (an infill is one completion)")
+            raise ValueError("must be 1 (llama.cpp's routes answer one completion a prompt)")
         return v
 
     def budget(self) -> int | None:
@@ -345,12 +340,48 @@ class InfillRequest(_Request):
         return None if n is None or n < 0 else n
 
 
+class InfillRequest(LlamaCppRequest):
+    """llama.cpp's POST /infill (llama.vim, llama.vscode): the code before and after the
+    cursor, and other files as context."""
+    input_prefix: str = ""
+    input_suffix: str = ""
+    input_extra: list[InfillChunk] = []
+    prompt: str = ""  # the text typed on the cursor's line: it ends the prefix
+
+
+class LlamaCompletionRequest(LlamaCppRequest):
+    """llama.cpp's POST /completion: a prompt (text, token ids, or text and ids mixed), or a
+    list of prompts (an answer each, in a JSON array)."""
+    prompt: str | list[str | int | list[str | int]]
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt(cls, v):
+        if v == "" or v == []:
+            raise ValueError("must not be empty")
+        if isinstance(v, list) and any(isinstance(x, list) for x in v):
+            if not all(isinstance(x, str) and x or isinstance(x, list) and x for x in v):
+                raise ValueError("a list of prompts holds strings or lists of token ids and "
+                                 "strings, none empty")
+        return v
+
+    def prompts(self) -> list[str | list[str | int]]:
+        p = self.prompt
+        if isinstance(p, str) or not any(isinstance(x, list) for x in p):
+            if isinstance(p, list) and all(isinstance(x, str) for x in p) and len(p) > 1:
+                return list(p)  # several text prompts
+            return [p if isinstance(p, str) else list(p)]
+        return [x for x in p]
+
+
 class TokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
     model: str | None = None
     prompt: str | None = None
+    content: str | None = None  # llama.cpp's /tokenize names the text so
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
+    add_special: bool | None = None  # llama.cpp's name (its default: false)
     add_generation_prompt: bool = True
 
 
@@ -365,4 +396,6 @@ CompletionRequest.model_rebuild()
 ChatMessage.model_rebuild()
 ChatCompletionRequest.model_rebuild()
 ResponsesRequest.model_rebuild()
+LlamaCppRequest.model_rebuild()
 InfillRequest.model_rebuild()
+LlamaCompletionRequest.model_rebuild()

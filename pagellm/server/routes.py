@@ -23,14 +23,18 @@ async def tokenize(request: Request):
     api: OpenAIServer = request.app.state.api
     req = parse_request(TokenizeRequest, await request.body())
     api.check_model(req.model)
-    if (req.prompt is None) == (req.messages is None):
-        raise APIError(400, "give exactly one of `prompt` and `messages`", param="prompt")
+    text = req.prompt if req.prompt is not None else req.content  # content: llama.cpp's name
+    if (req.prompt is not None and req.content is not None) or (text is None) == (
+            req.messages is None):
+        raise APIError(400, "give exactly one of `prompt` (or `content`) and `messages`",
+                       param="prompt")
     api.need_tokenizer("prompt" if req.messages is None else "messages")
     if req.messages is not None:
         ids = await api.off_loop(api.encode_chat, req.messages, req.add_generation_prompt)
     else:
-        ids = await api.off_loop(lambda: api.tokenizer.encode(
-            req.prompt, add_special_tokens=req.add_special_tokens))
+        special = (req.add_special if req.add_special is not None  # llama.cpp: default false
+                   else False if req.content is not None else req.add_special_tokens)
+        ids = await api.off_loop(lambda: api.tokenizer.encode(text, add_special_tokens=special))
     return {"tokens": ids, "count": len(ids), "max_model_len": api.max_model_len}
 
 
@@ -43,7 +47,8 @@ async def detokenize(request: Request):
     if bad:
         raise APIError(400, f"tokens: ids out of range [0, {api.engine.vocab_size}): {bad[:5]}",
                        param="tokens")
-    return {"prompt": await api.off_loop(api.tokenizer.decode, req.tokens)}
+    text = await api.off_loop(api.tokenizer.decode, req.tokens)
+    return {"prompt": text, "content": text}  # vLLM's name and llama.cpp's
 
 
 async def health(request: Request):

@@ -1,9 +1,10 @@
-"""POST /infill: llama.cpp's fill-in-the-middle endpoint, as editor plugins call it (llama.vim,
-llama.vscode). The prompt is pagellm.infill's; the answer is llama.cpp's completion object
-({"content", "stop", "stop_type", "timings", ...}), streamed as `data:` events of the same
-shape. Two stop conditions are the route's own, as llama.cpp's: `n_indent` (a new line indented
-less than the cursor's line ends the infill, without that line) and `t_max_predict_ms` (past
-this long since the first token, the infill ends with the next line it completes)."""
+"""llama.cpp's own routes: POST /completion, and POST /infill, its fill-in-the-middle endpoint
+as editor plugins call it (llama.vim, llama.vscode; the prompt is pagellm.infill's). The answer
+is llama.cpp's completion object ({"content", "stop", "stop_type", "timings", ...}), streamed
+as `data:` events of the same shape. Two stop conditions are the routes' own, as llama.cpp's:
+`n_indent` (a new line indented less than the cursor's line ends the answer, without that
+line) and `t_max_predict_ms` (past this long since the first token, the answer ends with the
+next line it completes)."""
 from __future__ import annotations
 
 import time
@@ -16,7 +17,7 @@ from pagellm.engine.async_engine import RequestError
 from pagellm.infill import ExtraFile, fit_infill
 from pagellm.outputs import RequestOutput
 from pagellm.server.errors import APIError, parse_request, sampling_error
-from pagellm.server.protocol import InfillRequest
+from pagellm.server.protocol import InfillRequest, LlamaCompletionRequest, LlamaCppRequest
 from pagellm.server.state import OpenAIServer, iterate
 from pagellm.server.streaming import EventStream, sse
 
@@ -25,12 +26,8 @@ async def create_infill(request: Request):
     api: OpenAIServer = request.app.state.api
     arrival = time.monotonic()
     req = parse_request(InfillRequest, await request.body())
-    api.check_model(req.model)
     api.need_tokenizer("input_prefix")
-    api.limits.check_stop(req.stop)
-    api.limits.check_logprobs(req.n_probs or None, "n_probs")
     fim = api.infill_tokens("input_prefix")
-    structured, structured_field = req.structured()  # llama.cpp's grammar / json_schema too
     budget = req.budget()
     # the prompt's share of the context; without a budget a quarter (at most 512) is kept
     # for the answer, so that a long context still leaves room to write
@@ -51,30 +48,79 @@ async def create_infill(request: Request):
         ids, truncated = await api.off_loop(encode)
     except ValueError as e:
         raise APIError(400, f"input_prefix: {e}", param="input_prefix") from None
+    # the vocabulary's end tokens end the infill whatever the model's EOS
+    return await _serve(request, api, req, [(ids, truncated)], fim.ends, arrival, "infill")
+
+
+async def create_llama_completion(request: Request):
+    """POST /completion (and /completions): llama.cpp's own completion route."""
+    api: OpenAIServer = request.app.state.api
+    arrival = time.monotonic()
+    req = parse_request(LlamaCompletionRequest, await request.body())
+    prompts = req.prompts()
+    api.limits.check_sequences(len(prompts), 1)
+    if req.stream and len(prompts) > 1:
+        raise APIError(400, "stream: one prompt at a time", param="stream")
+    if any(isinstance(x, str) for p in prompts for x in ([p] if isinstance(p, str) else p)):
+        api.need_tokenizer("prompt")
+
+    def encode(p) -> list[int]:
+        if isinstance(p, str):
+            ids = api.tokenizer.encode(p)  # as a text prompt: the tokenizer's BOS first
+        else:  # text and token ids mixed: the text pieces tokenized where they stand
+            ids = [t for i, x in enumerate(p) for t in (
+                [x] if isinstance(x, int) else api.tokenizer.encode(x, add_special_tokens=i == 0))]
+        api.limits.check_prompt_tokens(len(ids), "prompt")
+        return ids
+
+    encoded = await api.off_loop(lambda: [encode(p) for p in prompts])
+    vocab = api.engine.vocab_size
+    for ids in encoded:
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise APIError(400, f"prompt: token ids out of range [0, {vocab}): {bad[:5]}",
+                           param="prompt")
+    return await _serve(request, api, req, [(ids, False) for ids in encoded], (), arrival,
+                        "cmpl")
+
+
+async def _serve(request: Request, api: OpenAIServer, req: LlamaCppRequest,
+                 prompts: list[tuple[list[int], bool]], end_ids, arrival: float, kind: str):
+    """Run each (prompt ids, truncated) and answer llama.cpp's completion object (a JSON array
+    of them for several prompts), or stream one prompt's as `data:` events. end_ids: more ids
+    that end generation."""
+    api.check_model(req.model)
+    api.limits.check_stop(req.stop)
+    api.limits.check_logprobs(req.n_probs or None, "n_probs")
+    structured, structured_field = req.structured()  # llama.cpp's grammar / json_schema too
+    budget = req.budget()
     # n_predict 0 fills the prefix cache (llama.vim sends its context ahead so): the engine
     # runs one token, which the answer leaves out
     warm_only = budget == 0
-    # the vocabulary's end tokens end the infill whatever the model's EOS
-    update = {"stop_token_ids": [*(req.stop_token_ids or []),
-                                 *(t for t in fim.ends if t not in (req.stop_token_ids or []))]}
+    extra = [t for t in end_ids if t not in (req.stop_token_ids or [])]
+    update = {"stop_token_ids": [*(req.stop_token_ids or []), *extra]}
     if req.repeat_penalty is not None and req.repetition_penalty is None:
         update["repetition_penalty"] = req.repeat_penalty
     if req.seed == -1:  # llama.cpp's "random"
         update["seed"] = None
     req = req.model_copy(update=update)
     try:
-        params = req.sampling_params(1 if warm_only else budget or api.max_model_len - len(ids),
-                                     req.n_probs or None, api.sampling_defaults, structured)
+        params = [req.sampling_params(
+            1 if warm_only else api.max_tokens(len(ids), budget, "prompt", "n_predict"),
+            req.n_probs or None, api.sampling_defaults, structured) for ids, _ in prompts]
     except ValueError as e:
         raise sampling_error(e) from None
-    slots = await api.add([ids], [params], arrival, f"infill-{uuid.uuid4().hex}",
-                          structured_field, req.cache_salt)
-    watch = _Watch(req.n_indent, req.t_max_predict_ms, warm_only)
+    slots = await api.add([ids for ids, _ in prompts], params, arrival,
+                          f"{kind}-{uuid.uuid4().hex}", structured_field, req.cache_salt)
+    watches = [_Watch(req.n_indent, req.t_max_predict_ms, warm_only) for _ in prompts]
 
-    def answer(out: RequestOutput) -> dict:
-        return _completion(api, req, ids, truncated, out, watch)
+    def answer(i: int, out: RequestOutput) -> dict:
+        ids, truncated = prompts[i]
+        return _completion(api, req, ids, truncated, out, watches[i])
 
     if req.stream:
+        ids, watch = prompts[0][0], watches[0]
+
         async def events():
             sent, tokens_sent = 0, 0
 
@@ -98,7 +144,7 @@ async def create_infill(request: Request):
                                            and len(comp.token_ids) > tokens_sent):
                             yield piece(comp, rest)
                         # the last event: the whole object, its text and tokens already sent
-                        last = answer(out)
+                        last = answer(0, out)
                         last.update({k: type(last[k])() for k in ("content", "tokens")
                                      if k in last})
                         yield sse(last)
@@ -109,9 +155,13 @@ async def create_infill(request: Request):
                 yield sse(APIError(e.status_code, e.message).body())
         return EventStream(events(), on_close=lambda: api.abort(slots))
 
-    out = (await api.final_outputs(request, slots,
-                                   until=lambda _, o: watch.check(o.outputs[0])))[0]
-    return JSONResponse(answer(out))
+    finals = await api.final_outputs(request, slots,
+                                     until=lambda i, o: watches[i].check(o.outputs[0]))
+    answers = [answer(i, out) for i, out in enumerate(finals)]
+    for i, a in enumerate(answers):
+        if "index" in a:
+            a["index"] = i
+    return JSONResponse(answers[0] if len(answers) == 1 else answers)
 
 
 class _Watch:

@@ -1,0 +1,78 @@
+"""llama.cpp's own routes beside the OpenAI ones: POST /completion (its answer object, text,
+token-id, mixed and several prompts, streaming) and /tokenize / /detokenize in its field names.
+/infill is tests/test_infill.py's. Each answer is checked against /v1/completions on the same
+prompt ids (greedy), so a prompt built otherwise than documented fails the test."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.test_server import MODEL, post, server, sse_events, srv, tiny_path  # noqa: F401
+
+
+def _openai(srv, prompt, **kw):
+    return srv.client.completions.create(model=MODEL, prompt=prompt, temperature=0, **kw)
+
+
+def test_a_text_prompt_answers_as_the_openai_route(srv):
+    ref = _openai(srv, "The capital of France is", max_tokens=8, logprobs=2)
+    r = post(srv, "/completion", {"prompt": "The capital of France is", "n_predict": 8,
+                                  "temperature": 0, "n_probs": 2, "return_tokens": True})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["content"] == ref.choices[0].text
+    assert body["tokens_evaluated"] == ref.usage.prompt_tokens
+    assert body["tokens_predicted"] == ref.usage.completion_tokens == len(body["tokens"])
+    assert body["stop_type"] == ("limit" if ref.choices[0].finish_reason == "length" else "eos")
+    assert [p["token"] for p in body["completion_probabilities"]] == ref.choices[0].logprobs.tokens
+    # /completions is the same route; a stream joins to the same text
+    assert post(srv, "/completions", {"prompt": "The capital of France is", "n_predict": 8,
+                                      "temperature": 0}).json()["content"] == body["content"]
+    events = [json.loads(e) for e in sse_events(srv, "/completion", {
+        "prompt": "The capital of France is", "n_predict": 8, "temperature": 0, "stream": True})]
+    assert "".join(e["content"] for e in events) == body["content"]
+    assert events[-1]["stop"] and events[-1]["tokens_predicted"] == body["tokens_predicted"]
+
+
+def test_token_id_mixed_and_several_prompts(srv):
+    tok = srv.api.tokenizer
+    ids = tok.encode("Hello there")
+    more = tok.encode(", friend", add_special_tokens=False)
+    ref = _openai(srv, ids + more, max_tokens=6)
+    for prompt in (ids + more, ids + [", friend"]):  # ids, then ids and text mixed
+        body = post(srv, "/completion", {"prompt": prompt, "n_predict": 6,
+                                         "temperature": 0}).json()
+        assert body["content"] == ref.choices[0].text
+        assert body["tokens_evaluated"] == len(ids) + len(more)
+    # several prompts: an answer each, in order
+    prompts = ["Once upon a time", "The sea is"]
+    answers = post(srv, "/completion", {"prompt": prompts, "n_predict": 5,
+                                        "temperature": 0}).json()
+    assert [a["content"] for a in answers] == [_openai(srv, p, max_tokens=5).choices[0].text
+                                               for p in prompts]
+    assert [a["index"] for a in answers] == [0, 1]
+    answers = post(srv, "/completion", {"prompt": [ids, ids + more], "n_predict": 6,
+                                        "temperature": 0}).json()
+    assert answers[1]["content"] == ref.choices[0].text and len(answers) == 2
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"prompt": ["a", "b"], "stream": True}, "stream"), ({"prompt": [10**9]}, "prompt"),
+    ({"prompt": "a", "n": 2}, "n"), ({"prompt": ""}, "prompt"), ({"prompt": [[]]}, "prompt"),
+    ({"prompt": "a", "n_predict": 10**6}, "n_predict"), ({"prompt": {"a": 1}}, "prompt")])
+def test_bad_requests(srv, body, param):
+    r = post(srv, "/completion", body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"].split(".")[0] == param
+
+
+def test_tokenize_and_detokenize_in_llama_cpps_names(srv):
+    tok = srv.api.tokenizer
+    text = "Hello there"
+    r = post(srv, "/tokenize", {"content": text}).json()
+    assert r["tokens"] == tok.encode(text, add_special_tokens=False)  # its default: no BOS
+    assert post(srv, "/tokenize", {"content": text, "add_special": True}).json()["tokens"] == \
+        tok.encode(text)
+    assert post(srv, "/detokenize", {"tokens": r["tokens"]}).json()["content"] == text
+    assert post(srv, "/tokenize", {"content": "a", "prompt": "b"}).status_code == 400
