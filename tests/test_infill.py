@@ -245,13 +245,16 @@ def test_infill_stop_words_and_truncation(srv, fim_tokenizer):
     r = post(srv, "/infill", long).json()
     assert r["truncated"] is True and r["tokens_evaluated"] <= 1024 - 8
     assert r["tokens_predicted"] == 8
+    # an n_predict past the context is capped, as llama.cpp caps it
+    r = post(srv, "/infill", {**long, "n_predict": 5000, "t_max_predict_ms": 1}).json()
+    assert r["truncated"] is True and r["tokens_evaluated"] <= 1024 // 2
 
 
 @pytest.mark.parametrize("body, param", [
     ({"n": 2}, "n"), ({"n_predict": -2}, "n_predict"), ({"input_extra": [{"filename": "a"}]},
                                                          "input_extra.0.text"),
     ({"input_prefix": 3}, "input_prefix"), ({"n_probs": 50}, "n_probs"),
-    ({"n_predict": 5000}, "n_predict"), ({"temperature": -1}, "temperature"),
+    ({"temperature": -1}, "temperature"),
     ({"n_indent": -1}, "n_indent")])
 def test_infill_bad_requests(srv, body, param):
     r = post(srv, "/infill", {**INFILL, **body})

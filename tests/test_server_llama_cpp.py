@@ -60,11 +60,26 @@ def test_token_id_mixed_and_several_prompts(srv):
 @pytest.mark.parametrize("body, param", [
     ({"prompt": ["a", "b"], "stream": True}, "stream"), ({"prompt": [10**9]}, "prompt"),
     ({"prompt": "a", "n": 2}, "n"), ({"prompt": ""}, "prompt"), ({"prompt": [[]]}, "prompt"),
-    ({"prompt": "a", "n_predict": 10**6}, "n_predict"), ({"prompt": {"a": 1}}, "prompt")])
+    ({"prompt": {"a": 1}}, "prompt"), ({"prompt": [5] * 1024}, "prompt"),
+    ({"prompt": "a", "logit_bias": [[5]]}, "logit_bias")])
 def test_bad_requests(srv, body, param):
     r = post(srv, "/completion", body)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"].split(".")[0] == param
+
+
+def test_n_predict_past_the_context_is_capped_and_logit_bias_pairs(srv):
+    """As llama.cpp: the answer ends at the full context ("limit"); [[id, false]] bans."""
+    body = post(srv, "/completion", {"prompt": [5] * 1000, "n_predict": 10**6,
+                                     "temperature": 0, "return_tokens": True}).json()
+    assert body["tokens_predicted"] == 1024 - 1000 and body["stop_type"] == "limit"
+    first = body["tokens"][0]
+    banned = post(srv, "/completion", {"prompt": [5] * 1000, "n_predict": 1, "temperature": 0,
+                                       "logit_bias": [[first, False]], "return_tokens": True})
+    assert banned.json()["tokens"][0] != first
+    pushed = post(srv, "/completion", {"prompt": "x", "n_predict": 2, "temperature": 0,
+                                       "logit_bias": [[7, 100]], "return_tokens": True})
+    assert pushed.json()["tokens"] == [7, 7]
 
 
 def test_tokenize_and_detokenize_in_llama_cpps_names(srv):
@@ -76,3 +91,6 @@ def test_tokenize_and_detokenize_in_llama_cpps_names(srv):
         tok.encode(text)
     assert post(srv, "/detokenize", {"tokens": r["tokens"]}).json()["content"] == text
     assert post(srv, "/tokenize", {"content": "a", "prompt": "b"}).status_code == 400
+    pieces = post(srv, "/tokenize", {"content": text, "with_pieces": True}).json()["tokens"]
+    assert [p["id"] for p in pieces] == r["tokens"]
+    assert "".join(p["piece"] for p in pieces) == text

@@ -327,6 +327,26 @@ def test_strict_functions_under_auto_follow_their_schemas(rsrv):
             assert "<tool_call>" not in content and not content.startswith("{")
 
 
+def test_a_json_format_beside_auto_tools_leaves_them_callable(rsrv):
+    """chat completions with response_format json_schema and tool_choice auto (as the
+    Responses API): the model may call, and a text answer follows the format."""
+    client = rsrv["off"].client
+    schema = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 30}},
+              "required": ["answer"], "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}
+    for seed in range(3):
+        r = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, TIME],
+                                           response_format=fmt, temperature=1.0, seed=seed,
+                                           max_tokens=120)
+        choice = r.choices[0]
+        if choice.message.tool_calls:  # (a further call may be cut by max_tokens)
+            assert choice.finish_reason in ("tool_calls", "length")
+            for call in choice.message.tool_calls:
+                _check_call(call)
+        elif choice.finish_reason == "stop":
+            assert isinstance(json.loads(choice.message.content)["answer"], str)
+
+
 @pytest.mark.parametrize("tags_are_tokens", [False, True])
 def test_the_strict_auto_grammar(tags_are_tokens):
     """Text, or text then calls of the strict function with valid arguments (any object for a
@@ -364,6 +384,12 @@ def test_the_strict_auto_grammar(tags_are_tokens):
                                                                     "unit": "celsius"}}))
     assert not accepts(json.dumps({"name": "get_weather", "arguments": {"city": "Oslo"}}))
     assert not accepts('{"a": 1}') and accepts('The JSON {"a": 1}')
+    # nothing the parser would read as a call escapes the schema: white space before a bare
+    # call, a list of calls, the tag spelled in plain text
+    half = json.dumps({"name": "get_weather", "arguments": {"city": "Oslo"}})
+    for text in (" " + half, "\n" + half, "[" + half + "]", "<tool_call>\n" + half):
+        assert not accepts(text)
+    assert accepts("[1] A list {x}") and accepts(good + "\n")  # a new line may end the calls
 
 
 # ---- tool-call text: parsing, streaming hold-back, prompts for templates without tools -------

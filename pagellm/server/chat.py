@@ -1,6 +1,7 @@
 """POST /v1/chat/completions, with tool calling (server/tools.py)."""
 from __future__ import annotations
 
+import json
 import time
 import uuid
 
@@ -37,6 +38,7 @@ async def create_chat_completion(request: Request):
         raise APIError(400, "top_logprobs: requires logprobs to be true", param="top_logprobs")
     num_top = (req.top_logprobs or 0) if req.logprobs else None
     structured, structured_field = req.structured()
+    bare_json = True
     if tool_choice == "required":
         if structured is not None:
             raise APIError(400, f"tool_choice: a required tool call cannot be combined with "
@@ -48,6 +50,14 @@ async def create_chat_completion(request: Request):
         # strict functions: text, or calls whose arguments follow their schemas
         structured, structured_field = auto_grammar(
             tools, req.parallel_tool_calls, api.tag_id(TOOL_OPEN), api.tag_id(TOOL_CLOSE)), "tools"
+    elif tool_choice == "auto" and structured is not None and structured.kind in (
+            "json", "json_object"):
+        # a JSON answer format beside tools: calls, or the answer in that format (as the
+        # Responses API does; a JSON grammar alone would make the tools uncallable)
+        answer = _answer_schema(structured, structured_field)
+        structured = call_grammar(tools, None, req.parallel_tool_calls, api.tag_id(TOOL_OPEN),
+                                  api.tag_id(TOOL_CLOSE), answer)
+        bare_json = False  # a JSON text is the answer, not a call
     try:
         params = req.sampling_params(
             api.max_tokens(len(ids), req.max_completion_tokens or req.max_tokens, "messages"),
@@ -72,7 +82,7 @@ async def create_chat_completion(request: Request):
 
     if req.stream:
         base["object"] = "chat.completion.chunk"
-        tool_streams = [ToolStream(tool_names) for _ in choices] if tool_names else None
+        tool_streams = [ToolStream(tool_names, bare_json) for _ in choices] if tool_names else None
 
         def choice_chunk(ch, comp, text, tids, lps):
             calls = []
@@ -99,7 +109,8 @@ async def create_chat_completion(request: Request):
     (final,) = await api.final_outputs(request, slots)
     out_choices = []
     for c in final.outputs:
-        content, calls = (parse_tool_calls(c.text, tool_names) if tool_names else (c.text, []))
+        content, calls = (parse_tool_calls(c.text, tool_names, bare_json) if tool_names
+                          else (c.text, []))
         message = {"role": "assistant", "content": content}
         if calls:
             message["tool_calls"] = calls
@@ -108,3 +119,19 @@ async def create_chat_completion(request: Request):
                             **finish_of(c, calls)})
     num_generated = sum(len(c.token_ids) for c in final.outputs)
     return JSONResponse({**base, "choices": out_choices, "usage": usage(len(ids), num_generated)})
+
+
+def _answer_schema(structured, field: str) -> dict:
+    """The JSON schema of a json / json_object constraint (400 naming the field if its text
+    is not JSON)."""
+    if structured.kind == "json_object":
+        return {"type": "object"}
+    schema = structured.json
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except ValueError as e:
+            raise APIError(400, f"{field}: not a JSON schema: {e}", param=field) from None
+    if not isinstance(schema, dict):
+        raise APIError(400, f"{field}: the schema must be a JSON object", param=field)
+    return schema

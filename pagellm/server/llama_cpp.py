@@ -31,13 +31,12 @@ async def create_infill(request: Request):
     budget = req.budget()
     # the prompt's share of the context; without a budget a quarter (at most 512) is kept
     # for the answer, so that a long context still leaves room to write
-    keep = budget if budget is not None else min(512, api.max_model_len // 4)
+    # (a budget past half the context is capped when generating, as llama.cpp caps it)
+    keep = (min(budget, api.max_model_len // 2) if budget is not None
+            else min(512, api.max_model_len // 4))
     room = api.max_model_len - max(keep, 1)
     if api.limits.max_prompt_tokens is not None:
         room = min(room, api.limits.max_prompt_tokens)
-    if room < 1:
-        raise APIError(400, f"n_predict: {budget} leaves no room for the prompt in this "
-                       f"model's context of {api.max_model_len} tokens", param="n_predict")
     files = [ExtraFile(c.filename, c.text) for c in req.input_extra]
 
     def encode():
@@ -92,6 +91,8 @@ async def _serve(request: Request, api: OpenAIServer, req: LlamaCppRequest,
     api.check_model(req.model)
     api.limits.check_stop(req.stop)
     api.limits.check_logprobs(req.n_probs or None, "n_probs")
+    if req.n_probs:
+        api.need_tokenizer("n_probs")  # the tokens' texts
     structured, structured_field = req.structured()  # llama.cpp's grammar / json_schema too
     budget = req.budget()
     # n_predict 0 fills the prefix cache (llama.vim sends its context ahead so): the engine
@@ -105,9 +106,9 @@ async def _serve(request: Request, api: OpenAIServer, req: LlamaCppRequest,
         update["seed"] = None
     req = req.model_copy(update=update)
     try:
-        params = [req.sampling_params(
-            1 if warm_only else api.max_tokens(len(ids), budget, "prompt", "n_predict"),
-            req.n_probs or None, api.sampling_defaults, structured) for ids, _ in prompts]
+        params = [req.sampling_params(_generation_budget(api, len(ids), budget),
+                                      req.n_probs or None, api.sampling_defaults, structured)
+                  for ids, _ in prompts]
     except ValueError as e:
         raise sampling_error(e) from None
     slots = await api.add([ids for ids, _ in prompts], params, arrival,
@@ -162,6 +163,18 @@ async def _serve(request: Request, api: OpenAIServer, req: LlamaCppRequest,
         if "index" in a:
             a["index"] = i
     return JSONResponse(answers[0] if len(answers) == 1 else answers)
+
+
+def _generation_budget(api: OpenAIServer, num_prompt: int, budget: int | None) -> int:
+    """What the engine generates: n_predict, capped at the context as llama.cpp caps it (the
+    answer then ends "limit"); 0 (warm the cache) runs one token, which the answer leaves out.
+    A prompt that leaves no room is a 400."""
+    if budget == 0:
+        api.check_scored_prompt(num_prompt, "prompt")
+        return 1
+    if budget is None or budget > api.max_model_len - num_prompt:
+        return api.max_tokens(num_prompt, None, "prompt", "n_predict")
+    return budget
 
 
 class _Watch:

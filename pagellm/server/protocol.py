@@ -326,6 +326,22 @@ class LlamaCppRequest(_Request):
     t_max_predict_ms: int = Field(0, ge=0)
     response_fields: list[str] | None = None
     return_tokens: bool = False
+    # also llama.cpp's list form: [[token id, bias or false (never)], ...]
+    logit_bias: dict[str, float] | list[list[int | float | bool]] | None = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _pairs(cls, v):
+        if not isinstance(v, list):
+            return v
+        out = {}
+        for pair in v:
+            ok = (len(pair) == 2 and type(pair[0]) is int and pair[1] is not True
+                  and isinstance(pair[1], (int, float, bool)))
+            if not ok:
+                raise ValueError("a list holds [token id, bias or false] pairs")
+            out[str(pair[0])] = -100.0 if pair[1] is False else float(pair[1])
+        return out
 
     @field_validator("n")
     @classmethod
@@ -382,6 +398,7 @@ class TokenizeRequest(BaseModel):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_special: bool | None = None  # llama.cpp's name (its default: false)
+    with_pieces: bool = False  # llama.cpp: each token as {"id", "piece"}
     add_generation_prompt: bool = True
 
 

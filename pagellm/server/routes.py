@@ -35,7 +35,9 @@ async def tokenize(request: Request):
         special = (req.add_special if req.add_special is not None  # llama.cpp: default false
                    else False if req.content is not None else req.add_special_tokens)
         ids = await api.off_loop(lambda: api.tokenizer.encode(text, add_special_tokens=special))
-    return {"tokens": ids, "count": len(ids), "max_model_len": api.max_model_len}
+    tokens = ([{"id": t, "piece": api.token_str(t)} for t in ids] if req.with_pieces
+              else ids)
+    return {"tokens": tokens, "count": len(ids), "max_model_len": api.max_model_len}
 
 
 async def detokenize(request: Request):

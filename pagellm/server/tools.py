@@ -160,26 +160,28 @@ def auto_grammar(tools: list[dict], parallel: bool, open_id: int | None,
     """tool_choice "auto" where a function is strict (OpenAI: its calls follow its schema):
     text, or text followed by calls in tags, or a bare JSON call (the whole answer, as small
     models write one), every call's arguments following its function's schema where the
-    function is strict (any object for the others); the calls end the answer, and a text that
-    starts with "{" is such a bare call. Where the tags are single tokens no text can spell
-    them; where they are text the lead-in is a lazy lexeme that ends at the tag (a greedy one
-    would swallow it)."""
+    function is strict (any object for the others); the calls end the answer (a new line may
+    follow them). The text excludes what parse_tool_calls would read as a call: the tag
+    spelled in text, and a start of white space and "{" or "[{" (a bare call or a list of
+    them). Where the tags are text the lead-in before a call is a lazy lexeme that ends at the
+    tag (a greedy one would swallow it)."""
     schema = json.dumps(_call_schema(tools, None, strict_only=True))
-    not_json = r"~/(?s:\{.*)/"
+    text = (rf"/(?s:.*)/ & ~/(?s:.*{re.escape(TOOL_OPEN)}.*)/"
+            r" & ~/(?s:[ \t\r\n]*(\{|\[[ \t\r\n]*\{).*)/")
     if open_id is not None and close_id is not None:
         more = f' ("\\n" <[{open_id}]> body)*' if parallel else ""
-        lark = (f"start: PROSE? (<[{open_id}]> body{more})? | bare\n"
-                f"PROSE: /(?s:.+)/ & {not_json}\n"
+        lark = (f"start: PROSE? (<[{open_id}]> body{more} \"\\n\"?)? | bare\n"
+                f"PROSE: {text}\n"
                 f"body: \"\\n\" %json {schema} \"\\n\" <[{close_id}]>\n")
     else:
         tag = json.dumps(TOOL_OPEN)
         more = f' ("\\n" {tag} body)*' if parallel else ""
         lark = ("start: PROSE | lead calls | bare\n"
-                f"PROSE: /(?s:.*)/ & ~/(?s:.*{re.escape(TOOL_OPEN)}.*)/ & {not_json}\n"
+                f"PROSE: {text}\n"
                 # not from "{": that is a bare call's (a lazy lead-in alive beside it keeps
                 # the call from ending)
                 f"lead[stop={tag}]: /(?s:([^{{].*)?)/\n"
-                f"calls: body{more}\n"
+                f"calls: body{more} \"\\n\"?\n"
                 f"body: \"\\n\" %json {schema} \"\\n\" {json.dumps(TOOL_CLOSE)}\n")
     lark += f"bare: %json {schema}\n"
     return StructuredOutputsParams(grammar=lark)
