@@ -94,3 +94,21 @@ def test_tokenize_and_detokenize_in_llama_cpps_names(srv):
     pieces = post(srv, "/tokenize", {"content": text, "with_pieces": True}).json()["tokens"]
     assert [p["id"] for p in pieces] == r["tokens"]
     assert "".join(p["piece"] for p in pieces) == text
+
+
+def test_a_model_without_a_tokenizer_takes_ids_and_refuses_what_needs_text(tiny_llama):
+    """Token texts (n_probs, logprobs) need a tokenizer: a 400 naming the field, not a 500."""
+    from pagellm import LLM
+    from tests.test_server import ENGINE_KW, running_server, wait_idle
+
+    with running_server(LLM(tiny_llama[0], **ENGINE_KW)) as s:
+        r = post(s, "/completion", {"prompt": [5, 6, 7], "n_predict": 3, "temperature": 0,
+                                    "return_tokens": True})
+        assert r.status_code == 200 and len(r.json()["tokens"]) == 3
+        for path, body, param in (("/completion", {"prompt": [5], "n_probs": 2}, "n_probs"),
+                                  ("/completion", {"prompt": "text"}, "prompt"),
+                                  ("/v1/completions", {"prompt": [5], "logprobs": 1},
+                                   "logprobs")):
+            r = post(s, path, body)
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+        wait_idle(s)

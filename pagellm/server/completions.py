@@ -35,6 +35,8 @@ async def create_completion(request: Request):
     api.limits.check_sequences(len(prompts), req.n)
     api.limits.check_stop(req.stop)
     api.limits.check_logprobs(req.logprobs, "logprobs")
+    if req.logprobs is not None:
+        api.need_tokenizer("logprobs")  # the tokens' texts
     if req.suffix:  # fill-in-the-middle: each prompt is the text before the gap
         if req.echo:
             raise APIError(400, "echo: not supported with suffix (an infill returns only the "
