@@ -209,3 +209,34 @@ def test_strict_tools_under_auto_on_the_real_coder():
                                                          "parameters": params}}])
             for tc in r.choices[0].message.tool_calls or []:
                 assert set(json.loads(tc.function.arguments)) == {"city", "unit"}
+
+
+def test_the_real_coders_fenced_calls_are_calls():
+    """Qwen2.5-Coder-1.5B writes its call as a ```json block rather than in <tool_call> tags
+    (as llama.cpp does, pagellm reads such a whole-answer block as the call): with and without
+    `strict`, chat completions return the call; a question that needs no tool gets text."""
+    import json
+
+    from tests.test_server import running_server
+
+    tool = {"type": "function", "function": {
+        "name": "get_weather", "description": "Current weather in a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                       "required": ["city"], "additionalProperties": False}}}
+    llm = LLM(str(fetch.fetch("qwen2.5-coder-1.5b-instruct-q4_k_m", progress=False)),
+              kv_cache_memory="64MiB", max_model_len=2048)
+    with running_server(llm) as srv:
+        for strict in (False, True):
+            fn = {**tool, "function": {**tool["function"], "strict": strict}}
+            r = srv.client.chat.completions.create(
+                model="tiny", tools=[fn], temperature=0, max_tokens=100,
+                messages=[{"role": "user", "content": "What is the weather in Oslo?"}])
+            choice = r.choices[0]
+            assert choice.finish_reason == "tool_calls", choice.message.content
+            (call,) = choice.message.tool_calls
+            assert (call.function.name, json.loads(call.function.arguments)) == (
+                "get_weather", {"city": "Oslo"})
+        r = srv.client.chat.completions.create(
+            model="tiny", tools=[tool], temperature=0, max_tokens=40,
+            messages=[{"role": "user", "content": "Write a haiku about the sea."}])
+        assert r.choices[0].message.tool_calls is None and r.choices[0].message.content

@@ -390,6 +390,11 @@ def test_the_strict_auto_grammar(tags_are_tokens):
     for text in (" " + half, "\n" + half, "[" + half + "]", "<tool_call>\n" + half):
         assert not accepts(text)
     assert accepts("[1] A list {x}") and accepts(good + "\n")  # a new line may end the calls
+    # a bare call in a code block follows the schema; a text may not open with a JSON block
+    bare = json.dumps({"name": "get_weather", "arguments": {"city": "Oslo", "unit": "celsius"}})
+    assert accepts("```json\n" + bare + "\n```") and accepts("```\n" + bare + "\n```")
+    assert not accepts("```json\n" + half + "\n```") and not accepts('```json\n{"a": 1}\n```')
+    assert accepts("```python\nprint(1)\n```") and accepts('See:\n```json\n{"a": 1}\n```')
 
 
 # ---- tool-call text: parsing, streaming hold-back, prompts for templates without tools -------
@@ -406,8 +411,16 @@ def test_parse_tool_calls_forms():
         ("get_weather", {"city": "Oslo"}), ("get_time", {"zone": "CET"})]
     bare = parse_tool_calls('{"name": "get_time", "arguments": {"zone": "UTC"}}', NAMES)
     assert bare[0] is None and bare[1][0]["function"]["name"] == "get_time"
+    # a bare call in a code block, or in the doubled braces Qwen2.5-Coder's template shows
+    for wrapped in ('```json\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n```',
+                    '```\n[{"name": "get_time", "arguments": {"zone": "UTC"}}]```',
+                    '{{"name": "get_time", "arguments": {"zone": "UTC"}}}'):
+        assert parse_tool_calls(wrapped, NAMES)[1][0]["function"]["arguments"] == \
+            '{"zone": "UTC"}', wrapped
+        assert parse_tool_calls(wrapped, NAMES, bare_json=False) == (wrapped, [])
     for plain in ['{"name": "unknown", "arguments": {}}', "<tool_call>not json</tool_call>",
-                  "just text", '{"a": 1}']:
+                  "just text", '{"a": 1}', '```json\n{"a": 1}\n```', '```python\nprint(1)\n```',
+                  'Call: ```json\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n```']:
         assert parse_tool_calls(plain, NAMES) == (plain, [])
 
 
@@ -421,6 +434,14 @@ def test_tool_stream_holds_back_what_may_be_a_call():
     ts = ToolStream(NAMES)
     assert ts.feed("a <tool", False)[0] == "a "
     assert ts.feed("box> b", True) == ("<toolbox> b", [])  # not a call after all
+    ts = ToolStream(NAMES)  # a code block: held while it may be a fenced call
+    assert [ts.feed(d, False)[0] for d in ("``", "`json\n", '{"name": "get_time", ')] == [
+        "", "", ""]
+    rest, calls = ts.feed('"arguments": {"zone": "UTC"}}\n```', True)
+    assert rest == "" and calls[0]["function"]["name"] == "get_time"
+    ts = ToolStream(NAMES)
+    assert [ts.feed(d, False)[0] for d in ("``", "`python\n", "x = 1")] == [
+        "", "```python\n", "x = 1"]
 
 
 def test_template_without_tools_gets_them_in_a_system_message():

@@ -159,15 +159,16 @@ def auto_grammar(tools: list[dict], parallel: bool, open_id: int | None,
                  close_id: int | None) -> StructuredOutputsParams:
     """tool_choice "auto" where a function is strict (OpenAI: its calls follow its schema):
     text, or text followed by calls in tags, or a bare JSON call (the whole answer, as small
-    models write one), every call's arguments following its function's schema where the
+    models write one, also in a ```json code block), every call's arguments following its function's schema where the
     function is strict (any object for the others); the calls end the answer (a new line may
     follow them). The text excludes what parse_tool_calls would read as a call: the tag
     spelled in text, and a start of white space and "{" or "[{" (a bare call or a list of
-    them). Where the tags are text the lead-in before a call is a lazy lexeme that ends at the
+    them), fenced as a code block or not (a text answer may then not open with a JSON code
+    block). Where the tags are text the lead-in before a call is a lazy lexeme that ends at the
     tag (a greedy one would swallow it)."""
     schema = json.dumps(_call_schema(tools, None, strict_only=True))
-    text = (rf"/(?s:.*)/ & ~/(?s:.*{re.escape(TOOL_OPEN)}.*)/"
-            r" & ~/(?s:[ \t\r\n]*(\{|\[[ \t\r\n]*\{).*)/")
+    json_start = r"~/(?s:[ \t\r\n]*(```(json)?[ \t]*\n?[ \t\r\n]*)?(\{|\[[ \t\r\n]*\{).*)/"
+    text = rf"/(?s:.*)/ & ~/(?s:.*{re.escape(TOOL_OPEN)}.*)/ & {json_start}"
     if open_id is not None and close_id is not None:
         more = f' ("\\n" <[{open_id}]> body)*' if parallel else ""
         lark = (f"start: PROSE? (<[{open_id}]> body{more} \"\\n\"?)? | bare\n"
@@ -178,12 +179,13 @@ def auto_grammar(tools: list[dict], parallel: bool, open_id: int | None,
         more = f' ("\\n" {tag} body)*' if parallel else ""
         lark = ("start: PROSE | lead calls | bare\n"
                 f"PROSE: {text}\n"
-                # not from "{": that is a bare call's (a lazy lead-in alive beside it keeps
-                # the call from ending)
-                f"lead[stop={tag}]: /(?s:([^{{].*)?)/\n"
+                # not where a bare call starts (a lazy lead-in alive beside one keeps it
+                # from ending)
+                f"lead[stop={tag}]: /(?s:.*)/ & {json_start}\n"
                 f"calls: body{more} \"\\n\"?\n"
                 f"body: \"\\n\" %json {schema} \"\\n\" {json.dumps(TOOL_CLOSE)}\n")
-    lark += f"bare: %json {schema}\n"
+    lark += f"bare: %json {schema} | FENCE %json {schema} \"\\n```\"\n"
+    lark += "FENCE: /```(json)?\\n/\n"
     return StructuredOutputsParams(grammar=lark)
 
 
@@ -208,12 +210,14 @@ def parse_tool_calls(text: str, tool_names: set[str],
         calls.append(call)
         spans.append(m.span())
     if not calls:
-        stripped = text.strip()
-        if bare_json and stripped.startswith(("{", "[")):
+        body = _bare_body(text) if bare_json else None
+        for candidate in (body, body[1:-1] if body and body.startswith("{{") else None):
+            if candidate is None:
+                continue
             try:
-                obj = json.loads(stripped)
+                obj = json.loads(candidate)
             except (ValueError, RecursionError):
-                obj = None
+                continue
             items = obj if isinstance(obj, list) else [obj]
             found = [_as_call(json.dumps(o), tool_names) for o in items]
             if items and all(found):
@@ -225,6 +229,23 @@ def parse_tool_calls(text: str, tool_names: set[str],
         last = b
     content = (content + text[last:]).strip()
     return content or None, [_openai_call(c) for c in calls]
+
+
+# A whole answer in one fenced JSON block (as small models write a call; llama.cpp reads it)
+_FENCED = re.compile(r"```(?:json)?[ \t]*\n(.*?)\n?[ \t]*```", re.DOTALL)
+_FENCE_START = re.compile(r"```(?:json)?[ \t]*\n?\s*[\[{]")
+
+
+def _bare_body(text: str) -> str | None:
+    """The JSON text of an answer that may be a bare call: the whole text as JSON, or inside
+    one fenced code block (```json ... ```); its first brace or bracket opens it
+    (`{{ ... }}`, as Qwen2.5-Coder's template shows the format, is tried without its outer
+    pair)."""
+    stripped = text.strip()
+    m = _FENCED.fullmatch(stripped)
+    if m:
+        stripped = m.group(1).strip()
+    return stripped if stripped.startswith(("{", "[")) else None
 
 
 def _as_call(body: str, tool_names: set[str]) -> dict | None:
@@ -275,8 +296,11 @@ class ToolStream:
         return self._send(self._safe_end()), []
 
     def _safe_end(self) -> int:
-        if self.bare_json and self.text.lstrip().startswith(("{", "[")):
-            return self.sent  # maybe a bare JSON call: hold it
+        head = self.text.lstrip()
+        if self.bare_json and (head.startswith(("{", "[")) or _FENCE_START.match(head)
+                               or (len(head) < 9 and any(f.startswith(head) for f in (
+                                   "```json\n{", "```\n{")))):
+            return self.sent  # maybe a bare JSON call (or one fenced): hold it
         i = self.text.find(TOOL_OPEN)
         if i >= 0:
             return max(self.sent, i)
