@@ -5,7 +5,8 @@
     python -m benchmarks soak --smoke          # 8 clients, 20 s (CI)
 
 Each client loops: a completion or chat request with random n (1-3), max_tokens, temperature,
-seed, stop strings, logprobs and streaming (80%); 10% of streams are closed by the client after
+seed, stop strings, logprobs and streaming (80%), or (10%) llama.cpp's /completion with random
+n_predict (0 included), n_probs, n_indent and t_max_predict_ms; 10% of streams are closed by the client after
 a few chunks, 5% of requests are cancelled before their first token. The server runs n-gram
 speculation. Reported: requests completed, HTTP statuses (every 5xx and every error chunk in a
 stream is counted), p50/p99 time to first token and inter-token latency, the server's RSS
@@ -51,8 +52,16 @@ def parse_args(argv):
 
 
 def random_body(rng: random.Random, model: str) -> tuple[str, dict]:
-    chat = rng.random() < 0.3
     text = " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 60)))
+    if rng.random() < 0.1:  # llama.cpp's own route, with its code-completion stops
+        body = {"prompt": text, "n_predict": rng.randint(0, 48), "stream": rng.random() < 0.8,
+                "temperature": rng.choice([0.0, 0.7, 1.0]), "n_probs": rng.choice([0, 0, 2]),
+                "n_indent": rng.choice([0, 0, 2]), "t_max_predict_ms": rng.choice([0, 0, 50]),
+                "cache_prompt": True}
+        if rng.random() < 0.4:
+            body["stop"] = rng.sample(STOPS, rng.randint(1, 3))
+        return "/completion", body
+    chat = rng.random() < 0.3
     body = {"model": model, "max_tokens": rng.randint(4, 48), "n": rng.choice([1, 1, 1, 2, 3]),
             "temperature": rng.choice([0.0, 0.7, 1.0]), "stream": rng.random() < 0.8}
     if rng.random() < 0.5:
@@ -104,8 +113,8 @@ async def one(client, url: str, path: str, body: dict, rng: random.Random, tally
             if "error" in data:
                 tally.stream_errors += 1
                 return
-            if not data.get("choices"):
-                continue
+            if not data.get("choices") and not data.get("content"):
+                continue  # (a llama.cpp stream's chunks carry "content")
             now = time.perf_counter()
             if chunks == 0:
                 tally.ttft.append(now - start)
