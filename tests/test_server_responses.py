@@ -524,3 +524,26 @@ def test_a_template_that_renders_tools_gets_them_and_the_calls(native_server):
         for tc in m.get("tool_calls", [])]} for m in messages], True, [chat_form(TIME)]))
     assert '"name": "get_time"' in text and '{"city": "Oslo"}' in text and "12:00" in text
     assert len(tok.encode(text, add_special_tokens=False)) == r.usage.input_tokens
+
+
+def test_functions_are_strict_by_default_under_auto(rsrv):
+    """The Responses API takes a function without `strict` as strict (OpenAI's default): under
+    tool_choice auto, an answer pushed to open with "{" must become a call that follows the
+    schema; chat completions (not strict by default) leave the same push to write anything."""
+    c = rsrv.client
+    brace = rsrv.api.tokenizer.convert_tokens_to_ids("{")
+    push = {"logit_bias": {str(brace): 30.0}}
+    r = c.responses.create(model=MODEL, input="Weather in Oslo?", tools=[WEATHER],
+                           max_output_tokens=80, temperature=0, extra_body=push)
+    (call,) = [o for o in r.output if o.type == "function_call"]
+    args = json.loads(call.arguments)
+    assert call.name == "get_weather" and set(args) == {"city", "unit"}
+    assert args["unit"] in ("c", "f") and len(args["city"]) <= 12
+    ref = c.chat.completions.create(model=MODEL, tools=[chat_form(WEATHER)], max_tokens=80,
+                                    temperature=0, logit_bias={str(brace): 30},
+                                    messages=[{"role": "user", "content": "Weather in Oslo?"}])
+    assert not ref.choices[0].message.tool_calls  # the push alone makes no valid call
+    strict_off = c.responses.create(model=MODEL, input="Weather in Oslo?", max_output_tokens=80,
+                                    tools=[{**WEATHER, "strict": False}], temperature=0,
+                                    extra_body=push)
+    assert [o.type for o in strict_off.output] == ["message"]

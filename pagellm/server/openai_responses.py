@@ -358,9 +358,12 @@ async def create_response(request: Request):
         # type and tools send both)
         structured, structured_field = call_grammar(tools, None, parallel, open_id, close_id,
                                                     answer_schema), fmt_field
-    elif answer_schema is None and other is None and tool_choice == "auto" and has_strict(tools):
-        # strict functions: text, or calls whose arguments follow their schemas
-        structured, structured_field = auto_grammar(tools, parallel, open_id, close_id), "tools"
+    elif (answer_schema is None and other is None and tool_choice == "auto"
+          and has_strict(tools, strict_default=True)):
+        # strict functions (the Responses API's default): text, or calls whose arguments
+        # follow their schemas
+        structured, structured_field = auto_grammar(tools, parallel, open_id, close_id,
+                                                    strict_default=True), "tools"
     elif answer_schema is not None:
         structured, structured_field = StructuredOutputsParams.from_any(
             {"json": answer_schema}), fmt_field

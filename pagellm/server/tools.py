@@ -110,17 +110,19 @@ def _call_text(name: str, arguments) -> str:
                                           ensure_ascii=False) + f"\n{TOOL_CLOSE}")
 
 
-def _call_schema(tools: list[dict], only: str | None, strict_only: bool = False) -> dict:
+def _call_schema(tools: list[dict], only: str | None, strict_only: bool = False,
+                 strict_default: bool = False) -> dict:
     """The JSON schema of one call ({"name", "arguments"}) of the allowed functions, each
     call's arguments following the function's parameters (strict_only: only a strict
-    function's; any object for the others)."""
+    function's, a function without `strict` taking strict_default; any object for the
+    others)."""
     variants = []
     for t in tools:
         fn = t["function"]
         if only is not None and fn["name"] != only:
             continue
         params = fn.get("parameters") or {"type": "object"}
-        if strict_only and not fn.get("strict"):
+        if strict_only and not fn.get("strict", strict_default):
             params = {"type": "object"}
         variants.append({"type": "object", "properties": {
             "name": {"const": fn["name"]}, "arguments": params},
@@ -151,12 +153,14 @@ def call_grammar(tools: list[dict], only: str | None, parallel: bool,
     return StructuredOutputsParams(grammar=lark)
 
 
-def has_strict(tools: list[dict]) -> bool:
-    return any(t["function"].get("strict") for t in tools)
+def has_strict(tools: list[dict], strict_default: bool = False) -> bool:
+    """Whether a function is strict (strict_default: a function that does not say; OpenAI's
+    Responses API defaults to strict, chat completions not)."""
+    return any(t["function"].get("strict", strict_default) for t in tools)
 
 
 def auto_grammar(tools: list[dict], parallel: bool, open_id: int | None,
-                 close_id: int | None) -> StructuredOutputsParams:
+                 close_id: int | None, strict_default: bool = False) -> StructuredOutputsParams:
     """tool_choice "auto" where a function is strict (OpenAI: its calls follow its schema):
     text, or text followed by calls in tags, or a bare JSON call (the whole answer, as small
     models write one, also in a ```json code block), every call's arguments following its function's schema where the
@@ -166,7 +170,8 @@ def auto_grammar(tools: list[dict], parallel: bool, open_id: int | None,
     them), fenced as a code block or not (a text answer may then not open with a JSON code
     block). Where the tags are text the lead-in before a call is a lazy lexeme that ends at the
     tag (a greedy one would swallow it)."""
-    schema = json.dumps(_call_schema(tools, None, strict_only=True))
+    schema = json.dumps(_call_schema(tools, None, strict_only=True,
+                                     strict_default=strict_default))
     json_start = r"~/(?s:[ \t\r\n]*(```(json)?[ \t]*\n?[ \t\r\n]*)?(\{|\[[ \t\r\n]*\{).*)/"
     text = rf"/(?s:.*)/ & ~/(?s:.*{re.escape(TOOL_OPEN)}.*)/ & {json_start}"
     if open_id is not None and close_id is not None:
