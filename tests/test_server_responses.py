@@ -392,6 +392,8 @@ def test_a_failed_stream_and_a_client_that_leaves(srv):
     assert events[-1].type == "response.failed"
     assert events[-1].response.status == "failed"
     assert "cannot be completed" in events[-1].response.error.message
+    kept = srv.client.responses.retrieve(events[-1].response.id)  # kept, as OpenAI keeps it
+    assert kept.status == "failed" and kept.error.message == events[-1].response.error.message
     before = _aborted(srv)
     body = {"model": MODEL, "input": "Once upon a time", "max_output_tokens": 900,
             "stream": True, "ignore_eos": True}

@@ -541,9 +541,12 @@ async def _stream(api, slots, params, builder: ResponseBuilder, tool_names: set[
             yield final
     except RequestError as e:  # the engine failed the request: the stream says so and ends
         output = [message_item(msg_id, sent, "incomplete", lps)] if opened else []
-        yield event("response.failed", response=builder.body(
-            "failed", output, error={"code": "server_error" if e.status_code >= 500
-                                     else "invalid_prompt", "message": e.message}))
+        body = builder.body("failed", output, error={
+            "code": "server_error" if e.status_code >= 500 else "invalid_prompt",
+            "message": e.message})
+        failed = event("response.failed", response=body)
+        keep(body, sent or None, [])  # kept as OpenAI keeps a failed response
+        yield failed
 
 
 async def get_response(request: Request, response_id: str):
