@@ -95,17 +95,16 @@ def fit_infill(tokenizer, fim: FimTokens, prefix: str | list[int], suffix: str |
         tail = enc(SNIPPET_SEPARATOR)
     pre, suf = enc(prefix), enc(suffix)
     fixed = len(bos) + 3  # BOS and the three FIM tokens
-
-    def size() -> int:
-        context = len(head) + sum(map(len, pieces)) + len(tail) if pieces else 0
-        return fixed + context + len(pre) + len(suf)
-
+    # the extra files' tokens: their pieces, with the repository's and the edited file's names
+    context = len(head) + sum(map(len, pieces)) + len(tail)
     truncated = False
     if budget is not None:
-        while pieces and size() > budget:
-            pieces.pop(0)
-            truncated = True
-        room = budget - fixed - (len(head) + sum(map(len, pieces)) + len(tail) if pieces else 0)
+        first = 0  # the oldest files that go (a running count: many small files stay linear)
+        while first < len(pieces) and fixed + context + len(pre) + len(suf) > budget:
+            context -= len(pieces[first])
+            first += 1
+        pieces, truncated = pieces[first:], first > 0
+        room = budget - fixed - (context if pieces else 0)
         if room < 0:
             raise ValueError(f"the context ({budget} tokens for the prompt) is too small for "
                              "an infill")
@@ -114,8 +113,8 @@ def fit_infill(tokenizer, fim: FimTokens, prefix: str | list[int], suffix: str |
             keep_pre = room - keep_suf
             pre, suf = (pre[len(pre) - keep_pre:] if keep_pre else []), suf[:keep_suf]
             truncated = True
-    context = head + [t for p in pieces for t in p] + tail if pieces else []
-    return bos + context + [fim.prefix] + pre + [fim.suffix] + suf + [fim.middle], truncated
+    files_ids = head + [t for p in pieces for t in p] + tail if pieces else []
+    return bos + files_ids + [fim.prefix] + pre + [fim.suffix] + suf + [fim.middle], truncated
 
 
 def require_fim(fim: FimTokens | None, field: str) -> FimTokens:

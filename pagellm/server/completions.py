@@ -42,8 +42,8 @@ async def create_completion(request: Request):
             raise APIError(400, "echo: not supported with suffix (an infill returns only the "
                            "inserted text)", param="echo")
         # the vocabulary's end tokens end the infill whatever the model's EOS
-        ends = [t for t in api.infill_tokens("suffix").ends if t not in (req.stop_token_ids or [])]
-        req = req.model_copy(update={"stop_token_ids": [*(req.stop_token_ids or []), *ends]})
+        req = req.model_copy(update={
+            "stop_token_ids": req.stop_ids_and(api.infill_tokens("suffix").ends)})
         encoded = await api.off_loop(lambda: [api.encode_infill(p, req.suffix) for p in prompts])
     else:
         encoded = await api.off_loop(lambda: [api.encode_prompt(p) for p in prompts])

@@ -18,6 +18,7 @@ from pagellm.infill import ExtraFile, fit_infill
 from pagellm.outputs import RequestOutput
 from pagellm.server.errors import APIError, parse_request, sampling_error
 from pagellm.server.protocol import InfillRequest, LlamaCompletionRequest, LlamaCppRequest
+from pagellm.server.responses import llama_cpp_probabilities
 from pagellm.server.state import OpenAIServer, iterate
 from pagellm.server.streaming import EventStream, sse
 
@@ -98,8 +99,7 @@ async def _serve(request: Request, api: OpenAIServer, req: LlamaCppRequest,
     # n_predict 0 fills the prefix cache (llama.vim sends its context ahead so): the engine
     # runs one token, which the answer leaves out
     warm_only = budget == 0
-    extra = [t for t in end_ids if t not in (req.stop_token_ids or [])]
-    update = {"stop_token_ids": [*(req.stop_token_ids or []), *extra]}
+    update = {"stop_token_ids": req.stop_ids_and(end_ids)}
     if req.repeat_penalty is not None and req.repetition_penalty is None:
         update["repetition_penalty"] = req.repeat_penalty
     if req.seed == -1:  # llama.cpp's "random"
@@ -146,8 +146,10 @@ async def _serve(request: Request, api: OpenAIServer, req: LlamaCppRequest,
                             yield piece(comp, rest)
                         # the last event: the whole object, its text and tokens already sent
                         last = answer(0, out)
-                        last.update({k: type(last[k])() for k in ("content", "tokens")
-                                     if k in last})
+                        if "content" in last:
+                            last["content"] = ""
+                        if "tokens" in last:
+                            last["tokens"] = []
                         yield sse(last)
                         return
                     if end > sent:
@@ -241,7 +243,7 @@ class _Watch:
         return end
 
 
-def _completion(api: OpenAIServer, req: InfillRequest, ids: list[int], truncated: bool,
+def _completion(api: OpenAIServer, req: LlamaCppRequest, ids: list[int], truncated: bool,
                 out: RequestOutput, watch: _Watch) -> dict:
     """llama.cpp's completion object (response_fields: only those, "a/b" read inside "a")."""
     comp = out.outputs[0]
@@ -280,7 +282,9 @@ def _completion(api: OpenAIServer, req: InfillRequest, ids: list[int], truncated
                     "predicted_per_second": rate(generated, predicted_ms)},
     }
     if req.n_probs:
-        body["completion_probabilities"] = _probabilities(api, comp, req.n_probs, generated)
+        body["completion_probabilities"] = llama_cpp_probabilities(
+            api.token_str, comp.token_ids[:generated], (comp.logprobs or [])[:generated],
+            req.n_probs)
     if not req.response_fields:
         return body
     picked = {}
@@ -291,16 +295,3 @@ def _completion(api: OpenAIServer, req: InfillRequest, ids: list[int], truncated
         if value is not None:
             picked[path] = value
     return picked
-
-
-def _probabilities(api: OpenAIServer, comp, num: int, count: int) -> list[dict]:
-    """llama.cpp's completion_probabilities: each token with its log-probability and the
-    `num` most likely at its position."""
-    def entry(tid: int, lp: float) -> dict:
-        s = api.token_str(tid)
-        return {"id": tid, "token": s, "bytes": list(s.encode("utf-8")),
-                "logprob": max(lp, -9999.0)}
-
-    return [{**entry(tid, lps[tid]), "top_logprobs": [
-                entry(t, lp) for t, lp in sorted(lps.items(), key=lambda kv: -kv[1])[:num]]}
-            for tid, lps in zip(comp.token_ids[:count], (comp.logprobs or [])[:count])]

@@ -127,6 +127,11 @@ class _Request(BaseModel):
             skip_special_tokens=self.skip_special_tokens, logit_bias=self.logit_bias,
             structured_outputs=structured, num_speculative_tokens=self.num_speculative_tokens)
 
+    def stop_ids_and(self, ids) -> list[int]:
+        """stop_token_ids with `ids` added (those not already there)."""
+        own = list(self.stop_token_ids or [])
+        return own + [t for t in ids if t not in own]
+
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)

@@ -1,4 +1,5 @@
-"""Pieces of OpenAI responses: usage, and logprobs in the completions and chat formats."""
+"""Pieces of responses: usage, and logprobs in the completions and chat formats (and
+llama.cpp's completion_probabilities)."""
 from __future__ import annotations
 
 import math
@@ -56,3 +57,16 @@ def chat_logprobs(token_str, token_ids: list[int], logprobs: list[dict[int, floa
                 "top_logprobs": [entry(t, lp) for t, lp in _top(entries, num)]}
                for tid, entries in zip(token_ids, logprobs)]
     return {"content": content}
+
+
+def llama_cpp_probabilities(token_str, token_ids: list[int], logprobs: list[dict[int, float]],
+                            num: int) -> list[dict]:
+    """llama.cpp's completion_probabilities: each token with its log-probability and the
+    `num` most likely at its position."""
+    def entry(tid: int, lp: float) -> dict:
+        s = token_str(tid)
+        return {"id": tid, "token": s, "bytes": list(s.encode("utf-8")), "logprob": _finite(lp)}
+
+    return [{**entry(tid, entries[tid]),
+             "top_logprobs": [entry(t, lp) for t, lp in _top(entries, num)]}
+            for tid, entries in zip(token_ids, logprobs)]

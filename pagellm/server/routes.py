@@ -23,9 +23,9 @@ async def tokenize(request: Request):
     api: OpenAIServer = request.app.state.api
     req = parse_request(TokenizeRequest, await request.body())
     api.check_model(req.model)
-    text = req.prompt if req.prompt is not None else req.content  # content: llama.cpp's name
-    if (req.prompt is not None and req.content is not None) or (text is None) == (
-            req.messages is None):
+    given = [t for t in (req.prompt, req.content) if t is not None]  # content: llama.cpp's
+    text = given[0] if given else None
+    if len(given) + (req.messages is not None) != 1:
         raise APIError(400, "give exactly one of `prompt` (or `content`) and `messages`",
                        param="prompt")
     api.need_tokenizer("prompt" if req.messages is None else "messages")

@@ -163,34 +163,31 @@ def auto_grammar(tools: list[dict], parallel: bool, open_id: int | None,
                  close_id: int | None, strict_default: bool = False) -> StructuredOutputsParams:
     """tool_choice "auto" where a function is strict (OpenAI: its calls follow its schema):
     text, or text followed by calls in tags, or a bare JSON call (the whole answer, as small
-    models write one, also in a ```json code block), every call's arguments following its function's schema where the
-    function is strict (any object for the others); the calls end the answer (a new line may
-    follow them). The text excludes what parse_tool_calls would read as a call: the tag
-    spelled in text, and a start of white space and "{" or "[{" (a bare call or a list of
-    them), fenced as a code block or not (a text answer may then not open with a JSON code
-    block). Where the tags are text the lead-in before a call is a lazy lexeme that ends at the
-    tag (a greedy one would swallow it)."""
+    models write one, also in a ```json code block), every call's arguments following its
+    function's schema where the function is strict (any object for the others); the calls end
+    the answer (a new line may follow them). The text excludes what parse_tool_calls would
+    read as a call: the tag spelled in text, and a start of white space and "{" or "[{" (a
+    bare call or a list of them), fenced as a code block or not (a text answer may then not
+    open with a JSON code block). Where the open tag is text the lead-in before a call is a
+    lazy lexeme that ends at the tag (a greedy one would swallow it); where it is a single
+    token no text lexeme can take it."""
     schema = json.dumps(_call_schema(tools, None, strict_only=True,
                                      strict_default=strict_default))
+    open_tag, close_tag = _tags(open_id, close_id)
+    more = f' ("\\n" {open_tag} body)*' if parallel else ""
     json_start = r"~/(?s:[ \t\r\n]*(```(json)?[ \t]*\n?[ \t\r\n]*)?(\{|\[[ \t\r\n]*\{).*)/"
-    text = rf"/(?s:.*)/ & ~/(?s:.*{re.escape(TOOL_OPEN)}.*)/ & {json_start}"
-    if open_id is not None and close_id is not None:
-        more = f' ("\\n" <[{open_id}]> body)*' if parallel else ""
-        lark = (f"start: PROSE? (<[{open_id}]> body{more} \"\\n\"?)? | bare\n"
-                f"PROSE: {text}\n"
-                f"body: \"\\n\" %json {schema} \"\\n\" <[{close_id}]>\n")
+    lark = (f"PROSE: /(?s:.*)/ & ~/(?s:.*{re.escape(TOOL_OPEN)}.*)/ & {json_start}\n"
+            f"body: \"\\n\" %json {schema} \"\\n\" {close_tag}\n"
+            f"bare: %json {schema} | FENCE %json {schema} \"\\n```\"\n"
+            "FENCE: /```(json)?\\n/\n")
+    if open_id is not None:
+        lark = f"start: PROSE? ({open_tag} body{more} \"\\n\"?)? | bare\n" + lark
     else:
-        tag = json.dumps(TOOL_OPEN)
-        more = f' ("\\n" {tag} body)*' if parallel else ""
+        # the lead-in may not start where a bare call does (a lazy lexeme alive beside one
+        # keeps it from ending)
         lark = ("start: PROSE | lead calls | bare\n"
-                f"PROSE: {text}\n"
-                # not where a bare call starts (a lazy lead-in alive beside one keeps it
-                # from ending)
-                f"lead[stop={tag}]: /(?s:.*)/ & {json_start}\n"
-                f"calls: body{more} \"\\n\"?\n"
-                f"body: \"\\n\" %json {schema} \"\\n\" {json.dumps(TOOL_CLOSE)}\n")
-    lark += f"bare: %json {schema} | FENCE %json {schema} \"\\n```\"\n"
-    lark += "FENCE: /```(json)?\\n/\n"
+                f"lead[stop={open_tag}]: /(?s:.*)/ & {json_start}\n"
+                f"calls: body{more} \"\\n\"?\n") + lark
     return StructuredOutputsParams(grammar=lark)
 
 
@@ -216,6 +213,8 @@ def parse_tool_calls(text: str, tool_names: set[str],
         spans.append(m.span())
     if not calls:
         body = _bare_body(text) if bare_json else None
+        # also without an outer pair of braces: `{{ ... }}`, as Qwen2.5-Coder's template
+        # shows the call format
         for candidate in (body, body[1:-1] if body and body.startswith("{{") else None):
             if candidate is None:
                 continue
@@ -242,10 +241,8 @@ _FENCE_START = re.compile(r"```(?:json)?[ \t]*\n?\s*[\[{]")
 
 
 def _bare_body(text: str) -> str | None:
-    """The JSON text of an answer that may be a bare call: the whole text as JSON, or inside
-    one fenced code block (```json ... ```); its first brace or bracket opens it
-    (`{{ ... }}`, as Qwen2.5-Coder's template shows the format, is tried without its outer
-    pair)."""
+    """The JSON text of an answer that may be a bare call: the whole text, or what one fenced
+    code block (```json ... ```) holds, where it opens with a brace or a bracket."""
     stripped = text.strip()
     m = _FENCED.fullmatch(stripped)
     if m:
