@@ -34,8 +34,9 @@ def _values(cache: torch.Tensor) -> torch.Tensor:
     return cpu_attention.dequantize_rows(cache) if cache.dtype == torch.int8 else cache
 
 
-def _reference(q, k_cache, v_cache, tables, seq_lens, qlens, scale):
-    """q [T, H, D]; caches [NB, BS, KVH, row] -> [T, H, D] float64, over the pools' values."""
+def _reference(q, k_cache, v_cache, tables, seq_lens, qlens, scale, window=None):
+    """q [T, H, D]; caches [NB, BS, KVH, row] -> [T, H, D] float64, over the pools' values;
+    window: each row sees only its last `window` positions."""
     k_cache, v_cache = _values(k_cache), _values(v_cache)
     out = torch.zeros(q.shape, dtype=torch.float64)
     h, kvh = q.shape[1], k_cache.shape[2]
@@ -47,9 +48,10 @@ def _reference(q, k_cache, v_cache, tables, seq_lens, qlens, scale):
         v = v_cache.reshape(-1, kvh, q.shape[2])[slots].double()
         for j in range(ql):
             visible = L - ql + j + 1
+            lo = max(0, visible - window) if window else 0
             for head in range(h):
-                scores = k[:visible, head // group] @ q[start + j, head].double() * scale
-                out[start + j, head] = torch.softmax(scores, 0) @ v[:visible, head // group]
+                scores = k[lo:visible, head // group] @ q[start + j, head].double() * scale
+                out[start + j, head] = torch.softmax(scores, 0) @ v[lo:visible, head // group]
         start += ql
     return out
 
@@ -284,3 +286,28 @@ def test_every_thread_count_attends_every_task(kv_dtype):
         torch.set_num_threads(before)
     assert torch.allclose(outs[0].double(), ref, atol=tol, rtol=1e-5)
     assert all(torch.equal(o, outs[0]) for o in outs[1:])
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+@pytest.mark.parametrize("d", [16, 64, 256])
+@pytest.mark.parametrize("native_kernels", [True, False])
+def test_sliding_window(d, kv_dtype, native_kernels, monkeypatch):
+    """A sliding window (Gemma 3's local layers): each row sees its last `window` positions.
+    Decode rows past the window, verification rows straddling its edge, a prefill chunk of
+    40 rows after 60 cached keys (split into tasks; rows whose windows start at different
+    keys), sequences shorter than the window (everything visible), block sizes that the
+    window's first key falls inside; the native kernels and the PyTorch paths."""
+    if not native_kernels:
+        monkeypatch.setattr(cpu_attention, "usable", lambda *a: False)
+    seq_lens, qlens = [30, 9, 37, 100, 19], [1, 1, 5, 40, 19]
+    backend, q, kc, vc, md, tables = _case(16, 1, 4, seq_lens, qlens, seed=d, d=d,
+                                           kv_dtype=kv_dtype)
+    for window in (7, 16, 33):
+        out = backend.forward(q, kc, vc, md, d ** -0.5, window=window)
+        ref = _reference(q, kc, vc, tables, seq_lens, qlens, d ** -0.5, window)
+        # bf16 products where a prefill chunk sees its whole window (_bf16_bound)
+        tol = 1e-5 + (_bf16_bound(vc) if native_kernels else 0)
+        assert torch.allclose(out.double(), ref, atol=tol, rtol=1e-5), window
+    # no window, and one wider than every sequence: the plain causal outputs
+    plain = backend.forward(q, kc, vc, md, d ** -0.5)
+    assert torch.equal(backend.forward(q, kc, vc, md, d ** -0.5, window=200), plain)

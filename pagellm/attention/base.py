@@ -73,13 +73,15 @@ class AttentionBackend(ABC):
         v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
         metadata: AttentionMetadata,
         scale: float,
+        window: int | None = None,  # sliding window: each row sees its last `window` positions
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         ...
 
 
-def get_attention_backend(device: torch.device) -> AttentionBackend:
-    """Triton kernels on CUDA when they import; the PyTorch backend everywhere else."""
-    if device.type == "cuda":
+def get_attention_backend(device: torch.device, sliding_window: bool = False) -> AttentionBackend:
+    """Triton kernels on CUDA when they import (and the model has no sliding-window layers,
+    which they do not mask); the PyTorch backend everywhere else."""
+    if device.type == "cuda" and not sliding_window:
         try:
             from pagellm.attention.triton_paged import TritonPagedAttention
 

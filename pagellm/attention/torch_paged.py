@@ -70,12 +70,14 @@ def _attend(
 
 
 def _causal_bias(slens: list[int], qlens: list[int], max_q: int, group: int, kv_len: int,
-                 kvh: int) -> torch.Tensor:  # [kvh * batch, group * max_q, kv_len] float32
+                 kvh: int, window: int | None = None,
+                 ) -> torch.Tensor:  # [kvh * batch, group * max_q, kv_len] float32
     """Additive mask; for one sequence (batch 1) pass kvh=1 and let it broadcast over heads."""
-    # Query j of sequence i is at position slen - qlen + j and sees keys <= that position;
-    # row r = g * max_q + j (the group's heads share one query position).
+    # Query j of sequence i is at position slen - qlen + j and sees keys <= that position
+    # (and, in a sliding window, the last `window` of them only); row r = g * max_q + j (the
+    # group's heads share one query position).
     qpos = (torch.tensor(slens) - torch.tensor(qlens)).unsqueeze(1) + torch.arange(max_q)
-    mask = torch.arange(kv_len).view(1, 1, -1) <= qpos.unsqueeze(-1)  # [batch, max_q, kv_len]
+    mask = _visible(torch.arange(kv_len).view(1, 1, -1), qpos.unsqueeze(-1), window)
     batch = len(slens)
     mask = mask.unsqueeze(1).expand(batch, group, max_q, kv_len).reshape(
         1, batch, group * max_q, kv_len)
@@ -83,7 +85,15 @@ def _causal_bias(slens: list[int], qlens: list[int], max_q: int, group: int, kv_
     return bias.view(kvh * batch, group * max_q, kv_len)
 
 
-def _batched_plan(md: AttentionMetadata, seqs: list[int], group: int, kvh: int, block_size: int):
+def _visible(keys: torch.Tensor, qpos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """Whether a key position is visible from a query position (broadcast): causal, and
+    within the last `window` positions where there is a sliding window."""
+    seen = keys <= qpos
+    return seen if not window else seen & (qpos - keys < window)
+
+
+def _batched_plan(md: AttentionMetadata, seqs: list[int], group: int, kvh: int, block_size: int,
+                  window: int | None):
     """Per-step tensors of the batched path, the same for every layer of the step."""
     qlens = [md.query_lens_cpu[b] for b in seqs]
     slens = [md.seq_lens_cpu[b] for b in seqs]
@@ -92,7 +102,7 @@ def _batched_plan(md: AttentionMetadata, seqs: list[int], group: int, kvh: int, 
     contiguous = all(n == max_q for n in qlens) and seqs == list(range(seqs[0], seqs[0] + batch))
     idx = torch.tensor(seqs, dtype=torch.long, device=md.block_tables.device)
     tables = md.block_tables.index_select(0, idx).long()
-    bias = _causal_bias(slens, qlens, max_q, group, kv_len, kvh).to(md.block_tables.device)
+    bias = _causal_bias(slens, qlens, max_q, group, kv_len, kvh, window).to(md.block_tables.device)
     return qlens, max_q, max(slens), contiguous, tables, bias
 
 
@@ -176,7 +186,8 @@ class TorchPagedAttention(AttentionBackend):
             else:  # a token-major pool
                 cache.view(nb * bs, kvh, hd).index_copy_(0, slot_mapping, new.to(cache.dtype))
 
-    def forward(self, query, k_cache, v_cache, metadata: AttentionMetadata, scale: float):
+    def forward(self, query, k_cache, v_cache, metadata: AttentionMetadata, scale: float,
+                window: int | None = None):
         # contiguous whatever query's layout (empty_like would copy a dense permutation's
         # strides, and the native kernel writes rows of [T, H, D])
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
@@ -184,7 +195,8 @@ class TorchPagedAttention(AttentionBackend):
         k_store, v_store = k_cache.permute(2, 0, 1, 3), v_cache.permute(2, 0, 1, 3)
         if k_store.dtype == torch.int8 and query.dtype != torch.float32:
             # an int8 pool's products are float32 (the module path of a bf16 model)
-            return self.forward(query.float(), k_cache, v_cache, metadata, scale).to(query.dtype)
+            return self.forward(query.float(), k_cache, v_cache, metadata, scale,
+                                window).to(query.dtype)
         seqs = native_seqs(k_cache, v_cache, metadata) if cpu_attention.usable(query, k_store) else None
         if seqs is not None:
             # every sequence, prefill chunks included: reads K/V in place through the block
@@ -193,24 +205,24 @@ class TorchPagedAttention(AttentionBackend):
             # prefilled at 2,930 tokens/s against 2,180 through PyTorch's fused attention)
             cpu_attention.paged_attention(
                 query.contiguous(), k_store, v_store, metadata.block_tables, metadata.seq_lens,
-                metadata.query_start_loc, seqs, scale, out)
+                metadata.query_start_loc, seqs, scale, out, window)
             return out
         short = [b for b, n in enumerate(metadata.query_lens_cpu) if n <= _BATCHED_MAX_QUERY_LEN]
         if short:
-            self._batched(query, k_cache, v_cache, metadata, starts, short, scale, out)
+            self._batched(query, k_cache, v_cache, metadata, starts, short, scale, out, window)
         for b, qlen in enumerate(metadata.query_lens_cpu):
             if qlen > _BATCHED_MAX_QUERY_LEN:
-                self._single(query, k_cache, v_cache, metadata, starts, b, scale, out)
+                self._single(query, k_cache, v_cache, metadata, starts, b, scale, out, window)
         return out
 
-    def _batched(self, query, k_cache, v_cache, md, starts, seqs, scale, out):
+    def _batched(self, query, k_cache, v_cache, md, starts, seqs, scale, out, window):
         num_heads, head_dim = query.shape[1], query.shape[2]
         kvh = k_cache.shape[2]
         group = num_heads // kvh
-        plan = md.cache.get(("batched", group))
+        plan = md.cache.get(("batched", group, window))
         if plan is None:
-            plan = md.cache[("batched", group)] = _batched_plan(md, seqs, group, kvh,
-                                                                k_cache.shape[1])
+            plan = md.cache[("batched", group, window)] = _batched_plan(
+                md, seqs, group, kvh, k_cache.shape[1], window)
         qlens, max_q, max_kv, contiguous, tables, bias = plan
         batch = len(seqs)
         if contiguous:  # rows of equal query length, back to back: a view, no copy
@@ -237,9 +249,10 @@ class TorchPagedAttention(AttentionBackend):
             for i, b in enumerate(seqs):
                 out[starts[b] : starts[b] + qlens[i]] = o[i, : qlens[i]]
 
-    def _single(self, query, k_cache, v_cache, md, starts, b, scale, out):
+    def _single(self, query, k_cache, v_cache, md, starts, b, scale, out, window):
         """One long query (a prefill chunk) against its sequence's keys, causal from the bottom
-        right: the chunk's queries follow the keys already in the cache."""
+        right: the chunk's queries follow the keys already in the cache (a sliding window's
+        rows see their last `window` positions only)."""
         num_heads, kvh = query.shape[1], k_cache.shape[2]
         qlen, slen = md.query_lens_cpu[b], md.seq_lens_cpu[b]
         q = query[starts[b] : starts[b] + qlen]  # [qlen, H, hd]
@@ -249,16 +262,19 @@ class TorchPagedAttention(AttentionBackend):
         dtype = q.dtype
         if upcast(q) or q.dtype != k.dtype:  # as _attend: float32 where bf16 products are slow
             q, k, v = q.float(), k.float(), v.float()
-        if slen > qlen and _FLASH_WITH_LSE is not None and q.device.type == "cpu":
+        windowed = bool(window) and slen > window  # some row does not see every key before it
+        if slen > qlen and not windowed and _FLASH_WITH_LSE is not None and q.device.type == "cpu":
             o = _prefix_then_causal(q.transpose(0, 1), k, v, slen - qlen, scale)
         else:
             mask = None  # no keys before the chunk: causal from the top left
-            if slen > qlen:  # the same for every layer of the step (built here: torch.nn.
-                # attention.bias's causal_lower_right would import triton, and the GPU compilers)
-                mask = md.cache.get(("single", b))
+            if slen > qlen or windowed:  # the same for every layer of the step (built here:
+                # torch.nn.attention.bias's causal_lower_right would import triton, and the GPU
+                # compilers)
+                mask = md.cache.get(("single", b, window))
                 if mask is None:
                     pos = torch.arange(slen - qlen, slen, device=q.device).unsqueeze(1)
-                    mask = md.cache[("single", b)] = torch.arange(slen, device=q.device) <= pos
+                    mask = md.cache[("single", b, window)] = _visible(
+                        torch.arange(slen, device=q.device), pos, window)
             o = F.scaled_dot_product_attention(
                 q.transpose(0, 1).unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask,
                 is_causal=mask is None, scale=scale, enable_gqa=num_heads != kvh)[0]

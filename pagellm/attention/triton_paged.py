@@ -483,7 +483,10 @@ class TritonPagedAttention(AttentionBackend):
             paged_attention(query, k_cache, v_cache, md, 1.0, torch.empty_like(query),
                             self.block_n, num_splits=2)
 
-    def forward(self, query, k_cache, v_cache, metadata: AttentionMetadata, scale: float):
+    def forward(self, query, k_cache, v_cache, metadata: AttentionMetadata, scale: float,
+                window: int | None = None):
+        if window:  # get_attention_backend gives such models the PyTorch backend
+            raise ValueError("the Triton attention kernels have no sliding window")
         # paged_attention picks the single-kernel or the split-KV path per step.
         out = torch.empty_like(query)
         return paged_attention(query, k_cache, v_cache, metadata, scale, out, self.block_n)

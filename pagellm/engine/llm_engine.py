@@ -19,7 +19,7 @@ from pagellm.engine.memory import (num_kv_blocks, resolve_device,
                                    resolve_dtype, resolve_kv_dtype)
 from pagellm.layers.linear import packed_row_limit
 from pagellm.models.loader import load_model_files
-from pagellm.models.registry import build_model, may_pack
+from pagellm.models.registry import WINDOWED_MODEL_TYPES, build_model, may_pack
 from pagellm.outputs import CompletionOutput, Prefix, RequestMetrics, RequestOutput
 from pagellm.sampling.sampler import SamplingRow, sample
 from pagellm.sampling_params import SamplingParams
@@ -683,8 +683,9 @@ def _truncates(p: SamplingParams) -> bool:
 def _context_length(config) -> int:
     n = getattr(config, "max_position_embeddings", None) or 2048
     window = getattr(config, "sliding_window", None)
-    if window and getattr(config, "use_sliding_window", True):
-        # Attention here is full-context; capping at the window keeps it exact.
+    if (window and getattr(config, "use_sliding_window", True)
+            and config.model_type not in WINDOWED_MODEL_TYPES):
+        # This model's attention is full-context here; capping at the window keeps it exact.
         n = min(n, window)
     return n
 

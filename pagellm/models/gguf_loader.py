@@ -44,7 +44,9 @@ _STRING, _ARRAY = 8, 9
 
 # GGUF architecture -> (transformers config class name, HF architecture name).
 _ARCHITECTURES = {"llama": ("LlamaConfig", "LlamaForCausalLM"),
-                  "qwen2": ("Qwen2Config", "Qwen2ForCausalLM")}
+                  "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+                  "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+                  "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM")}
 
 # config/tokenizer attribute prefix -> GGUF key `tokenizer.ggml.<name>_token_id`
 _SPECIAL_TOKENS = {"bos": "bos", "eos": "eos", "pad": "padding", "unk": "unknown"}
@@ -67,7 +69,14 @@ _BLOCK_NAMES = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm",
 }
+# Gemma 3's four norms a layer: its ffn_norm is the one before the MLP
+_ARCH_BLOCK_NAMES = {"gemma3": {**_BLOCK_NAMES, "ffn_norm": "pre_feedforward_layernorm"}}
+# Gemma's norms multiply by 1 + weight; llama.cpp's converter stores 1 + weight, which the
+# loader gives back as the checkpoint's weight (as transformers reads such a file)
+_NORM_SHIFTED = frozenset({"gemma3"})
 _BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
@@ -85,6 +94,7 @@ class GGUFTensor:
     offset: int  # absolute byte offset in the file
     nbytes: int  # bytes stored in the file
     rope_heads: int | None  # undo llama.cpp's q/k row permutation with this many heads
+    minus_one: bool = False  # a Gemma norm: the file holds 1 + the checkpoint's weight
 
 
 @dataclass(frozen=True)
@@ -174,8 +184,8 @@ def _plan_tensor(path, metadata, name, shape, ggml_type, offset) -> GGUFTensor:
         type_name = _Q(ggml_type).name if ggml_type in _Q._value2member_map_ else str(ggml_type)
         supported = sorted(t.name for t in (*_FLOAT_TYPES, *_BLOCK_TYPES))
         raise ValueError(f"{path}: tensor {name} has ggml type {type_name}; supported: {supported}")
-    hf_name = _hf_name(path, name)
     arch, rope_heads = metadata["general.architecture"], None
+    hf_name = _hf_name(path, name, arch)
     # llama.cpp's convert_hf_to_gguf.py permutes q/k rows (weights and biases) for the llama
     # architecture only; qwen2 is written in HF order.
     if arch == "llama" and hf_name.endswith(("q_proj.weight", "q_proj.bias")):
@@ -186,23 +196,25 @@ def _plan_tensor(path, metadata, name, shape, ggml_type, offset) -> GGUFTensor:
         nbytes = int(np.prod(shape)) * np.dtype(_FLOAT_TYPES[ggml_type][0]).itemsize
     else:
         nbytes = int(np.prod(quant_shape_to_byte_shape(shape, _Q(ggml_type))))
-    return GGUFTensor(name, hf_name, shape, _Q(ggml_type), offset, nbytes, rope_heads)
+    minus_one = arch in _NORM_SHIFTED and hf_name.endswith("norm.weight")
+    return GGUFTensor(name, hf_name, shape, _Q(ggml_type), offset, nbytes, rope_heads, minus_one)
 
 
 # Llama 3 rope scaling: per-frequency divisors of the rotary angles, read into the config.
 ROPE_FREQS = "rope_freqs"
 
 
-def _hf_name(path: str, gguf_name: str) -> str:
+def _hf_name(path: str, gguf_name: str, arch: str = "llama") -> str:
     if gguf_name == "rope_freqs.weight":
         return ROPE_FREQS
     base, _, kind = gguf_name.rpartition(".")
     if base in _TOP_LEVEL_NAMES and kind == "weight":
         return f"{_TOP_LEVEL_NAMES[base]}.weight"
     match = _BLOCK_TENSOR.fullmatch(gguf_name)
-    if match and match.group(2) in _BLOCK_NAMES:
+    names = _ARCH_BLOCK_NAMES.get(arch, _BLOCK_NAMES)
+    if match and match.group(2) in names:
         layer, part, kind = match.groups()
-        return f"model.layers.{layer}.{_BLOCK_NAMES[part]}.{kind}"
+        return f"model.layers.{layer}.{names[part]}.{kind}"
     # a tensor we would not use: refusing beats silently wrong outputs
     raise ValueError(f"{path}: GGUF tensor {gguf_name!r} has no transformers counterpart we support")
 
@@ -341,6 +353,9 @@ def _load_tensor(blob: np.ndarray, tensor: GGUFTensor) -> torch.Tensor:
     array = array.reshape(tensor.hf_shape)
     if tensor.rope_heads is not None:
         array = _undo_rope_permute(array, tensor.rope_heads)
+    if tensor.minus_one:
+        array = array.astype(np.float32) - np.float32(1)
+        torch_dtype = torch.float32
     return torch.from_numpy(array).view(torch_dtype)
 
 
@@ -430,6 +445,10 @@ def gguf_config(gguf_file: GGUFFile):
         kwargs["rope_scaling"] = {"rope_type": "linear", "factor": key("rope.scaling.factor")}
     if arch == "llama":  # as transformers does: rope dimension == head_dim for llama only
         kwargs["head_dim"] = key("rope.dimension_count", kwargs["hidden_size"] // num_heads)
+    if arch in ("qwen3", "gemma3"):  # a head's width need not be hidden / heads
+        kwargs["head_dim"] = key("attention.key_length", kwargs["hidden_size"] // num_heads)
+    if arch == "gemma3":
+        kwargs.update(_gemma3_kwargs(md, kwargs, key))
     for token, gguf_key in _SPECIAL_TOKENS.items():
         if f"tokenizer.ggml.{gguf_key}_token_id" in md:
             kwargs[f"{token}_token_id"] = md[f"tokenizer.ggml.{gguf_key}_token_id"]
@@ -443,6 +462,29 @@ def gguf_config(gguf_file: GGUFFile):
         config.rope_freq_factors = _load_tensor(blob, tensor).float().reshape(-1).tolist()
     config._name_or_path = gguf_file.path  # as AutoConfig does for a folder: where it came from
     return config
+
+
+def _gemma3_kwargs(md: dict, kwargs: dict, key) -> dict:
+    """Gemma 3's settings as llama.cpp reads them: every sixth layer global (or the file's
+    pattern), local layers over the sliding window with rotary base 10,000 and no scaling, the
+    scores scaled by head_dim ** -0.5 (hidden / heads for the 62-layer 27B)."""
+    layers, pattern = kwargs["num_hidden_layers"], md.get("gemma3.attention.sliding_window_pattern", 6)
+    if isinstance(pattern, (list, tuple)):  # one flag a layer: whether it is local
+        types = ["sliding_attention" if p else "full_attention" for p in pattern]
+    else:
+        types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+                 for i in range(layers)]
+    full = {"rope_type": "default", "rope_theta": kwargs.pop("rope_theta")}
+    scaling = kwargs.pop("rope_scaling", None)
+    if scaling:
+        full.update(scaling)
+    return dict(
+        sliding_window=key("attention.sliding_window"), layer_types=types,
+        query_pre_attn_scalar=(kwargs["hidden_size"] // kwargs["num_attention_heads"]
+                               if layers == 62 else kwargs["head_dim"]),
+        rope_parameters={"full_attention": full, "sliding_attention": {
+            "rope_type": "default", "rope_theta": md.get("gemma3.rope.freq_base_swa", 10000.0)}},
+        final_logit_softcapping=None, attn_logit_softcapping=None)
 
 
 def end_token_ids(md: dict) -> list[int]:

@@ -1,4 +1,5 @@
-"""Llama-architecture decoder (Llama 2/3, Mistral, SmolLM, Qwen2): one class, flat token batches.
+"""Llama-architecture decoder (Llama 2/3, Mistral, SmolLM, Qwen2, Qwen3): one class, flat token
+batches (models/gemma3.py builds Gemma 3 on it).
 
 Input is the step's flat batch of new tokens from every scheduled sequence; the paged KV cache
 and AttentionMetadata say where each token's context lives. q|k|v and gate|up are fused.
@@ -61,6 +62,11 @@ class MLP(nn.Module):
         return down(F.silu(gate) * up)
 
 
+def has_qk_norm(config) -> bool:
+    """q and k normalized per head before the rotation (Qwen3)."""
+    return config.model_type == "qwen3"
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, config, rotary: RotaryEmbedding, backend: AttentionBackend, qkv_bias: bool):
         super().__init__()
@@ -68,7 +74,11 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = PagedSelfAttention(
             config.hidden_size, config.num_attention_heads, config.num_key_value_heads, head_dim,
-            qkv_bias, rotary, backend)
+            qkv_bias, rotary, backend,
+            qk_norm_eps=config.rms_norm_eps if has_qk_norm(config) else None)
+        # the one-call native layers (kernels/cpu_layer.py, cpu_wide_layer.py) compute this
+        # form only: no per-head q/k norms
+        self.llama_form = self.self_attn.q_norm is None
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config.hidden_size, config.intermediate_size,
                        bool(getattr(config, "mlp_bias", False)))
@@ -107,9 +117,7 @@ class LlamaForCausalLM(nn.Module):
         qkv_bias = bool(getattr(config, "attention_bias", False)) or config.model_type == "qwen2"
         self.rotary = RotaryEmbedding(config, head_dim, max_position)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(
-            [DecoderLayer(config, self.rotary, backend, qkv_bias)
-             for _ in range(config.num_hidden_layers)])
+        self.layers = nn.ModuleList(self._make_layers(config, backend, max_position, qkv_bias))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = None if self.tie_word_embeddings else nn.Linear(
@@ -119,6 +127,14 @@ class LlamaForCausalLM(nn.Module):
         # kernels available): a plain attribute, so .to(dtype) leaves it alone.
         self.head_packed: quant.NativeQ8 | quant.NativeGGUF | quant.NativePanels | None = None
         self.act_dtype: torch.dtype | None = None  # None: the parameters' dtype
+
+    def _make_layers(self, config, backend: AttentionBackend, max_position: int,
+                     qkv_bias: bool) -> list[nn.Module]:
+        return [DecoderLayer(config, self.rotary, backend, qkv_bias)
+                for _ in range(config.num_hidden_layers)]
+
+    # what the embedding's rows are multiplied by (Gemma: sqrt(hidden_size)); None: nothing
+    embed_scale: float | None = None
 
     def use_float32_activations(self) -> None:
         """Run a bf16 model's activations (and norms) in float32, its weights staying bf16 or
@@ -171,6 +187,8 @@ class LlamaForCausalLM(nn.Module):
         x = self.embed_tokens(input_ids)
         if self.act_dtype is not None:
             x = x.to(self.act_dtype)
+        if self.embed_scale is not None:  # in the activations' dtype, as transformers scales
+            x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
         stack = self.wide_stack if num_layers is None else None
         if stack is not None and stack.usable(positions, x, md):
             return self.norm(stack(positions, x, md, out_rows))  # every layer in one native call

@@ -11,6 +11,7 @@ from pagellm.attention.base import get_attention_backend
 from pagellm import parallel
 from pagellm.kernels import native
 from pagellm.layers.linear import float32_biases, keep_float32, prepack_bf16, upcast
+from pagellm.models.gemma3 import Gemma3ForCausalLM
 from pagellm.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -19,15 +20,23 @@ MODEL_CLASSES = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": LlamaForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
 }
+# model types whose sliding windows the model attends over as such (elsewhere a config's
+# sliding_window caps the context: full attention is exact up to it)
+WINDOWED_MODEL_TYPES = frozenset({"gemma3_text"})
+# model_type -> class, for configs that name no architecture
+_MODEL_TYPES = {"llama": LlamaForCausalLM, "mistral": LlamaForCausalLM, "qwen2": LlamaForCausalLM,
+                "qwen3": LlamaForCausalLM, "gemma3_text": Gemma3ForCausalLM}
 
 
 def model_class(config):
     for arch in getattr(config, "architectures", None) or []:
         if arch in MODEL_CLASSES:
             return MODEL_CLASSES[arch]
-    if getattr(config, "model_type", None) in ("llama", "mistral", "qwen2"):
-        return LlamaForCausalLM
+    if getattr(config, "model_type", None) in _MODEL_TYPES:
+        return _MODEL_TYPES[config.model_type]
     raise ValueError(f"unsupported architecture {getattr(config, 'architectures', None)}; "
                      f"supported: {sorted(MODEL_CLASSES)}")
 
@@ -82,7 +91,8 @@ def build_model(files, dtype: torch.dtype, device: torch.device, max_position: i
                 quantization: str | None = None):
     cls = model_class(files.config)
     with materialised_in(dtype, device):
-        model = cls(files.config, get_attention_backend(device), max_position)
+        sliding = "sliding_attention" in (getattr(files.config, "layer_types", None) or ())
+        model = cls(files.config, get_attention_backend(device, sliding), max_position)
     packed = use_packed(quantization, files, dtype, device)
     # the head kernels are native only; they follow the packing decision of the projections
     packed_head = packed and files.packed_head and native.available()

@@ -1,0 +1,107 @@
+"""Gemma 3 (text): the Llama decoder with Gemma's differences.
+
+- The embedding's rows are multiplied by sqrt(hidden_size).
+- Four norms a layer: before and after the attention, before and after the MLP; every norm
+  multiplies by 1 + its weight (layers/norm.py's OffsetRMSNorm; a GGUF file, whose converter
+  added the 1, is read back into the checkpoint's weights by the loader).
+- q and k normalized per head before the rotation; the scores scaled by
+  query_pre_attn_scalar ** -0.5.
+- Local layers attend over a sliding window of the last `sliding_window` positions, with
+  their own rotary base (10,000); every sixth layer (config.layer_types) is global.
+- The MLP gates with GELU (tanh approximation), not SiLU.
+
+The native one-call layers (kernels/cpu_layer.py, cpu_wide_layer.py) compute the Llama form
+only, so these layers run as modules; their products, norms and attention are the same native
+kernels.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagellm.attention.base import AttentionBackend
+from pagellm.layers.attention import PagedSelfAttention
+from pagellm.layers.norm import OffsetRMSNorm
+from pagellm.layers.rotary import RotaryEmbedding
+from pagellm.models.llama import MLP, LlamaForCausalLM
+
+SLIDING, FULL = "sliding_attention", "full_attention"
+
+
+class GeluMLP(MLP):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
+
+
+class Gemma3DecoderLayer(nn.Module):
+    llama_form = False  # no one-call native form (see the module's docstring)
+    fused = wide_layer = None
+
+    def __init__(self, config, rotary: RotaryEmbedding, backend: AttentionBackend,
+                 window: int | None):
+        super().__init__()
+        h, eps = config.hidden_size, config.rms_norm_eps
+        self.input_layernorm = OffsetRMSNorm(h, eps)
+        self.self_attn = PagedSelfAttention(
+            h, config.num_attention_heads, config.num_key_value_heads, config.head_dim,
+            bool(getattr(config, "attention_bias", False)), rotary, backend, qk_norm_eps=eps,
+            window=window, scale=config.query_pre_attn_scalar ** -0.5)
+        hd = config.head_dim
+        self.self_attn.q_norm, self.self_attn.k_norm = OffsetRMSNorm(hd, eps), OffsetRMSNorm(hd, eps)
+        self.post_attention_layernorm = OffsetRMSNorm(h, eps)
+        self.pre_feedforward_layernorm = OffsetRMSNorm(h, eps)
+        self.mlp = GeluMLP(h, config.intermediate_size, False)
+        self.post_feedforward_layernorm = OffsetRMSNorm(h, eps)
+
+    def forward(self, positions, x, md, out_rows=None):
+        """As DecoderLayer.forward: out_rows, the rows whose output is wanted."""
+        a = self.post_attention_layernorm(self.self_attn(positions, self.input_layernorm(x), md,
+                                                          out_rows))
+        x, h = self.pre_feedforward_layernorm.add_forward(
+            x if out_rows is None else x.index_select(0, out_rows), a)
+        return x + self.post_feedforward_layernorm(self.mlp(h))
+
+
+class _RopeOf:
+    """A config's view for one layer type's rotary: its rope_parameters as the whole's."""
+
+    def __init__(self, config, params: dict):
+        self._config, self.rope_parameters = config, params
+        self.rope_theta = params.get("rope_theta", 10000.0)
+
+    def __getattr__(self, name):
+        return getattr(self._config, name)
+
+
+def _rope_parameters(config, layer_type: str) -> dict:
+    params = getattr(config, "rope_parameters", None) or {}
+    if layer_type in params:  # transformers 5: one entry a layer type
+        return params[layer_type]
+    if layer_type == SLIDING:
+        return {"rope_type": "default",
+                "rope_theta": getattr(config, "rope_local_base_freq", 10000.0)}
+    return params or {"rope_type": "default", "rope_theta": getattr(config, "rope_theta", 1e6)}
+
+
+class Gemma3ForCausalLM(LlamaForCausalLM):
+    def __init__(self, config, backend: AttentionBackend, max_position: int):
+        for name in ("final_logit_softcapping", "attn_logit_softcapping"):
+            if getattr(config, name, None) is not None:
+                raise ValueError(f"config.{name} is {getattr(config, name)}: logit soft-capping "
+                                 "(Gemma 2) is not supported")
+        super().__init__(config, backend, max_position)
+        self.norm = OffsetRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.embed_scale = config.hidden_size ** 0.5
+
+    def _make_layers(self, config, backend, max_position, qkv_bias):
+        types = list(getattr(config, "layer_types", None) or [FULL] * config.num_hidden_layers)
+        rotaries = {t: RotaryEmbedding(_RopeOf(config, _rope_parameters(config, t)),
+                                       config.head_dim, max_position) for t in set(types)}
+        self.rotary = rotaries.get(FULL, next(iter(rotaries.values())))
+        self.local_rotary = rotaries.get(SLIDING)
+        return [Gemma3DecoderLayer(config, rotaries[t], backend,
+                                   config.sliding_window if t == SLIDING else None)
+                for t in types]
+
