@@ -91,7 +91,8 @@ def gguf_writer(path, config, arch: str, eos_token_id: int) -> gguf.GGUFWriter:
     writer.add_feed_forward_length(config.intermediate_size)
     writer.add_head_count(config.num_attention_heads)
     writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    rope = config.rope_parameters  # Gemma 3: one entry a layer type, the global layers' in the file
+    writer.add_rope_freq_base(rope.get("full_attention", rope)["rope_theta"])
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_eos_token_id(eos_token_id)
     return writer

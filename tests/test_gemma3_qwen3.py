@@ -1,0 +1,230 @@
+"""Gemma 3 and Qwen3 on tiny random models built here, against transformers holding the same
+weights: Hugging Face folders and GGUF files (K-quant and legacy blocks, llama.cpp's names,
+Gemma's norms stored as 1 + weight), float32 logits and greedy tokens past Gemma's sliding
+window (prompts, decode, chunked prefill, cached prefixes, speculative verification rows), the
+packed bfloat16 path within its tolerance, and what is refused."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from gguf import GGMLQuantizationType as Q
+
+from pagellm import LLM, SamplingParams
+from pagellm.kernels import native
+from pagellm.models.gemma3 import Gemma3ForCausalLM
+from tests.gguf_files import finish, gguf_writer, random_blocks
+from tests.helpers import assert_greedy_close
+from tests.test_gguf_models import _hf_logits, _prefill_logits
+
+WINDOW = 8
+# prompts longer than the window, one shorter; every decode step past it
+PROMPTS = [[5, 17, 33, 4, 90, 12, 7], list(range(10, 51)), [3, 3, 3, 60, 61, 62, 9, 9, 70, 71, 72, 3]]
+NEW = 20
+
+
+_SIZES = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=32, max_position_embeddings=256, eos_token_id=2,
+              bos_token_id=1)
+# a GGUF file's K-quant rows are 256 values
+_GGUF_SIZES = dict(hidden_size=256, intermediate_size=512, head_dim=64)
+
+
+def _gemma3_config(layer_types, **kw):
+    kw = {**_SIZES, "query_pre_attn_scalar": 24, **kw}
+    return transformers.Gemma3TextConfig(
+        num_hidden_layers=len(layer_types), sliding_window=WINDOW, layer_types=layer_types,
+        architectures=["Gemma3ForCausalLM"],
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "default", "rope_theta": 1e6}}, **kw)
+
+
+def _qwen3_config(**kw):
+    return transformers.Qwen3Config(num_hidden_layers=2, architectures=["Qwen3ForCausalLM"],
+                                    tie_word_embeddings=False, **{**_SIZES, **kw})
+
+
+def _random_model(config):
+    """transformers' model of config with random weights, its norms far from their initial
+    values (Gemma's zeros, Qwen's ones), so that a norm read wrongly shows."""
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval().float()
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.3 * torch.randn(p.shape, generator=g))
+    return model
+
+
+def _folder(tmp_path_factory, arch: str):
+    config = (_gemma3_config(["sliding_attention", "sliding_attention", "full_attention",
+                              "sliding_attention"]) if arch == "gemma3" else _qwen3_config())
+    model = _random_model(config)
+    path = tmp_path_factory.mktemp(arch)
+    model.save_pretrained(path)
+    return str(path), model
+
+
+@pytest.fixture(scope="module", params=["gemma3", "qwen3"])
+def hf_folder(request, tmp_path_factory):
+    return _folder(tmp_path_factory, request.param)
+
+
+@pytest.fixture(scope="module")
+def gemma3_folder(tmp_path_factory):
+    return _folder(tmp_path_factory, "gemma3")
+
+
+def _greedy_reference(model, prompt, n=NEW):
+    ids = torch.tensor([prompt])
+    return model.generate(ids, max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0,
+                          attention_mask=torch.ones_like(ids))[0, len(prompt):].tolist()
+
+
+def test_float32_logits_and_greedy_tokens_match_transformers(hf_folder):
+    path, hf = hf_folder
+    llm = LLM(path, dtype="float32", kv_cache_memory=2**22)
+    if isinstance(llm.engine.model, Gemma3ForCausalLM):  # the window does not cap the context
+        assert llm.engine.max_model_len == 256
+    for prompt in PROMPTS:
+        ref = _hf_logits(hf, prompt)
+        torch.testing.assert_close(_prefill_logits(llm, prompt), ref, atol=1e-4 * ref.abs().max(),
+                                   rtol=1e-4)
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True),
+                        use_tqdm=False)
+    for prompt, out in zip(PROMPTS, outs):
+        assert out.outputs[0].token_ids == _greedy_reference(hf, prompt)
+
+
+def test_gemma3s_window_matters_and_holds_in_chunks_and_cached_prefixes(gemma3_folder, monkeypatch):
+    """The same model attending over everything gives other tokens (the test sees the window);
+    a prompt prefilled in chunks of 5 (chunks after cached keys, rows whose windows start at
+    different keys), then again over its cached prefix, then with n-gram verification rows:
+    the reference's tokens each time."""
+    path, hf = gemma3_folder
+    prompt = PROMPTS[1]
+    want = _greedy_reference(hf, prompt, 30)
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    chunked = LLM(path, dtype="float32", kv_cache_memory=2**22, max_num_batched_tokens=5)
+    for cached in (False, True):  # the second over the first's cached blocks
+        out = chunked.generate([prompt], params, use_tqdm=False)[0]
+        assert out.outputs[0].token_ids == want and (out.num_cached_tokens > 0) == cached
+    spec = LLM(path, dtype="float32", kv_cache_memory=2**22,
+               speculative_config={"method": "ngram", "num_speculative_tokens": 3, "adaptive": False})
+    repetitive = [7, 8, 9, 10] * 6
+    assert (spec.generate([repetitive], params, use_tqdm=False)[0].outputs[0].token_ids
+            == _greedy_reference(hf, repetitive, 30))
+    for layer in chunked.engine.model.layers:
+        monkeypatch.setattr(layer.self_attn, "window", None)
+    assert chunked.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids != want
+
+
+# GGUF: llama.cpp's names, in block types of a Q4_K_M file's mix
+_TYPES = {"q_proj": Q.Q5_0, "k_proj": Q.Q5_0, "v_proj": Q.Q8_0, "o_proj": Q.Q4_K,
+          "gate_proj": Q.Q4_K, "up_proj": Q.Q5_0, "down_proj": Q.Q6_K}
+_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+          "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+          "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
+          "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
+_GEMMA_NAMES = {**_NAMES, "post_attention_layernorm": "post_attention_norm",
+                "pre_feedforward_layernorm": "ffn_norm",
+                "post_feedforward_layernorm": "post_ffw_norm"}
+_QWEN_NAMES = {**_NAMES, "post_attention_layernorm": "ffn_norm"}
+_TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight"}
+
+
+def write_gguf(path, arch: str):
+    """A random model of `arch` (gemma3: four layers, every second one global as the file's
+    sliding_window_pattern says; the scores scaled by head_dim ** -0.5 as llama.cpp reads
+    Gemma) in blocks; returns transformers' model holding exactly the values the file means."""
+    if arch == "gemma3":
+        config = _gemma3_config(["sliding_attention", "full_attention"] * 2,
+                                **_GGUF_SIZES, query_pre_attn_scalar=64)
+    else:
+        config = _qwen3_config(**_GGUF_SIZES)
+    model = _random_model(config)
+    writer = gguf_writer(path, config, arch, eos_token_id=2)
+    writer.add_key_length(config.head_dim)
+    writer.add_value_length(config.head_dim)
+    if arch == "gemma3":
+        writer.add_sliding_window(WINDOW)
+        writer.add_sliding_window_pattern([True, False] * 2)  # true: a local layer
+    names = _GEMMA_NAMES if arch == "gemma3" else _QWEN_NAMES
+    state = {}
+    for seed, (name, tensor) in enumerate(model.state_dict().items()):
+        if name == "lm_head.weight" and config.tie_word_embeddings:  # the embedding is the head
+            continue
+        if name in _TOP:
+            gname = _TOP[name]
+        else:
+            _, _, layer, rest = name.split(".", 3)
+            module, kind = rest.rsplit(".", 1)
+            gname = f"blk.{layer}.{names[module]}.{kind}"
+        part = name.split(".")[-2]
+        qtype = (_TYPES.get(part) if ".layers." in name
+                 else Q.Q8_0 if name == "model.embed_tokens.weight" else Q.Q6_K if name == "lm_head.weight"
+                 else None)
+        if qtype is None:  # norms: float32, as the model holds them (Gemma's file: 1 + weight)
+            state[name] = tensor
+            stored = tensor.numpy() + (np.float32(1) if arch == "gemma3" else np.float32(0))
+            writer.add_tensor(gname, stored.astype(np.float32))
+            continue
+        blocks = random_blocks(qtype, *tensor.shape, seed=seed, amplitude=0.12)
+        state[name] = blocks.dequantize()
+        writer.add_tensor(gname, np.ascontiguousarray(blocks.raw.numpy()), raw_dtype=qtype)
+    model.load_state_dict(state, strict=False)  # a tied head: the embedding
+    finish(writer)
+    # transformers' model as the file means it: the norms' weights as read back (1 + w - 1)
+    if arch == "gemma3":
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "norm" in name:
+                    p.copy_(torch.from_numpy((p.numpy() + np.float32(1)) - np.float32(1)))
+    return model
+
+
+@pytest.fixture(scope="module", params=["gemma3", "qwen3"])
+def tiny_gguf(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param + "gguf") / "tiny.gguf"
+    return str(path), write_gguf(path, request.param)
+
+
+def test_gguf_config_and_float32_match_transformers(tiny_gguf):
+    path, hf = tiny_gguf
+    llm = LLM(path, dtype="float32", kv_cache_memory=2**22)
+    config = llm.engine.hf_config
+    assert config.head_dim == 64 and config.architectures == hf.config.architectures
+    if config.model_type == "gemma3_text":
+        assert config.layer_types == ["sliding_attention", "full_attention"] * 2
+        assert config.sliding_window == WINDOW and config.query_pre_attn_scalar == 64
+    for prompt in PROMPTS:
+        ref = _hf_logits(hf, prompt)
+        torch.testing.assert_close(_prefill_logits(llm, prompt), ref, atol=1e-4 * ref.abs().max(),
+                                   rtol=1e-4)
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True),
+                        use_tqdm=False)
+    for prompt, out in zip(PROMPTS, outs):
+        assert out.outputs[0].token_ids == _greedy_reference(hf, prompt)
+
+
+@pytest.mark.skipif(not native.available(), reason="no C compiler on this machine")
+def test_packed_default_path_is_close(tiny_gguf):
+    """dtype auto: the projections from the file's blocks (bfloat16 activations' products),
+    greedy tokens as float32's up to near ties, log-probabilities within bf16's error."""
+    path, _ = tiny_gguf
+    params = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True, logprobs=2)
+    packed = LLM(path, kv_cache_memory=2**22)
+    assert packed.engine.dtype == torch.bfloat16 and packed.engine.model.num_packed()[0] > 0
+    want = LLM(path, dtype="float32", kv_cache_memory=2**22).generate(PROMPTS, params, use_tqdm=False)
+    for ref, got in zip(want, packed.generate(PROMPTS, params, use_tqdm=False)):
+        assert_greedy_close(ref.outputs[0], got.outputs[0], 0.1)
+
+
+def test_logit_soft_capping_is_refused(tmp_path):
+    config = _gemma3_config(["full_attention"], final_logit_softcapping=30.0)
+    _random_model(config).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="soft-capping"):
+        LLM(str(tmp_path), dtype="float32", kv_cache_memory=2**22)
