@@ -2,7 +2,8 @@
 rows decoded bit for bit as gguf.quants.dequantize decodes them (every packable type, random
 bytes included: NaN, infinities, subnormal scales), looked up as a dense table of the same file
 gives them, out-of-range ids refused; a packed tiny GGUF with an untied Q4_K embedding holds no
-dense table and gives the dense table's logits."""
+dense table and gives the dense table's logits; a tied Q8_0 head with a prepacked copy (the
+default model on a CPU with bf16 units) serves the lookups from its codes."""
 from __future__ import annotations
 
 import numpy as np
@@ -14,7 +15,7 @@ from gguf.quants import dequantize
 from pagellm import LLM
 from pagellm.kernels import native
 from pagellm.layers import quant
-from pagellm.layers.embedding import BlockEmbedding
+from pagellm.layers.embedding import BlockEmbedding, Q8RowsEmbedding
 from tests.gguf_files import random_blocks
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="no C compiler on this machine")
@@ -100,3 +101,46 @@ def test_a_packed_model_keeps_its_untied_embedding_as_blocks(tmp_path):
     model.embed_tokens = dense
     assert model.weight_bytes() == before - emb.nbytes + dense.weight.numel() * 2
     assert torch.equal(tiny._prefill_logits(llm, prompt), logits)
+
+
+def test_a_tied_q8_0_head_serves_the_lookups():
+    """The default model (its tied head Q8_0): where the head has a prepacked bf16 copy for
+    many rows (CPUs with bf16 units), the embedding reads the head's codes and no dense table
+    is kept: lookups are the dense table's bit for bit, and so are the prefill's logits and a
+    draft's limited head (its first ids prepacked from the codes, extra ids gathered), few
+    and many rows. Elsewhere the dense head is what many-row products multiply: it stays."""
+    from tests import test_gguf_models as tiny
+
+    llm = LLM(kv_cache_memory=2**24, enable_prefix_caching=False)  # two full prefills
+    model = llm.engine.model
+    if model.head_onednn is None:
+        assert isinstance(model.embed_tokens, torch.nn.Embedding)
+        assert model.embed_tokens.weight.device.type == "cpu"
+        return
+    emb = model.embed_tokens
+    assert isinstance(emb, Q8RowsEmbedding) and emb.head is model.head_packed
+    assert "embed_tokens.weight" not in dict(model.named_parameters())
+    table = quant.Int8Blocks(emb.head.codes, emb.head.scale).dequantize().to(torch.bfloat16)
+    ids = torch.tensor([[0, 5, 49151], [77, 5, 1]])
+    assert torch.equal(emb(ids), table[ids])
+    prompt = list(range(3, 40))
+    before, logits = model.weight_bytes(), tiny._prefill_logits(llm, prompt)
+    hidden = [torch.randn(rows, table.shape[1]) for rows in (1, 70)]
+    extra = torch.tensor([2000, 40000])
+
+    def limited():
+        model.limit_vocab(1000)
+        model.also_score(extra)
+        try:
+            return [model.compute_logits(h) for h in hidden]
+        finally:
+            model.also_score(None)
+            model.limit_vocab(None)
+
+    got = limited()
+    model.embed_tokens = torch.nn.Embedding.from_pretrained(table)
+    assert model.weight_bytes() == before + table.numel() * 2
+    assert torch.equal(tiny._prefill_logits(llm, prompt), logits)
+    for g, w in zip(got, limited()):
+        assert torch.equal(g, w) and torch.isfinite(g[:, extra]).all()
+    model.embed_tokens = emb

@@ -59,3 +59,37 @@ class BlockEmbedding(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, type={self.ggml_type}"
+
+
+class Q8RowsEmbedding(nn.Module):
+    """A tied embedding read from its LM head's Q8_0 codes (quant.NativeQ8): where the head's
+    many-row products have their own prepacked copy (LlamaForCausalLM.prepack_head), the
+    dense table served lookups only, and it goes. Rows are the dense table's bit for bit:
+    codes times their block's scale in float32, rounded to the model's dtype. Gemma 3 270M's
+    262,144 x 640 table is 320 MiB in bf16. `weight` is a meta tensor of the table's shape and
+    dtype: what asks for the dense head sees that there is none."""
+
+    def __init__(self, head: quant.NativeQ8, dtype: torch.dtype):
+        super().__init__()
+        self.head = head
+        self.num_embeddings, self.embedding_dim = head.codes.shape
+        self.weight = torch.empty(head.codes.shape, dtype=dtype, device="meta")
+
+    def first_rows(self, n: int) -> torch.Tensor:
+        """The dense table's first n rows."""
+        return self._rows(self.head.codes[:n], self.head.scale[:n])
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [...] -> [..., embedding_dim]
+        flat = ids.reshape(-1).to(torch.int64)
+        rows = self._rows(self.head.codes.index_select(0, flat), self.head.scale.index_select(0, flat))
+        return rows.view(*ids.shape, self.embedding_dim)
+
+    def _rows(self, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return quant.Int8Blocks(codes, scale).dequantize().to(self.weight.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return 0  # the head's codes
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, from the Q8_0 head"

@@ -16,7 +16,7 @@ from pagellm.attention.base import AttentionBackend, AttentionMetadata
 from pagellm.kernels.cpu_layer import FusedDecodeLayer, gate_up_silu_bf16
 from pagellm.kernels.cpu_wide_layer import WideLayer, WideStack
 from pagellm.layers import greedy_head, onednn, panels, quant
-from pagellm.layers.embedding import BlockEmbedding
+from pagellm.layers.embedding import BlockEmbedding, Q8RowsEmbedding
 from pagellm.layers.attention import PagedSelfAttention
 from pagellm.layers import linear as linear_mod
 from pagellm.layers.linear import ColumnParallelLinear, RowParallelLinear, linear, upcast
@@ -210,10 +210,14 @@ class LlamaForCausalLM(nn.Module):
         if self.vocab_limit is not None and self.head_packed is not None:
             self._head_sub = self.head_packed.first_rows(self.vocab_limit)
         if self.vocab_limit is not None and self.head_onednn is not None:
-            # a prepacked copy of the first n rows; an untied head whose dense weight the
-            # prepacked one replaced has none to slice, so it scores all ids and keeps n
+            # a prepacked copy of the first n rows (a tied Q8_0 head's decoded from its
+            # codes); an untied head whose dense weight the prepacked one replaced has none to
+            # slice, so it scores all ids and keeps n
             dense = self._head()
-            if dense.device.type != "meta":
+            if isinstance(self.embed_tokens, Q8RowsEmbedding):
+                self._head_sub_onednn = onednn.OneDNNLinear(
+                    self.embed_tokens.first_rows(self.vocab_limit))
+            elif dense.device.type != "meta":
                 self._head_sub_onednn = onednn.OneDNNLinear(dense.data[: self.vocab_limit])
 
     def also_score(self, ids: torch.Tensor | None) -> None:
@@ -238,7 +242,9 @@ class LlamaForCausalLM(nn.Module):
         ms; bit-identical). An untied head's dense weight goes to the meta device (the
         prepacked copy holds the same bytes); a tied one stays, as the embedding, beside it.
         A Q8_0 head also gets its greedy form (layers/greedy_head.py), which argmax-only
-        steps take instead. Returns whether the head was prepacked."""
+        steps take instead. A tied Q8_0 head's lookups then read its codes
+        (layers/embedding.Q8RowsEmbedding) and the dense table goes. Returns whether the head
+        was prepacked."""
         head = self._head()
         if (linear_mod.UPCAST_BF16 or not onednn.available() or head.dtype != torch.bfloat16
                 or head.device.type != "cpu" or self.head_onednn is not None):
@@ -250,6 +256,8 @@ class LlamaForCausalLM(nn.Module):
         if self.lm_head is not None:
             self.lm_head.weight = nn.Parameter(torch.empty(head.shape, dtype=head.dtype,
                                                            device="meta"), requires_grad=False)
+        elif isinstance(self.head_packed, quant.NativeQ8):
+            self.embed_tokens = Q8RowsEmbedding(self.head_packed, head.dtype)
         return True
 
     # A Q8_0 head's int8 form for steps whose rows read only their argmax (prepack_head).
@@ -308,6 +316,8 @@ class LlamaForCausalLM(nn.Module):
         packed = self.head_packed
         if packed is not None and hidden.shape[0] < head_max_rows(packed) and hasattr(packed, "rows"):
             return packed.rows(ids)(hidden)
+        if isinstance(self.embed_tokens, Q8RowsEmbedding) and self.lm_head is None:
+            return linear(hidden, self.embed_tokens(ids)).float()  # the dense rows, decoded
         return linear(hidden, self._head().index_select(0, ids)).float()
 
     def _head(self) -> torch.Tensor:
