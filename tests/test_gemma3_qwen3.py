@@ -2,7 +2,8 @@
 weights: Hugging Face folders and GGUF files (K-quant and legacy blocks, llama.cpp's names,
 Gemma's norms stored as 1 + weight), float32 logits and greedy tokens past Gemma's sliding
 window (prompts, decode, chunked prefill, cached prefixes, speculative verification rows), the
-packed bfloat16 path within its tolerance, and what is refused."""
+packed bfloat16 path within its tolerance, the fused few-row layer against the module path,
+and what is refused."""
 from __future__ import annotations
 
 import numpy as np
@@ -15,7 +16,7 @@ from pagellm import LLM, SamplingParams
 from pagellm.kernels import native
 from pagellm.models.gemma3 import Gemma3ForCausalLM
 from tests.gguf_files import finish, gguf_writer, random_blocks
-from tests.helpers import assert_greedy_close
+from tests.helpers import assert_greedy_close, layer_path_and_module_path
 from tests.test_gguf_models import _hf_logits, _prefill_logits
 
 WINDOW = 8
@@ -228,3 +229,46 @@ def test_logit_soft_capping_is_refused(tmp_path):
     _random_model(config).save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="soft-capping"):
         LLM(str(tmp_path), dtype="float32", kv_cache_memory=2**22)
+
+
+@pytest.mark.skipif(not native.available(), reason="no C compiler on this machine")
+def test_the_fused_layer_equals_the_module_path(tiny_gguf, monkeypatch):
+    """Decode and verification steps of a few rows run each layer in one native call
+    (kernels/cpu_layer.c with its layer_ext_t: q/k norms, Gemma's four norms, GELU, the
+    window). Every layer of every decode step, from the same input and KV cache: its output
+    and the K/V it writes are the module path's within float32 rounding moved across an int16
+    activation step (1e-4 of the largest; a wrong formula is off by more than 1e-2); prompts
+    past the window, so that decode rows attend over it. K-quant parts in int16 panels (with
+    int8 activations one step is 1/127 of a row's largest, as large as a wrong formula's)."""
+    monkeypatch.setenv("PAGELLM_PANELS_INT8", "0")
+    path, _ = tiny_gguf
+    llm = LLM(path, kv_cache_memory=2**22, block_size=4)
+    layers = llm.engine.model.layers
+    assert all(layer.fused is not None for layer in layers)
+    diffs, kv_diffs = [], []
+
+    class Compare:
+        def __init__(self, layer):
+            self.layer, self.fused = layer, layer.fused
+
+        def usable(self, x, md):
+            return self.fused.usable(x, md)
+
+        def __call__(self, positions, x, md):
+            attn = self.layer.self_attn
+            out, ref, kv = layer_path_and_module_path(self.layer, "fused", self.fused, positions,
+                                                      x, md)
+            diffs.append(((out - ref).abs().max() / ref.abs().max()).item())
+            slots = md.slot_mapping.long()
+            for got, cache in zip(kv, (attn.k_cache, attn.v_cache)):
+                want = cache.flatten(0, 1)[slots].float()
+                kv_diffs.append(((got.flatten(0, 1)[slots].float() - want).abs().max()
+                                 / want.abs().max()).item())
+            return out
+
+    for layer in layers:
+        layer.fused = Compare(layer)
+    llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+                 use_tqdm=False)
+    assert len(diffs) >= 5 * len(layers) and max(diffs) < 1e-4, diffs
+    assert max(kv_diffs) < 1e-2, kv_diffs  # bf16 pool: one rounding step at most

@@ -6,6 +6,10 @@
  *   h = norm(x); q, k, v = h Wqkv; rotate q, k; write k, v; a = attention(q);
  *   x += a Wo; h = norm(x); g, u = h Wgu; x += (silu(g) * u) Wdown
  *
+ * decode_layer_ext's layer_ext_t adds what Qwen3 and Gemma 3 layers do besides: q and k
+ * normalized per head before the rotation, a sliding window, the attention's and the MLP's
+ * outputs normalized before their residual adds, GELU (tanh) gating.
+ *
  * Everything is float32 but the KV pool (of kv_kind: float32, bf16 or int8, kv_pool.h); x [T, D]
  * is updated in place. Returns 0, or -1 when out of memory.
  */
@@ -21,11 +25,11 @@ int panel_linear(const float *x, int64_t R, int64_t K, const uint8_t *panels, in
                  float *y, int threads);
 int gguf_linear(const float *x, int64_t R, int64_t K, const uint8_t *w, int64_t row_bytes,
                 int type, int64_t N, float *y, int threads);
-int paged_attention(const float *q, float *out, const void *kc, const void *vc,
-                    int64_t H, int64_t KVH, int64_t D, int64_t NB, int64_t BS,
-                    const int32_t *tables, int64_t MB, const int32_t *seq_lens,
-                    const int32_t *qstart, const int32_t *seqs, int64_t n_seqs,
-                    float scale, int threads, int kv_kind);
+int paged_attention_window(const float *q, float *out, const void *kc, const void *vc,
+                           int64_t H, int64_t KVH, int64_t D, int64_t NB, int64_t BS,
+                           const int32_t *tables, int64_t MB, const int32_t *seq_lens,
+                           const int32_t *qstart, const int32_t *seqs, int64_t n_seqs,
+                           float scale, int threads, int kv_kind, int64_t window);
 void store_kv_row(void *pool, int64_t index, const float *src, int64_t D, int kind);
 void rms_norm(const float *x, const float *add, float *x_out, const float *weight, float *out,
               int64_t T, int64_t D, float eps);
@@ -100,6 +104,28 @@ static void silu_mul(const float *g, const float *u, float *a, int64_t n) {
     for (; i < n; i++) a[i] = g[i] / (1.f + expf(-g[i])) * u[i];
 }
 
+/* a[i] = gelu(g[i]) * u[i], GELU's tanh form: g / 2 * (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))),
+ * tanh(z) = 1 - 2 / (exp(2z) + 1) (exp8 clamps its argument: +-1 far out) */
+static void gelu_mul(const float *g, const float *u, float *a, int64_t n) {
+    int64_t i = 0;
+#ifdef __AVX2__
+    const __m256 c = _mm256_set1_ps(0.7978845608028654f), k = _mm256_set1_ps(0.044715f);
+    const __m256 one = _mm256_set1_ps(1.f), two = _mm256_set1_ps(2.f), half = _mm256_set1_ps(0.5f);
+    for (; i + 8 <= n; i += 8) {
+        const __m256 x = _mm256_loadu_ps(g + i);
+        const __m256 z = _mm256_mul_ps(c, _mm256_fmadd_ps(_mm256_mul_ps(k, x), _mm256_mul_ps(x, x), x));
+        const __m256 e = exp8(_mm256_mul_ps(two, z));
+        const __m256 th = _mm256_sub_ps(one, _mm256_div_ps(two, _mm256_add_ps(e, one)));
+        const __m256 y = _mm256_mul_ps(_mm256_mul_ps(half, x), _mm256_add_ps(one, th));
+        _mm256_storeu_ps(a + i, _mm256_mul_ps(y, _mm256_loadu_ps(u + i)));
+    }
+#endif
+    for (; i < n; i++) {
+        const float x = g[i];
+        a[i] = 0.5f * x * (1.f + tanhf(0.7978845608028654f * (x + 0.044715f * x * x * x))) * u[i];
+    }
+}
+
 /* gu [T, 2I] bf16 (gate | up per row) -> a [T, I] bf16 = silu(g) * u, computed in float32 and
  * rounded once: the many-row MLP's gating on CPUs with bf16 units (models/llama.py), where
  * PyTorch's bf16 silu and product over a [2048, 8960] step cost ~25 ms a layer. */
@@ -124,13 +150,25 @@ void silu_mul_bf16(const uint16_t *gu, uint16_t *a, int64_t T, int64_t I, int th
     }
 }
 
-/* projs: qkv, o, gate|up, down */
-int decode_layer(float *x, int64_t T, int64_t D, float eps, const float *norm_in,
-                 const float *norm_post, const proj_t *projs, int64_t I, int64_t H, int64_t KVH, int64_t hd, const float *cos,
-                 const float *ssin, const int64_t *positions, void *kc, void *vc, int64_t NB,
-                 int64_t BS, const int64_t *slots, const int32_t *tables, int64_t MB,
-                 const int32_t *seq_lens, const int32_t *qstart, const int32_t *seqs,
-                 int64_t n_seqs, float scale, int threads, int kv_kind) {
+/* What a layer does besides the Llama form (NULL / 0: nothing); mirrors cpu_layer.py's _Ext. */
+typedef struct {
+    const float *q_norm, *k_norm;  /* per-head RMSNorm weights, q and k before the rotation */
+    const float *attn_out_norm;  /* the attention's output normalized before its residual add */
+    const float *mlp_out_norm;  /* the MLP's output, likewise */
+    int64_t gelu;  /* 1: gelu(g) * u (tanh form); 0: silu(g) * u */
+    int64_t window;  /* a sliding window (paged_attention_window); 0: none */
+} layer_ext_t;
+
+/* projs: qkv, o, gate|up, down; ext: NULL for the Llama form */
+int decode_layer_ext(float *x, int64_t T, int64_t D, float eps, const float *norm_in,
+                     const float *norm_post, const proj_t *projs, int64_t I, int64_t H,
+                     int64_t KVH, int64_t hd, const float *cos, const float *ssin,
+                     const int64_t *positions, void *kc, void *vc, int64_t NB, int64_t BS,
+                     const int64_t *slots, const int32_t *tables, int64_t MB,
+                     const int32_t *seq_lens, const int32_t *qstart, const int32_t *seqs,
+                     int64_t n_seqs, float scale, int threads, int kv_kind, const layer_ext_t *ext) {
+    const layer_ext_t none = {0};
+    if (!ext) ext = &none;
     const int64_t nq = H * hd, nkv = KVH * hd, nqkv = nq + 2 * nkv;
     const int64_t width = nqkv > 2 * I ? nqkv : 2 * I;
     float *h = malloc(sizeof(float) * T * D), *y = malloc(sizeof(float) * T * width);
@@ -144,6 +182,10 @@ int decode_layer(float *x, int64_t T, int64_t D, float eps, const float *norm_in
     for (int64_t t = 0; t < T; t++) {
         float *row = y + t * nqkv;
         const float *c = cos + positions[t] * hd, *s = ssin + positions[t] * hd;
+        if (ext->q_norm) {  /* each head's vector, in place */
+            rms_norm(row, NULL, NULL, ext->q_norm, row, H, hd, eps);
+            rms_norm(row + nq, NULL, NULL, ext->k_norm, row + nq, KVH, hd, eps);
+        }
         rotate(row, H + KVH, hd, c, s);  /* q and k heads are adjacent */
         memcpy(q + t * nq, row, sizeof(float) * nq);
         for (int64_t kh = 0; kh < KVH; kh++) {  /* head-major pool [KVH, NB * BS, hd] */
@@ -152,16 +194,31 @@ int decode_layer(float *x, int64_t T, int64_t D, float eps, const float *norm_in
             store_kv_row(vc, dst, row + nq + nkv + kh * hd, hd, kv_kind);
         }
     }
-    if (paged_attention(q, a, kc, vc, H, KVH, hd, NB, BS, tables, MB, seq_lens, qstart, seqs,
-                        n_seqs, scale, threads, kv_kind)) goto done;
+    if (paged_attention_window(q, a, kc, vc, H, KVH, hd, NB, BS, tables, MB, seq_lens, qstart,
+                               seqs, n_seqs, scale, threads, kv_kind, ext->window)) goto done;
     if (project(&projs[1], a, T, nq, d, D, tmp, threads)) goto done;
+    if (ext->attn_out_norm) rms_norm(d, NULL, NULL, ext->attn_out_norm, d, T, D, eps);
     rms_norm(x, d, x, norm_post, h, T, D, eps);  /* x += attention; h = norm(x) */
     if (project(&projs[2], h, T, D, y, 2 * I, tmp, threads)) goto done;
-    for (int64_t t = 0; t < T; t++) silu_mul(y + t * 2 * I, y + t * 2 * I + I, a + t * I, I);
+    for (int64_t t = 0; t < T; t++)
+        (ext->gelu ? gelu_mul : silu_mul)(y + t * 2 * I, y + t * 2 * I + I, a + t * I, I);
     if (project(&projs[3], a, T, I, d, D, tmp, threads)) goto done;
+    if (ext->mlp_out_norm) rms_norm(d, NULL, NULL, ext->mlp_out_norm, d, T, D, eps);
     for (int64_t i = 0; i < T * D; i++) x[i] += d[i];
     rc = 0;
 done:
     free(h); free(y); free(q); free(a); free(d); free(tmp);
     return rc;
+}
+
+/* decode_layer_ext of the Llama form */
+int decode_layer(float *x, int64_t T, int64_t D, float eps, const float *norm_in,
+                 const float *norm_post, const proj_t *projs, int64_t I, int64_t H, int64_t KVH, int64_t hd, const float *cos,
+                 const float *ssin, const int64_t *positions, void *kc, void *vc, int64_t NB,
+                 int64_t BS, const int64_t *slots, const int32_t *tables, int64_t MB,
+                 const int32_t *seq_lens, const int32_t *qstart, const int32_t *seqs,
+                 int64_t n_seqs, float scale, int threads, int kv_kind) {
+    return decode_layer_ext(x, T, D, eps, norm_in, norm_post, projs, I, H, KVH, hd, cos, ssin,
+                            positions, kc, vc, NB, BS, slots, tables, MB, seq_lens, qstart, seqs,
+                            n_seqs, scale, threads, kv_kind, NULL);
 }

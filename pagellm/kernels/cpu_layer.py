@@ -22,6 +22,21 @@ class _Projection(ctypes.Structure):  # cpu_layer.c proj_t
     _fields_ = [("nparts", ctypes.c_int64), ("parts", _Part * _MAX_PARTS), ("bias", ctypes.c_void_p)]
 
 
+class _Ext(ctypes.Structure):  # cpu_layer.c layer_ext_t
+    _fields_ = [("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p),
+                ("attn_out_norm", ctypes.c_void_p), ("mlp_out_norm", ctypes.c_void_p),
+                ("gelu", ctypes.c_int64), ("window", ctypes.c_int64)]
+
+
+def _norms(layer) -> tuple:
+    """The layer's norms as the C layer takes them: (before the attention, before the MLP,
+    the attention's output, the MLP's output; the last two None in the Llama form)."""
+    if hasattr(layer, "pre_feedforward_layernorm"):  # Gemma 3: four a layer
+        return (layer.input_layernorm, layer.pre_feedforward_layernorm,
+                layer.post_attention_layernorm, layer.post_feedforward_layernorm)
+    return layer.input_layernorm, layer.post_attention_layernorm, None, None
+
+
 def _parts(packed) -> list | None:
     """The packed form's parts as the C layer takes them (None: a form it does not take)."""
     forms = packed.parts if isinstance(packed, PackedParts) else [packed]
@@ -41,9 +56,10 @@ def _parts(packed) -> list | None:
 
 
 class FusedDecodeLayer:
-    """Holds one DecoderLayer's weights as the C function wants them. Built only for layers
-    whose projections are all packed natively (NativeQ4, NativePanels, NativeGGUF, or parts of those), with
-    float32 norms and biases, on one process."""
+    """Holds one decoder layer's weights as the C function wants them (models/llama.py's
+    DecoderLayer, with or without per-head q/k norms, and models/gemma3.py's layer). Built
+    only for layers whose projections are all packed natively (NativeQ4, NativePanels,
+    NativeGGUF, or parts of those), with float32 norms and biases, on one process."""
 
     def __init__(self, layer):
         attn, mlp = layer.self_attn, layer.mlp
@@ -63,8 +79,13 @@ class FusedDecodeLayer:
                 proj.parts[i] = part
             proj.bias = None if m.bias is None else m.bias.data_ptr()
         self.max_rows = min(m.packed.max_rows for m in linears)
-        self._norms = (layer.input_layernorm.weight.data_ptr(),
-                       layer.post_attention_layernorm.weight.data_ptr())
+        scales = [None if n is None else n.scale() for n in _norms(layer)]
+        qk = [None if n is None else n.scale() for n in (attn.q_norm, attn.k_norm)]
+        self._keep += [t for t in scales + qk if t is not None]  # what the pointers point at
+        self._norms = tuple(t.data_ptr() for t in scales[:2])
+        ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
+        self._ext = _Ext(ptr(qk[0]), ptr(qk[1]), ptr(scales[2]), ptr(scales[3]),
+                         int(hasattr(mlp, "gelu")), attn.window or 0)
 
     @staticmethod
     def supports(layer) -> bool:
@@ -73,14 +94,13 @@ class FusedDecodeLayer:
 
         attn, mlp = layer.self_attn, layer.mlp
         linears = [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
+        norms = [n for n in (*_norms(layer), attn.q_norm, attn.k_norm) if n is not None]
         # the C layer attends itself over the CPU backend's head-major pool: only there
         return (native.available() and parallel.tp_size() == 1
-                and getattr(layer, "llama_form", False)
                 and isinstance(attn.backend, TorchPagedAttention)
                 and all(m.packed is not None and _parts(m.packed) is not None
                         and (m.bias is None or m.bias.dtype == torch.float32) for m in linears)
-                and all(n.weight.dtype == torch.float32 for n in (
-                    layer.input_layernorm, layer.post_attention_layernorm)))
+                and all(n.scale().dtype == torch.float32 for n in norms))
 
     def usable(self, x: torch.Tensor, md: AttentionMetadata) -> bool:
         attn = self.layer.self_attn
@@ -96,14 +116,15 @@ class FusedDecodeLayer:
         attn = self.layer.self_attn
         kvh, nb, bs, _ = attn.k_cache.permute(2, 0, 1, 3).shape
         seqs = md.cache["fused_seqs"]
-        rc = native.library().decode_layer(
+        rc = native.library().decode_layer_ext(
             x.data_ptr(), x.shape[0], x.shape[1], self.eps, *self._norms, ctypes.addressof(self._projs),
             self.intermediate, self.heads, self.kv_heads, self.head_dim,
             self._keep[0].data_ptr(), self._keep[1].data_ptr(), positions.data_ptr(),
             attn.k_cache.data_ptr(), attn.v_cache.data_ptr(), nb, bs,
             md.slot_mapping.data_ptr(), md.block_tables.data_ptr(), md.block_tables.shape[1],
             md.seq_lens.data_ptr(), md.query_start_loc.data_ptr(), seqs.data_ptr(), seqs.numel(),
-            self.scale, torch.get_num_threads(), cpu_attention.kv_kind(attn.k_cache))
+            self.scale, torch.get_num_threads(), cpu_attention.kv_kind(attn.k_cache),
+            ctypes.addressof(self._ext))
         if rc != 0:
             raise MemoryError("decode_layer: out of memory for its buffers")
         return x

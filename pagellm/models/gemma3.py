@@ -10,9 +10,10 @@
   their own rotary base (10,000); every sixth layer (config.layer_types) is global.
 - The MLP gates with GELU (tanh approximation), not SiLU.
 
-The native one-call layers (kernels/cpu_layer.py, cpu_wide_layer.py) compute the Llama form
-only, so these layers run as modules; their products, norms and attention are the same native
-kernels.
+Steps of a few rows run each layer as one native call (kernels/cpu_layer.py, as the Llama
+form does); larger ones run the modules, whose products, norms and attention are the same
+native kernels (the many-row one-call layers, kernels/cpu_wide_layer.py, are the Llama form's
+only).
 """
 from __future__ import annotations
 
@@ -30,14 +31,16 @@ SLIDING, FULL = "sliding_attention", "full_attention"
 
 
 class GeluMLP(MLP):
+    gelu = True  # the fused layer gates with GELU too (kernels/cpu_layer.py)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(F.gelu(gate, approximate="tanh") * up)
 
 
 class Gemma3DecoderLayer(nn.Module):
-    llama_form = False  # no one-call native form (see the module's docstring)
-    fused = wide_layer = None
+    llama_form = False  # no many-row one-call form (kernels/cpu_wide_layer.py)
+    fused = wide_layer = None  # the few-row one (kernels/cpu_layer.py) once enabled
 
     def __init__(self, config, rotary: RotaryEmbedding, backend: AttentionBackend,
                  window: int | None):
@@ -57,6 +60,10 @@ class Gemma3DecoderLayer(nn.Module):
 
     def forward(self, positions, x, md, out_rows=None):
         """As DecoderLayer.forward: out_rows, the rows whose output is wanted."""
+        if (self.fused is not None and positions.dtype == torch.int64
+                and self.fused.usable(x, md)):  # few rows: all of them
+            x = self.fused(positions, x, md)
+            return x if out_rows is None else x.index_select(0, out_rows)
         a = self.post_attention_layernorm(self.self_attn(positions, self.input_layernorm(x), md,
                                                           out_rows))
         x, h = self.pre_feedforward_layernorm.add_forward(

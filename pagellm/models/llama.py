@@ -76,8 +76,8 @@ class DecoderLayer(nn.Module):
             config.hidden_size, config.num_attention_heads, config.num_key_value_heads, head_dim,
             qkv_bias, rotary, backend,
             qk_norm_eps=config.rms_norm_eps if has_qk_norm(config) else None)
-        # the one-call native layers (kernels/cpu_layer.py, cpu_wide_layer.py) compute this
-        # form only: no per-head q/k norms
+        # the many-row one-call layer (kernels/cpu_wide_layer.py) computes this form only: no
+        # per-head q/k norms (the few-row one, kernels/cpu_layer.py, takes them too)
         self.llama_form = self.self_attn.q_norm is None
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config.hidden_size, config.intermediate_size,
