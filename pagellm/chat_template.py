@@ -2,14 +2,32 @@
 from __future__ import annotations
 
 
+# what render_chat itself passes to the template renderer: not a template variable to set
+RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "messages", "tools", "add_generation_prompt",
+                                      "tokenize", "return_dict", "chat_template",
+                                      "return_assistant_tokens_mask", "tokenizer_kwargs"})
+
+
+def check_template_kwargs(kwargs: dict | None, field: str = "chat_template_kwargs") -> None:
+    """ValueError naming the field for a key render_chat sets itself."""
+    bad = sorted(RESERVED_TEMPLATE_KWARGS & set(kwargs or ()))
+    if bad:
+        prefix = f"{field}: " if field else ""
+        raise ValueError(f"{prefix}{bad[0]!r} is not a template variable that can be set here")
+
+
 def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
-                tools: list[dict] | None = None) -> list[int]:
+                tools: list[dict] | None = None,
+                template_kwargs: dict | None = None) -> list[int]:
+    """template_kwargs: more variables for the template (vLLM's chat_template_kwargs, e.g.
+    Qwen3's {"enable_thinking": False})."""
+    check_template_kwargs(template_kwargs)
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise ValueError("messages: this model has no chat template; use a completion prompt")
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or "role" not in m:
             raise ValueError(f"messages[{i}] must be an object with a 'role'")
-    kw = {"tools": tools} if tools else {}
+    kw = {**(template_kwargs or {}), **({"tools": tools} if tools else {})}
     text = tokenizer.apply_chat_template(messages, tokenize=False,
                                          add_generation_prompt=add_generation_prompt, **kw)
     # The template writes any BOS itself; encoding must not add a second one.

@@ -94,12 +94,18 @@ class LLM:
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
-             add_generation_prompt: bool = True) -> list[RequestOutput]:
+             add_generation_prompt: bool = True,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """chat_template_kwargs: more variables for the chat template (e.g. Qwen3's
+        {"enable_thinking": False})."""
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.apply_chat_template(c, add_generation_prompt) for c in convs]
+        prompts = [self.apply_chat_template(c, add_generation_prompt, chat_template_kwargs)
+                   for c in convs]
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            chat_template_kwargs: dict | None = None) -> list[int]:
         from pagellm.chat_template import render_chat
 
-        return render_chat(self.engine.tokenizer, messages, add_generation_prompt)
+        return render_chat(self.engine.tokenizer, messages, add_generation_prompt,
+                           template_kwargs=chat_template_kwargs)

@@ -389,6 +389,36 @@ def test_tokenize_detokenize(srv, offline):
     assert bad.status_code == 400 and "out of range" in bad.json()["error"]["message"]
 
 
+def test_chat_template_kwargs(srv, offline):
+    """vLLM's chat_template_kwargs are variables of the chat template (Qwen3's
+    enable_thinking): on chat completions (the official client's extra_body) and /tokenize,
+    the prompt is LLM.apply_chat_template's with the same variables; a variable the server
+    sets itself (tools, add_generation_prompt, ...) is a 400 naming the field."""
+    think = ("{% if enable_thinking is defined and not enable_thinking %}"
+             "<think>\n\n</think>\n\n{% endif %}")
+    tokenizers = [srv.api.tokenizer, offline.get_tokenizer()]
+    saved = [t.chat_template for t in tokenizers]
+    try:
+        for t in tokenizers:
+            t.chat_template = t.chat_template + think
+        off = {"enable_thinking": False}
+        plain = post(srv, "/tokenize", {"messages": CHAT}).json()["tokens"]
+        quiet = post(srv, "/tokenize", {"messages": CHAT, "chat_template_kwargs": off}).json()["tokens"]
+        assert quiet == offline.apply_chat_template(CHAT, chat_template_kwargs=off)
+        assert plain == offline.apply_chat_template(CHAT) and len(quiet) > len(plain)
+        r = srv.client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2,
+                                               extra_body={"chat_template_kwargs": off})
+        assert r.usage.prompt_tokens == len(quiet)
+        bad = post(srv, "/v1/chat/completions", {"model": MODEL, "messages": CHAT,
+                                                 "chat_template_kwargs": {"tools": []}})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "chat_template_kwargs"
+        with pytest.raises(ValueError, match="chat_template_kwargs: 'tools'"):
+            offline.apply_chat_template(CHAT, chat_template_kwargs={"tools": []})
+    finally:
+        for t, template in zip(tokenizers, saved):
+            t.chat_template = template
+
+
 # ---- bad requests ----------------------------------------------------------------------------
 def _c(**kw):
     return {"model": MODEL, "prompt": "hi", "max_tokens": 4, **kw}

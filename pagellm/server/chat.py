@@ -32,7 +32,7 @@ async def create_chat_completion(request: Request):
     api.limits.check_logprobs(req.top_logprobs, "top_logprobs")
     messages = prompt_messages([m.as_dict() for m in req.messages], tools, native)
     ids = await api.off_loop(api.encode_chat, messages, req.add_generation_prompt,
-                             tools if native else None)
+                             tools if native else None, req.chat_template_kwargs)
     api.limits.check_prompt_tokens(len(ids), "messages")
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs: requires logprobs to be true", param="top_logprobs")

@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from pagellm.chat_template import check_template_kwargs
 from pagellm.sampling_params import SamplingParams, StructuredOutputsParams
 from pagellm.server.errors import APIError
 
@@ -265,6 +266,14 @@ class ChatCompletionRequest(_Request):
     tools: list[Tool] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
+    # vLLM's: more variables for the chat template (Qwen3's {"enable_thinking": false})
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_kwargs(cls, v):
+        check_template_kwargs(v, "")
+        return v
 
     @field_validator("tools")
     @classmethod
@@ -405,6 +414,13 @@ class TokenizeRequest(BaseModel):
     add_special: bool | None = None  # llama.cpp's name (its default: false)
     with_pieces: bool = False  # llama.cpp: each token as {"id", "piece"}
     add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_kwargs(cls, v):
+        check_template_kwargs(v, "")
+        return v
 
 
 class DetokenizeRequest(BaseModel):

@@ -136,12 +136,14 @@ class OpenAIServer:
         return None, ids
 
     def encode_chat(self, messages, add_generation_prompt: bool,
-                    tools: list[dict] | None = None) -> list[int]:
-        """messages: ChatMessage models or dicts already in the template's form."""
+                    tools: list[dict] | None = None,
+                    template_kwargs: dict | None = None) -> list[int]:
+        """messages: ChatMessage models or dicts already in the template's form;
+        template_kwargs: the request's chat_template_kwargs."""
         try:
             ids = render_chat(self.tokenizer,
                               [m if isinstance(m, dict) else m.as_dict() for m in messages],
-                              add_generation_prompt, tools)
+                              add_generation_prompt, tools, template_kwargs)
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from None
         except Exception as e:  # a template that raises (jinja TemplateError, ...)
