@@ -155,6 +155,9 @@ def main(argv: list[str] | None = None) -> int:
                      help="queued requests beyond which new ones get 503")
     srv.add_argument("--drain-timeout", type=float, default=30.0,
                      help="seconds SIGTERM waits for running requests")
+    srv.add_argument("--reasoning-parser", choices=["qwen3", "deepseek_r1"], default=None,
+                     help="chat completions carry a reasoning model's <think> text in "
+                     "`reasoning` / `reasoning_content`, apart from `content`")
     srv.add_argument("--generation-config", choices=["auto", "none"], default="auto",
                      help="sampling defaults for fields a request omits: auto = the model's "
                      "generation config, else llama.cpp's (temperature 0.8, top_k 40, top_p "

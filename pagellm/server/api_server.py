@@ -167,7 +167,7 @@ def serve(args, engine_kwargs: dict) -> int:
                 ", ".join(f"{k}={v}" for k, v in defaults.items()) or "none", source)
     api = OpenAIServer(engine, name, api_key=args.api_key or os.environ.get("PAGELLM_API_KEY"),
                        max_waiting=args.max_waiting, sampling_defaults=defaults,
-                       limits=Limits.from_args(args))
+                       limits=Limits.from_args(args), reasoning_parser=args.reasoning_parser)
     config = uvicorn.Config(build_app(api), host=args.host, port=args.port, log_level="info",
                             timeout_graceful_shutdown=5, lifespan="on")
     server = DrainingServer(config, api, args.drain_timeout)

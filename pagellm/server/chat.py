@@ -1,4 +1,5 @@
-"""POST /v1/chat/completions, with tool calling (server/tools.py)."""
+"""POST /v1/chat/completions, with tool calling (server/tools.py) and reasoning models'
+thinking apart from the answer (server/reasoning.py)."""
 from __future__ import annotations
 
 import json
@@ -10,6 +11,8 @@ from fastapi.responses import JSONResponse
 
 from pagellm.server.errors import APIError, parse_request, sampling_error
 from pagellm.server.protocol import ChatCompletionRequest
+from pagellm.server.reasoning import (ReasoningStream, message_fields, prompt_opens_thinking,
+                                      split_reasoning)
 from pagellm.server.responses import chat_logprobs, usage
 from pagellm.server.state import OpenAIServer
 from pagellm.server.streaming import ChoiceStream, EventStream, chunk_of, finish, stream_events
@@ -34,6 +37,9 @@ async def create_chat_completion(request: Request):
     ids = await api.off_loop(api.encode_chat, messages, req.add_generation_prompt,
                              tools if native else None, req.chat_template_kwargs)
     api.limits.check_prompt_tokens(len(ids), "messages")
+    parser = api.reasoning_parser
+    opened = parser is not None and prompt_opens_thinking(
+        await api.off_loop(api.tokenizer.decode, ids[-8:]))
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs: requires logprobs to be true", param="top_logprobs")
     num_top = (req.top_logprobs or 0) if req.logprobs else None
@@ -83,12 +89,16 @@ async def create_chat_completion(request: Request):
     if req.stream:
         base["object"] = "chat.completion.chunk"
         tool_streams = [ToolStream(tool_names, bare_json) for _ in choices] if tool_names else None
+        thinking = [ReasoningStream(parser, opened) for _ in choices] if parser else None
 
         def choice_chunk(ch, comp, text, tids, lps):
-            calls = []
+            calls, thought = [], ""
+            if thinking is not None:
+                thought, text = thinking[ch.index].feed(text, comp.finished)
             if tool_streams is not None:
                 text, calls = tool_streams[ch.index].feed(text, comp.finished)
-            delta = {"content": text} if text or not comp.finished else {}
+            delta = {"content": text} if text or not (comp.finished or thought) else {}
+            delta.update(message_fields(thought or None))
             if calls:
                 delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(calls)]
             return chunk_of(base, {"index": ch.index, "delta": delta,
@@ -109,9 +119,10 @@ async def create_chat_completion(request: Request):
     (final,) = await api.final_outputs(request, slots)
     out_choices = []
     for c in final.outputs:
-        content, calls = (parse_tool_calls(c.text, tool_names, bare_json) if tool_names
-                          else (c.text, []))
-        message = {"role": "assistant", "content": content}
+        thought, text = split_reasoning(parser, c.text, opened) if parser else (None, c.text)
+        content, calls = (parse_tool_calls(text, tool_names, bare_json) if tool_names
+                          else (text, []))
+        message = {"role": "assistant", "content": content, **message_fields(thought)}
         if calls:
             message["tool_calls"] = calls
         out_choices.append({"index": c.index, "message": message,

@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 from fastapi import Request
 
 from pagellm.chat_template import render_chat
+from pagellm.server.reasoning import PARSERS
 from pagellm.engine.async_engine import AsyncEngine, RequestError, RequestSlot
 from pagellm.infill import FimTokens, fim_tokens, infill_prompt, require_fim
 from pagellm.metrics import ServerMetrics
@@ -59,7 +60,12 @@ class OpenAIServer:
 
     def __init__(self, engine, model_name: str, api_key: str | None = None,
                  max_waiting: int | None = None, sampling_defaults: dict | None = None,
-                 limits: Limits | None = None):
+                 limits: Limits | None = None, reasoning_parser: str | None = None):
+        """reasoning_parser: server/reasoning.py's PARSERS, or None (thinking stays in the
+        answer's text)."""
+        if reasoning_parser is not None and reasoning_parser not in PARSERS:
+            raise ValueError(f"reasoning_parser {reasoning_parser!r}: known are {list(PARSERS)}")
+        self.reasoning_parser = reasoning_parser
         self.engine = engine
         self.limits = limits or Limits()
         # Values for the sampling fields a request leaves out (the model's generation config

@@ -1,0 +1,106 @@
+"""Reasoning models' thinking apart from the answer (server/reasoning.py, `pagellm serve
+--reasoning-parser`): the parsers' split of whole outputs, the same split however a stream
+cuts the text (tags across deltas), and a live server whose tiny model is made to write a
+think block by a regex, through chat completions, streamed and not, with the prompt leaving
+<think> open or not."""
+from __future__ import annotations
+
+import json
+import random
+
+import httpx
+import pytest
+
+from pagellm import LLM
+from pagellm.server.reasoning import ReasoningStream, split_reasoning
+from tests.test_server import ENGINE_KW, MODEL, running_server, tiny_path, wait_idle  # noqa: F401
+
+CASES = [  # parser, prompt left <think> open, output -> (thinking, answer)
+    ("qwen3", False, "<think>\nplan it\n</think>\n\nThe answer.", ("plan it", "The answer.")),
+    ("qwen3", False, "No thinking here, <think> later is text.",
+     (None, "No thinking here, <think> later is text.")),
+    ("qwen3", False, "  <think>x</think>y", ("x", "y")),
+    ("qwen3", True, "opened by the prompt\n</think>\n\nanswer", ("opened by the prompt", "answer")),
+    ("qwen3", False, "<think></think>\n\nonly an answer", (None, "only an answer")),
+    ("qwen3", False, "<thin", (None, "<thin")),
+    ("deepseek_r1", False, "thinks from the start\n</think>\n\nfinal", ("thinks from the start", "final")),
+    ("deepseek_r1", False, "<think>\nwith the tag</think>final", ("with the tag", "final")),
+    ("deepseek_r1", False, "cut by max_tokens </thi", ("cut by max_tokens </thi", "")),
+    ("deepseek_r1", False, "a </think>b </think> c", ("a", "b </think> c")),
+]
+
+
+@pytest.mark.parametrize("parser,opened,text,want", CASES)
+def test_whole_outputs_and_every_way_a_stream_cuts_them(parser, opened, text, want):
+    assert split_reasoning(parser, text, opened) == want
+    rng = random.Random(text)
+    for _ in range(200):
+        cuts = sorted(rng.sample(range(1, len(text)), rng.randint(0, min(8, len(text) - 1))))
+        pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+        stream, thought, answer = ReasoningStream(parser, opened), "", ""
+        for i, piece in enumerate(pieces):
+            t, a = stream.feed(piece, i == len(pieces) - 1)
+            thought, answer = thought + t, answer + a
+        assert (thought or None, answer) == want, pieces
+
+
+def test_an_unknown_parser_is_refused():
+    with pytest.raises(ValueError, match="reasoning parser 'r2'"):
+        ReasoningStream("r2")
+
+
+@pytest.fixture(scope="module")
+def thinking_server(tiny_path):  # noqa: F811
+    with running_server(LLM(tiny_path, **ENGINE_KW), reasoning_parser="qwen3") as srv:
+        yield srv
+
+
+def _chat(srv, regex: str, stream: bool = False) -> httpx.Response:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 40,
+            "temperature": 0, "guided_regex": regex, "stream": stream}
+    return httpx.post(srv.url + "/v1/chat/completions", json=body, timeout=120)
+
+
+def _streamed(response: httpx.Response) -> tuple[str, str, list[dict]]:
+    deltas = [json.loads(line[6:])["choices"][0]["delta"] for line in response.text.splitlines()
+              if line.startswith("data: {")]
+    thought = "".join(d.get("reasoning_content", "") for d in deltas)
+    assert thought == "".join(d.get("reasoning", "") for d in deltas)
+    return thought, "".join(d.get("content") or "" for d in deltas), deltas
+
+
+def test_the_server_splits_thinking_from_the_answer(thinking_server):
+    srv = thinking_server
+    regex = r"<think>\nfirst, the plan\n</think>\n\nThe answer is 4\."
+    message = _chat(srv, regex).json()["choices"][0]["message"]
+    assert message["reasoning"] == message["reasoning_content"] == "first, the plan"
+    assert message["content"] == "The answer is 4."
+    thought, answer, deltas = _streamed(_chat(srv, regex, stream=True))
+    assert (thought, answer) == ("first, the plan", "The answer is 4.")
+    assert not any("<think>" in (d.get("content") or "") for d in deltas)
+    # the official client: the message's extra field
+    r = srv.client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=40,
+        extra_body={"guided_regex": regex})
+    assert r.choices[0].message.reasoning_content == "first, the plan"
+    # an output without thinking: no reasoning field at all
+    plain = _chat(srv, r"Just 4\.").json()["choices"][0]["message"]
+    assert plain["content"] == "Just 4." and "reasoning" not in plain
+    wait_idle(srv)
+
+
+def test_a_prompt_that_opens_thinking(thinking_server):
+    """A template whose generation prompt ends with <think> (Qwen3.5's, DeepSeek-R1's): the
+    output is thinking until </think>, though it never writes <think> itself."""
+    srv = thinking_server
+    tok = srv.api.tokenizer
+    saved = tok.chat_template
+    tok.chat_template = saved + "{% if add_generation_prompt %}<think>\n{% endif %}"
+    try:
+        message = _chat(srv, r"weighing it\n</think>\n\nyes").json()["choices"][0]["message"]
+        assert (message["reasoning"], message["content"]) == ("weighing it", "yes")
+        thought, answer, _ = _streamed(_chat(srv, r"weighing it\n</think>\n\nyes", stream=True))
+        assert (thought, answer) == ("weighing it", "yes")
+    finally:
+        tok.chat_template = saved
+    wait_idle(srv)
