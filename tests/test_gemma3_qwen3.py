@@ -32,13 +32,16 @@ _SIZES = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_attenti
 _GGUF_SIZES = dict(hidden_size=256, intermediate_size=512, head_dim=64)
 
 
-def _gemma3_config(layer_types, **kw):
+def _gemma3_config(layer_types, linear: bool = False, **kw):
+    """linear: the global layers' rotary scaled (factor 8, as Gemma 3 4B-27B's)."""
     kw = {**_SIZES, "query_pre_attn_scalar": 24, **kw}
+    full = ({"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6} if linear
+            else {"rope_type": "default", "rope_theta": 1e6})
     return transformers.Gemma3TextConfig(
         num_hidden_layers=len(layer_types), sliding_window=WINDOW, layer_types=layer_types,
         architectures=["Gemma3ForCausalLM"],
         rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-                         "full_attention": {"rope_type": "default", "rope_theta": 1e6}}, **kw)
+                         "full_attention": full}, **kw)
 
 
 def _qwen3_config(**kw):
@@ -61,7 +64,8 @@ def _random_model(config):
 
 def _folder(tmp_path_factory, arch: str):
     config = (_gemma3_config(["sliding_attention", "sliding_attention", "full_attention",
-                              "sliding_attention"]) if arch == "gemma3" else _qwen3_config())
+                              "sliding_attention"], linear=True)
+              if arch == "gemma3" else _qwen3_config())
     model = _random_model(config)
     path = tmp_path_factory.mktemp(arch)
     model.save_pretrained(path)

@@ -256,3 +256,37 @@ def test_norm_rounds_rms_norm_once_and_adds_the_bf16_residual(rows, width):
                                           norm.weight.data_ptr(), out.data_ptr(), rows, width,
                                           1e-5, 2) == 0
     assert torch.equal(got_x, want_x) and torch.equal(out, want_h.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("kind", ["one-call", "oneDNN"])
+def test_a_qwen3_layer_equals_the_module_path(tmp_path, monkeypatch, kind):
+    """A Qwen3 layer (q and k normalized per head before the rotation): as one native call
+    where its products are all q32 ones (32-value types), else through the oneDNN products
+    with the native steps between them (a Q6_K down projection has no q32 form); the module
+    path's output and K/V either way, bit for bit."""
+    from gguf import GGMLQuantizationType as Q
+
+    from tests import test_gemma3_qwen3 as tiny
+
+    if kind == "one-call":
+        if not q32.available():
+            pytest.skip("needs the q32 products (AVX-512 VNNI, bf16 units)")
+        monkeypatch.setattr(tiny, "_TYPES", {
+            "q_proj": Q.Q5_0, "k_proj": Q.Q8_0, "v_proj": Q.Q4_1, "o_proj": Q.Q8_0,
+            "gate_proj": Q.Q5_1, "up_proj": Q.Q4_1, "down_proj": Q.Q4_0})
+    path = tmp_path / "qwen3.gguf"
+    tiny.write_gguf(path, "qwen3")
+    llm = LLM(str(path), dtype="bfloat16", kv_cache_memory=2**24, block_size=8, max_num_seqs=64,
+              max_num_batched_tokens=64, enable_prefix_caching=False)
+    try:
+        layer = llm.engine.model.layers[1]
+        assert layer.self_attn.q_norm is not None
+        assert (layer.wide_layer._q32 is not None) == (kind == "one-call")
+        prompts = [[(7 * i + j) % 90 + 3 for j in range(3 + i % 13)] for i in range(48)]
+        prompts.append([(j * 5) % 90 + 3 for j in range(100)])  # prefilled in chunks
+        rows, mismatches = _compare_per_step(llm, 1, prompts)
+    finally:
+        llm.shutdown()
+    assert not mismatches, mismatches
+    assert any(sum(n == 1 for n in q) > 16 for q, _ in rows), [q for q, _ in rows]
+    assert any(n > 16 and n < s for q, lens in rows for n, s in zip(q, lens))

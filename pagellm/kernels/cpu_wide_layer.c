@@ -3,7 +3,8 @@
  *
  *   h = bf16(norm(x))            rms_norm_bf16
  *   qkv = h Wqkv (bf16)          oneDNN
- *   q, k, v = rotate(qkv + b)    rope_qkv_bf16: q float32 out, k and v into the pool
+ *   q, k, v = rotate(qkv + b)    rope_qkv_bf16: q float32 out, k and v into the pool (Qwen3:
+ *                                q and k normalized per head before the rotation)
  *   a = attention(q)             the attention backend
  *   o = a Wo (bf16)              oneDNN
  *   x += o; h = bf16(norm(x))    rms_norm_bf16
@@ -114,14 +115,16 @@ static void rotate_rounded(float *x, int64_t heads, int64_t hd, const float *cos
 }
 
 /* qkv [T, (H + 2 KVH) hd] bf16 (+ bias float32 when given) -> q [T, H hd] float32, q and k
+ * (each head's vector normalized by rms_norm with q_norm / k_norm [hd] first, where given)
  * rotated by their positions' rows of cos / signed_sin [positions, hd]; k and v written to
  * their slots of the head-major pools kc, vc [KVH, NB * BS, row] of kv_kind (store_kv_row:
  * float32, bf16 rounded to nearest even, or int8 codes and a scale a row). Returns 0, or -1
  * when out of memory. */
-int rope_qkv_bf16(const uint16_t *qkv, const float *bias, int64_t T, int64_t H, int64_t KVH,
-                  int64_t hd, const float *cos, const float *ssin, const int64_t *positions,
-                  float *q, void *kc, void *vc, int64_t NB, int64_t BS, const int64_t *slots,
-                  int kv_kind, int threads) {
+int rope_qkv_norm_bf16(const uint16_t *qkv, const float *bias, int64_t T, int64_t H,
+                       int64_t KVH, int64_t hd, const float *cos, const float *ssin,
+                       const int64_t *positions, float *q, void *kc, void *vc, int64_t NB,
+                       int64_t BS, const int64_t *slots, int kv_kind, const float *q_norm,
+                       const float *k_norm, float eps, int threads) {
     const int64_t nq = H * hd, nkv = KVH * hd, width = nq + 2 * nkv;
     int failed = 0;
     #pragma omp parallel num_threads(threads) if (threads > 1 && T > 1)
@@ -137,6 +140,10 @@ int rope_qkv_bf16(const uint16_t *qkv, const float *bias, int64_t T, int64_t H, 
             widen_row(qkv + t * width, row, width);
             if (bias)
                 for (int64_t j = 0; j < width; j++) row[j] += bias[j];
+            if (q_norm) {
+                rms_norm(row, NULL, NULL, q_norm, row, H, hd, eps);
+                rms_norm(row + nq, NULL, NULL, k_norm, row + nq, KVH, hd, eps);
+            }
             rotate_rounded(row, H + KVH, hd, cos + positions[t] * hd, ssin + positions[t] * hd);
             memcpy(q + t * nq, row, sizeof(float) * nq);
             for (int64_t kh = 0; kh < KVH; kh++) {
@@ -148,6 +155,14 @@ int rope_qkv_bf16(const uint16_t *qkv, const float *bias, int64_t T, int64_t H, 
         free(row);
     }
     return failed ? -1 : 0;
+}
+
+int rope_qkv_bf16(const uint16_t *qkv, const float *bias, int64_t T, int64_t H, int64_t KVH,
+                  int64_t hd, const float *cos, const float *ssin, const int64_t *positions,
+                  float *q, void *kc, void *vc, int64_t NB, int64_t BS, const int64_t *slots,
+                  int kv_kind, int threads) {
+    return rope_qkv_norm_bf16(qkv, bias, T, H, KVH, hd, cos, ssin, positions, q, kc, vc, NB, BS,
+                              slots, kv_kind, NULL, NULL, 0.f, threads);
 }
 
 /* A q32 product's weights (layers/q32.py Q32Linear): codes (nibbles: 4-bit, two a byte), d,
@@ -165,6 +180,7 @@ typedef struct {
     float eps, scale;
     const float *norm_in, *norm_post, *qkv_bias, *cos, *ssin;
     q32_t qkv, o, gate_up, down;
+    const float *q_norm, *k_norm;  /* Qwen3's per-head norms, or NULL */
 } wide_q32_t;
 
 /* The whole many-row layer in one call where every product is a q32 one: the steps above
@@ -195,8 +211,9 @@ int wide_layer_q32(const wide_q32_t *L, float *x, int64_t T, const int64_t *posi
     if (norm_rows(x, NULL, L->norm_in, h, xq, dx, sx, T, D, L->eps, threads)) goto done;
     if (q32_linear(xq, dx, sx, T, D, L->qkv.codes, L->qkv.d, L->qkv.m, L->qkv.zeros,
                    (int)L->qkv.nibbles, L->qkv.n, qkv, threads)) goto done;
-    if (rope_qkv_bf16(qkv, L->qkv_bias, T, L->H, L->KVH, L->hd, L->cos, L->ssin, positions, q,
-                      kc, vc, NB, BS, slots, kv_kind, threads)) goto done;
+    if (rope_qkv_norm_bf16(qkv, L->qkv_bias, T, L->H, L->KVH, L->hd, L->cos, L->ssin, positions,
+                           q, kc, vc, NB, BS, slots, kv_kind, L->q_norm, L->k_norm, L->eps,
+                           threads)) goto done;
     if (paged_attention(q, a, kc, vc, L->H, L->KVH, L->hd, NB, BS, tables, MB, seq_lens,
                         qstart, seqs, n_seqs, L->scale, threads, kv_kind)) goto done;
     if (n_out >= 0) {  /* only these rows go on: theirs to the front of a and x, in order */

@@ -32,7 +32,8 @@ class _WideQ32(ctypes.Structure):  # cpu_wide_layer.c wide_q32_t
                 ("scale", ctypes.c_float), ("norm_in", ctypes.c_void_p),
                 ("norm_post", ctypes.c_void_p), ("qkv_bias", ctypes.c_void_p),
                 ("cos", ctypes.c_void_p), ("ssin", ctypes.c_void_p), ("qkv", _Q32), ("o", _Q32),
-                ("gate_up", _Q32), ("down", _Q32)]
+                ("gate_up", _Q32), ("down", _Q32), ("q_norm", ctypes.c_void_p),
+                ("k_norm", ctypes.c_void_p)]
 
 
 def _out_rows_args(out_rows: torch.Tensor | None) -> tuple:
@@ -45,14 +46,17 @@ def _out_rows_args(out_rows: torch.Tensor | None) -> tuple:
 
 class WideLayer:
     """Runs one DecoderLayer's many-row steps (prefill chunks, large decode batches) where
-    every projection has a prepacked bf16 form. x is updated in place, like the fused decode
-    layer's."""
+    every projection has a prepacked bf16 form (Qwen3's per-head q/k norms included). x is
+    updated in place, like the fused decode layer's."""
 
     def __init__(self, layer):
         attn, mlp = layer.self_attn, layer.mlp
         self.layer = layer
         self._tables = attn.rotary.float32_tables()  # shared by every layer
         self.eps = layer.input_layernorm.eps
+        # the per-head norms' weights (float32, contiguous: supports()), or None
+        self._qk = ((attn.q_norm.scale(), attn.k_norm.scale()) if attn.q_norm is not None
+                    else (None, None))
         self._projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         self._q32 = self._q32_layer()
 
@@ -76,13 +80,14 @@ class WideLayer:
         if any(not t.is_contiguous() for t in (*norms, *self._tables)) or (
                 bias is not None and (not bias.is_contiguous() or bias.shape[0] != qkv.out_features)):
             return None
-        self._q32_tensors = (*forms, *norms, bias, *self._tables)
+        self._q32_tensors = (*forms, *norms, bias, *self._tables, *self._qk)
         return _WideQ32(
             d, attn.num_heads, attn.num_kv_heads, attn.head_dim, i, self.eps, attn.scale,
             norms[0].data_ptr(), norms[1].data_ptr(), None if bias is None else bias.data_ptr(),
             self._tables[0].data_ptr(), self._tables[1].data_ptr(),
             *(_Q32(f.codes.data_ptr(), f.d.data_ptr(), f.m.data_ptr(), f.zeros_ptr(), f.nibbles,
-                   f.out_features) for f in forms))
+                   f.out_features) for f in forms),
+            *(None if t is None else t.data_ptr() for t in self._qk))
 
     @staticmethod
     def supports(layer) -> bool:
@@ -91,9 +96,12 @@ class WideLayer:
 
         attn, mlp = layer.self_attn, layer.mlp
         qkv, o, gu, down = attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
+        qk_ok = attn.q_norm is None or all(
+            n.weight.dtype == torch.float32 and n.weight.is_contiguous()
+            and n.eps == layer.input_layernorm.eps for n in (attn.q_norm, attn.k_norm))
         # the K/V writes go straight into the CPU backend's head-major pool: only there
         return (native.available() and parallel.tp_size() == 1
-                and getattr(layer, "llama_form", False)
+                and getattr(layer, "llama_form", False) and qk_ok
                 and isinstance(attn.backend, TorchPagedAttention)
                 and all(m.bf16_wide is not None and m.int8 is None for m in (qkv, o, gu, down))
                 and (qkv.bias is None or qkv.bias.dtype == torch.float32)
@@ -143,13 +151,15 @@ class WideLayer:
         q = torch.empty(T, attn.num_heads, attn.head_dim, dtype=torch.float32, device="cpu")
         kvh, nb, bs, _ = attn.k_cache.permute(2, 0, 1, 3).shape
         bias = attn.qkv_proj.bias
-        if lib.rope_qkv_bf16(
+        if lib.rope_qkv_norm_bf16(
                 qkv.data_ptr(), None if bias is None else bias.data_ptr(), T, attn.num_heads,
                 kvh, attn.head_dim, self._tables[0].data_ptr(), self._tables[1].data_ptr(),
                 positions.data_ptr(), q.data_ptr(), attn.k_cache.data_ptr(),
                 attn.v_cache.data_ptr(), nb, bs, md.slot_mapping.data_ptr(),
-                cpu_attention.kv_kind(attn.k_cache), threads) != 0:
-            raise MemoryError("rope_qkv_bf16: out of memory for its buffers")
+                cpu_attention.kv_kind(attn.k_cache),
+                *(None if t is None else t.data_ptr() for t in self._qk), self.eps,
+                threads) != 0:
+            raise MemoryError("rope_qkv_norm_bf16: out of memory for its buffers")
         a = attn.backend.forward(q, attn.k_cache, attn.v_cache, md, attn.scale).view(T, -1)
         if out_rows is not None:
             a, x = a.index_select(0, out_rows), x.index_select(0, out_rows)

@@ -65,6 +65,8 @@ SIGNATURES = {
     "decode_layer": ([_P, _I64, _I64, _F32, _P, _P, _P, _I64, _I64,
                       _I64, _I64, _P, _P, _P, _P, _P, _I64, _I64, _P, _P, _I64, _P, _P, _P, _I64,
                       _F32, _I32, _I32], ctypes.c_int),
+    "rope_qkv_norm_bf16": ([_P, _P, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _P, _P, _I64, _I64,
+                            _P, _I32, _P, _P, _F32, _I32], ctypes.c_int),
     "decode_layer_ext": ([_P, _I64, _I64, _F32, _P, _P, _P, _I64, _I64, _I64, _I64, _P, _P, _P,
                           _P, _P, _I64, _I64, _P, _P, _I64, _P, _P, _P, _I64, _F32, _I32, _I32,
                           _P], ctypes.c_int),

@@ -65,6 +65,10 @@ class OffsetRMSNorm(RMSNorm):
 
     _scale: tuple[tuple, torch.Tensor] | None = None
 
+    def forget_scale(self) -> None:
+        """After the weight is written in place (`.data.copy_` leaves its version as it was)."""
+        self._scale = None
+
     def scale(self) -> torch.Tensor:
         w = self.weight  # made again when the weight is loaded or converted
         key = (w.data_ptr(), w.dtype, w.device, w._version)

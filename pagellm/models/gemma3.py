@@ -72,11 +72,17 @@ class Gemma3DecoderLayer(nn.Module):
 
 
 class _RopeOf:
-    """A config's view for one layer type's rotary: its rope_parameters as the whole's."""
+    """A config's view for one layer type's rotary: that type's rope parameters as the whole
+    config's (transformers' rope initialisers read `rope_parameters`, or `rope_scaling` before
+    transformers 5), the rest the config's own."""
 
     def __init__(self, config, params: dict):
-        self._config, self.rope_parameters = config, params
+        self._config = config
+        self.rope_parameters = self.rope_scaling = params
         self.rope_theta = params.get("rope_theta", 10000.0)
+
+    def standardize_rope_params(self) -> None:
+        """Already one layer type's parameters (transformers 5 calls this on the config)."""
 
     def __getattr__(self, name):
         return getattr(self._config, name)
@@ -84,12 +90,14 @@ class _RopeOf:
 
 def _rope_parameters(config, layer_type: str) -> dict:
     params = getattr(config, "rope_parameters", None) or {}
-    if layer_type in params:  # transformers 5: one entry a layer type
+    if layer_type in params:  # transformers 5 (and a GGUF file's config): one entry a type
         return params[layer_type]
+    # before transformers 5: the local layers' base apart, the global layers' scaling
     if layer_type == SLIDING:
         return {"rope_type": "default",
                 "rope_theta": getattr(config, "rope_local_base_freq", 10000.0)}
-    return params or {"rope_type": "default", "rope_theta": getattr(config, "rope_theta", 1e6)}
+    return {"rope_type": "default", **(getattr(config, "rope_scaling", None) or {}),
+            "rope_theta": getattr(config, "rope_theta", 1e6)}
 
 
 class Gemma3ForCausalLM(LlamaForCausalLM):
@@ -100,6 +108,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
                                  "(Gemma 2) is not supported")
         super().__init__(config, backend, max_position)
         self.norm = OffsetRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm.requires_grad_(False)
         self.embed_scale = config.hidden_size ** 0.5
 
     def _make_layers(self, config, backend, max_position, qkv_bias):
@@ -111,4 +120,10 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         return [Gemma3DecoderLayer(config, rotaries[t], backend,
                                    config.sliding_window if t == SLIDING else None)
                 for t in types]
+
+    def load_weights(self, weights) -> None:
+        super().load_weights(weights)
+        for m in self.modules():  # the weights were written in place: 1 + w made again
+            if isinstance(m, OffsetRMSNorm):
+                m.forget_scale()
 

@@ -470,8 +470,13 @@ def _gemma3_kwargs(md: dict, kwargs: dict, key) -> dict:
     scores scaled by head_dim ** -0.5 (hidden / heads for the 62-layer 27B)."""
     layers, pattern = kwargs["num_hidden_layers"], md.get("gemma3.attention.sliding_window_pattern", 6)
     if isinstance(pattern, (list, tuple)):  # one flag a layer: whether it is local
+        if len(pattern) != layers:
+            raise ValueError(f"gemma3.attention.sliding_window_pattern has {len(pattern)} flags "
+                             f"for {layers} layers")
         types = ["sliding_attention" if p else "full_attention" for p in pattern]
     else:
+        if pattern < 1:
+            raise ValueError(f"gemma3.attention.sliding_window_pattern is {pattern}; must be >= 1")
         types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
                  for i in range(layers)]
     full = {"rope_type": "default", "rope_theta": kwargs.pop("rope_theta")}

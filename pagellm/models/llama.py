@@ -68,6 +68,10 @@ def has_qk_norm(config) -> bool:
 
 
 class DecoderLayer(nn.Module):
+    # the many-row one-call layer (kernels/cpu_wide_layer.py) computes this form (Qwen3's
+    # per-head q/k norms included), not Gemma 3's (models/gemma3.py)
+    llama_form = True
+
     def __init__(self, config, rotary: RotaryEmbedding, backend: AttentionBackend, qkv_bias: bool):
         super().__init__()
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -76,9 +80,6 @@ class DecoderLayer(nn.Module):
             config.hidden_size, config.num_attention_heads, config.num_key_value_heads, head_dim,
             qkv_bias, rotary, backend,
             qk_norm_eps=config.rms_norm_eps if has_qk_norm(config) else None)
-        # the many-row one-call layer (kernels/cpu_wide_layer.py) computes this form only: no
-        # per-head q/k norms (the few-row one, kernels/cpu_layer.py, takes them too)
-        self.llama_form = self.self_attn.q_norm is None
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config.hidden_size, config.intermediate_size,
                        bool(getattr(config, "mlp_bias", False)))
@@ -115,7 +116,6 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         qkv_bias = bool(getattr(config, "attention_bias", False)) or config.model_type == "qwen2"
-        self.rotary = RotaryEmbedding(config, head_dim, max_position)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(self._make_layers(config, backend, max_position, qkv_bias))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -130,6 +130,9 @@ class LlamaForCausalLM(nn.Module):
 
     def _make_layers(self, config, backend: AttentionBackend, max_position: int,
                      qkv_bias: bool) -> list[nn.Module]:
+        """The decoder layers, and self.rotary (the rotary they share)."""
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.rotary = RotaryEmbedding(config, head_dim, max_position)
         return [DecoderLayer(config, self.rotary, backend, qkv_bias)
                 for _ in range(config.num_hidden_layers)]
 
@@ -187,7 +190,8 @@ class LlamaForCausalLM(nn.Module):
         x = self.embed_tokens(input_ids)
         if self.act_dtype is not None:
             x = x.to(self.act_dtype)
-        if self.embed_scale is not None:  # in the activations' dtype, as transformers scales
+        if self.embed_scale is not None:  # in the activations' dtype (float32: as llama.cpp and
+            # float32 transformers scale; transformers in bf16 rounds the scale to bf16 first)
             x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
         stack = self.wide_stack if num_layers is None else None
         if stack is not None and stack.usable(positions, x, md):

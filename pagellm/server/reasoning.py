@@ -46,7 +46,6 @@ class ReasoningStream:
         self.at_start = True  # nothing but white space seen yet: an opening <think> may come
         self.after_close = False  # the answer's leading white space is dropped
         self.after_open = True  # and the thinking's
-        self.implicit = parser == "deepseek_r1"
         self.buf = ""
 
     def feed(self, text: str, finished: bool) -> tuple[str, str]:
