@@ -141,10 +141,11 @@ _TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "
         "lm_head.weight": "output.weight"}
 
 
-def write_gguf(path, arch: str):
+def write_gguf(path, arch: str, key_length: int | None = None):
     """A random model of `arch` (gemma3: four layers, every second one global as the file's
     sliding_window_pattern says; the scores scaled by head_dim ** -0.5 as llama.cpp reads
-    Gemma) in blocks; returns transformers' model holding exactly the values the file means."""
+    Gemma) in blocks; returns transformers' model holding exactly the values the file means.
+    key_length: the head width the header states (default: the tensors')."""
     if arch == "gemma3":
         config = _gemma3_config(["sliding_attention", "full_attention"] * 2,
                                 **_GGUF_SIZES, query_pre_attn_scalar=64)
@@ -152,8 +153,8 @@ def write_gguf(path, arch: str):
         config = _qwen3_config(**_GGUF_SIZES)
     model = _random_model(config)
     writer = gguf_writer(path, config, arch, eos_token_id=2)
-    writer.add_key_length(config.head_dim)
-    writer.add_value_length(config.head_dim)
+    writer.add_key_length(key_length or config.head_dim)
+    writer.add_value_length(key_length or config.head_dim)
     if arch == "gemma3":
         writer.add_sliding_window(WINDOW)
         writer.add_sliding_window_pattern([True, False] * 2)  # true: a local layer
@@ -276,3 +277,13 @@ def test_the_fused_layer_equals_the_module_path(tiny_gguf, monkeypatch):
                  use_tqdm=False)
     assert len(diffs) >= 5 * len(layers) and max(diffs) < 1e-4, diffs
     assert max(kv_diffs) < 1e-2, kv_diffs  # bf16 pool: one rounding step at most
+
+
+def test_tensors_that_are_not_the_headers_shapes_are_refused(tmp_path):
+    """A header whose head width does not fit its tensors (q: 4 heads of 64 rows, the header
+    saying 32): refused at load, naming the tensor, not cut to the config's rows."""
+    path = tmp_path / "bad.gguf"
+    write_gguf(path, "qwen3", key_length=32)
+    with pytest.raises(ValueError, match=r"weight layers\.0\.self_attn\.q_proj\.weight: "
+                       r"weight of part 0: shape \(256, 256\) does not match the config's \(128, 256\)"):
+        LLM(str(path), kv_cache_memory=2**22)

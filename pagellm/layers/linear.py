@@ -215,6 +215,8 @@ class ColumnParallelLinear(_Packed, nn.Module):
     def __init__(self, in_features: int, parts: tuple[tuple[int, int], ...], bias: bool):
         super().__init__()
         self.ranges = []  # per part: (start row in the checkpoint tensor, local rows)
+        self.in_features = in_features
+        self.full_rows = [full for full, _ in parts]  # per part: the checkpoint tensor's rows
         for full, unit in parts:
             start, count = parallel.split(full // unit)
             self.ranges.append((start * unit, count * unit))
@@ -225,6 +227,10 @@ class ColumnParallelLinear(_Packed, nn.Module):
 
     def load(self, name: str, tensor: torch.Tensor, shard: int = 0) -> None:
         """name 'weight' or 'bias'; tensor holds the full (unsharded) part number `shard`."""
+        want = (self.full_rows[shard],) + ((self.in_features,) if name == "weight" else ())
+        if tuple(tensor.shape) != want:  # a file whose tensors are not the config's shapes
+            raise ValueError(f"{name} of part {shard}: shape {tuple(tensor.shape)} does not "
+                             f"match the config's {want}")
         start, size = self.ranges[shard]
         offset = sum(n for _, n in self.ranges[:shard])
         part = tensor.narrow(0, start, size)
@@ -249,11 +255,16 @@ class RowParallelLinear(_Packed, nn.Module):
         super().__init__()
         start, count = parallel.split(in_features // unit)
         self.start, self.in_local = start * unit, count * unit
+        self.in_features = in_features
         self.reduce = parallel.tp_size() > 1
         self.weight = nn.Parameter(torch.empty(out_features, self.in_local), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
 
     def load(self, name: str, tensor: torch.Tensor, shard: int = 0) -> None:
+        want = (self.weight.shape[0],) + ((self.in_features,) if name == "weight" else ())
+        if tuple(tensor.shape) != want:  # a file whose tensors are not the config's shapes
+            raise ValueError(f"{name}: shape {tuple(tensor.shape)} does not match the "
+                             f"config's {want}")
         if name == "bias":  # added once, after the reduction
             self.bias.data.copy_(tensor)
             return

@@ -445,7 +445,7 @@ def gguf_config(gguf_file: GGUFFile):
         kwargs["rope_scaling"] = {"rope_type": "linear", "factor": key("rope.scaling.factor")}
     if arch == "llama":  # as transformers does: rope dimension == head_dim for llama only
         kwargs["head_dim"] = key("rope.dimension_count", kwargs["hidden_size"] // num_heads)
-    if arch in ("qwen3", "gemma3"):  # a head's width need not be hidden / heads
+    if arch in ("qwen2", "qwen3", "gemma3"):  # a head's width need not be hidden / heads
         kwargs["head_dim"] = key("attention.key_length", kwargs["hidden_size"] // num_heads)
     if arch == "gemma3":
         kwargs.update(_gemma3_kwargs(md, kwargs, key))

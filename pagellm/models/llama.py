@@ -106,6 +106,14 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(h)
 
 
+def _named(name: str, load, *args) -> None:
+    """load(*args), its ValueError naming the checkpoint's tensor."""
+    try:
+        load(*args)
+    except ValueError as e:
+        raise ValueError(f"weight {name}: {e}") from None
+
+
 class LlamaForCausalLM(nn.Module):
     # checkpoint projection name -> (fused module attribute, part index)
     _FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
@@ -380,10 +388,10 @@ class LlamaForCausalLM(nn.Module):
             if len(parts) >= 4 and parts[-2] in self._FUSED:
                 fused, shard = self._FUSED[parts[-2]]
                 module = self.get_submodule(".".join(parts[:-2] + [fused]))
-                module.load(parts[-1], tensor, shard)
+                _named(name, module.load, parts[-1], tensor, shard)
                 loaded.add(".".join(parts[:-2] + [fused, parts[-1]]))
             elif parts[-2:-1] and parts[-2] in ("o_proj", "down_proj"):
-                self.get_submodule(".".join(parts[:-1])).load(parts[-1], tensor)
+                _named(name, self.get_submodule(".".join(parts[:-1])).load, parts[-1], tensor)
                 loaded.add(name)
             elif name in params:
                 if params[name].shape != tensor.shape:
