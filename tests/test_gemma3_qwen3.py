@@ -88,11 +88,8 @@ def _greedy_reference(model, prompt, n=NEW):
                           attention_mask=torch.ones_like(ids))[0, len(prompt):].tolist()
 
 
-def test_float32_logits_and_greedy_tokens_match_transformers(hf_folder):
-    path, hf = hf_folder
-    llm = LLM(path, dtype="float32", kv_cache_memory=2**22)
-    if isinstance(llm.engine.model, Gemma3ForCausalLM):  # the window does not cap the context
-        assert llm.engine.max_model_len == 256
+def _assert_matches(llm, hf) -> None:
+    """Prefill logits within float32 rounding of transformers', and its greedy tokens."""
     for prompt in PROMPTS:
         ref = _hf_logits(hf, prompt)
         torch.testing.assert_close(_prefill_logits(llm, prompt), ref, atol=1e-4 * ref.abs().max(),
@@ -101,6 +98,14 @@ def test_float32_logits_and_greedy_tokens_match_transformers(hf_folder):
                         use_tqdm=False)
     for prompt, out in zip(PROMPTS, outs):
         assert out.outputs[0].token_ids == _greedy_reference(hf, prompt)
+
+
+def test_float32_logits_and_greedy_tokens_match_transformers(hf_folder):
+    path, hf = hf_folder
+    llm = LLM(path, dtype="float32", kv_cache_memory=2**22)
+    if isinstance(llm.engine.model, Gemma3ForCausalLM):  # the window does not cap the context
+        assert llm.engine.max_model_len == 256
+    _assert_matches(llm, hf)
 
 
 def test_gemma3s_window_matters_and_holds_in_chunks_and_cached_prefixes(gemma3_folder, monkeypatch):
@@ -206,14 +211,7 @@ def test_gguf_config_and_float32_match_transformers(tiny_gguf):
     if config.model_type == "gemma3_text":
         assert config.layer_types == ["sliding_attention", "full_attention"] * 2
         assert config.sliding_window == WINDOW and config.query_pre_attn_scalar == 64
-    for prompt in PROMPTS:
-        ref = _hf_logits(hf, prompt)
-        torch.testing.assert_close(_prefill_logits(llm, prompt), ref, atol=1e-4 * ref.abs().max(),
-                                   rtol=1e-4)
-    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True),
-                        use_tqdm=False)
-    for prompt, out in zip(PROMPTS, outs):
-        assert out.outputs[0].token_ids == _greedy_reference(hf, prompt)
+    _assert_matches(llm, hf)
 
 
 @pytest.mark.skipif(not native.available(), reason="no C compiler on this machine")

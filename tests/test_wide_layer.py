@@ -164,6 +164,17 @@ def test_every_layer_in_one_call_gives_the_per_layer_calls_tokens_and_logprobs(m
     assert len(held) == 2 * len(model.layers) and all(t is None for t in held)
 
 
+def _assert_tiny_layer_equal(llm, layer_index: int) -> None:
+    """A tiny GGUF model's layer over decode steps of many rows and a prefill chunk after
+    cached keys (both asserted to have run through it): the module path's values, bit for bit."""
+    prompts = [[(7 * i + j) % 90 + 3 for j in range(3 + i % 13)] for i in range(48)]
+    prompts.append([(j * 5) % 90 + 3 for j in range(100)])  # prefilled in chunks
+    rows, mismatches = _compare_per_step(llm, layer_index, prompts)
+    assert not mismatches, mismatches
+    assert any(sum(n == 1 for n in q) > 16 for q, _ in rows), [q for q, _ in rows]
+    assert any(n > 16 and n < s for q, lens in rows for n, s in zip(q, lens))
+
+
 @pytest.mark.skipif(not q32.available(), reason="needs the q32 products (AVX-512 VNNI, bf16 units)")
 @pytest.mark.parametrize("kind", ["32-value", "K-quant"])
 def test_one_call_layer_with_a_qkv_bias_equals_the_module_path(tmp_path, monkeypatch, kind):
@@ -188,15 +199,9 @@ def test_one_call_layer_with_a_qkv_bias_equals_the_module_path(tmp_path, monkeyp
         layers = llm.engine.model.layers
         assert layers[1].wide_layer._q32 is not None and layers[0].wide_layer._q32 is None
         assert layers[1].self_attn.qkv_proj.bias is not None
-        prompts = [[(7 * i + j) % 90 + 3 for j in range(3 + i % 13)] for i in range(48)]
-        prompts.append([(j * 5) % 90 + 3 for j in range(100)])  # prefilled in chunks
-        rows, mismatches = _compare_per_step(llm, 1, prompts)
+        _assert_tiny_layer_equal(llm, 1)
     finally:
         llm.shutdown()
-    assert not mismatches, mismatches
-    # decode steps of many rows and a prefill chunk after cached keys went through it
-    assert any(sum(n == 1 for n in q) > 16 for q, _ in rows), [q for q, _ in rows]
-    assert any(n > 16 and n < s for q, lens in rows for n, s in zip(q, lens))
 
 
 def test_wide_layer_gives_the_module_paths_tokens_and_logprobs():
@@ -282,11 +287,6 @@ def test_a_qwen3_layer_equals_the_module_path(tmp_path, monkeypatch, kind):
         layer = llm.engine.model.layers[1]
         assert layer.self_attn.q_norm is not None
         assert (layer.wide_layer._q32 is not None) == (kind == "one-call")
-        prompts = [[(7 * i + j) % 90 + 3 for j in range(3 + i % 13)] for i in range(48)]
-        prompts.append([(j * 5) % 90 + 3 for j in range(100)])  # prefilled in chunks
-        rows, mismatches = _compare_per_step(llm, 1, prompts)
+        _assert_tiny_layer_equal(llm, 1)
     finally:
         llm.shutdown()
-    assert not mismatches, mismatches
-    assert any(sum(n == 1 for n in q) > 16 for q, _ in rows), [q for q, _ in rows]
-    assert any(n > 16 and n < s for q, lens in rows for n, s in zip(q, lens))

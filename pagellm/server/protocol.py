@@ -256,7 +256,18 @@ class Tool(BaseModel):
     function: FunctionDefinition
 
 
-class ChatCompletionRequest(_Request):
+class _TemplateKwargs(BaseModel):
+    # vLLM's: more variables for the chat template (Qwen3's {"enable_thinking": false})
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_kwargs(cls, v):
+        check_template_kwargs(v, "")
+        return v
+
+
+class ChatCompletionRequest(_Request, _TemplateKwargs):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
@@ -266,14 +277,6 @@ class ChatCompletionRequest(_Request):
     tools: list[Tool] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
-    # vLLM's: more variables for the chat template (Qwen3's {"enable_thinking": false})
-    chat_template_kwargs: dict[str, Any] | None = None
-
-    @field_validator("chat_template_kwargs")
-    @classmethod
-    def _template_kwargs(cls, v):
-        check_template_kwargs(v, "")
-        return v
 
     @field_validator("tools")
     @classmethod
@@ -404,7 +407,7 @@ class LlamaCompletionRequest(LlamaCppRequest):
         return [x for x in p]
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(_TemplateKwargs):
     model_config = ConfigDict(extra="allow", strict=True)
     model: str | None = None
     prompt: str | None = None
@@ -414,13 +417,6 @@ class TokenizeRequest(BaseModel):
     add_special: bool | None = None  # llama.cpp's name (its default: false)
     with_pieces: bool = False  # llama.cpp: each token as {"id", "piece"}
     add_generation_prompt: bool = True
-    chat_template_kwargs: dict[str, Any] | None = None
-
-    @field_validator("chat_template_kwargs")
-    @classmethod
-    def _template_kwargs(cls, v):
-        check_template_kwargs(v, "")
-        return v
 
 
 class DetokenizeRequest(BaseModel):
