@@ -19,6 +19,12 @@ F16_FIELDS = {Q.Q8_0: [0], Q.Q4_0: [0], Q.Q4_1: [0, 2], Q.Q5_0: [0], Q.Q5_1: [0,
               Q.Q4_K: [0, 2], Q.Q5_K: [0, 2], Q.Q6_K: [208]}
 
 
+# the types pagellm requantizes to Q8_0 (no native kernel): where their f16 fields lie
+# (IQ1_M has none: its scale's 16 bits are the top nibbles of the 4 uint16 at byte 48)
+REQUANTIZED_F16_FIELDS = {Q.Q2_K: [80, 82], Q.Q3_K: [108], Q.IQ4_NL: [0], Q.IQ4_XS: [0],
+                          Q.IQ3_S: [0], Q.IQ3_XXS: [0], Q.IQ2_XXS: [0], Q.IQ2_XS: [0],
+                          Q.IQ2_S: [0], Q.IQ1_S: [0], Q.IQ1_M: [], Q.TQ1_0: [52], Q.TQ2_0: [64]}
+
 # the largest |code| a block's f16 scale multiplies (times the 6- or 8-bit sub-block scale)
 _CODE_RANGE = {Q.Q8_0: 128, Q.Q4_0: 8, Q.Q4_1: 16, Q.Q5_0: 16, Q.Q5_1: 32, Q.Q4_K: 63 * 15,
                Q.Q5_K: 63 * 31, Q.Q6_K: 127 * 32}
@@ -27,15 +33,29 @@ _CODE_RANGE = {Q.Q8_0: 128, Q.Q4_0: 8, Q.Q4_1: 16, Q.Q5_0: 16, Q.Q5_1: 32, Q.Q4_
 def random_blocks(qtype, n: int, k: int, seed: int, scale: float = 0.05,
                   amplitude: float | None = None) -> quant.GGUFBlocks:
     """[n, k] of type qtype: random codes (and sub-block scales), f16 scales in (0, scale);
-    amplitude instead: scales such that no weight exceeds about that (model-sized weights)."""
-    if amplitude is not None:
-        scale = amplitude / _CODE_RANGE[qtype]
+    amplitude instead: scales such that no weight exceeds about that (model-sized weights;
+    for the requantized types measured on the codes drawn, whose range has no simple bound)."""
+    if qtype in REQUANTIZED_F16_FIELDS:
+        if amplitude is not None:
+            unit = np.abs(random_blocks(qtype, n, k, seed, scale=1.0).dequantize().numpy()).max()
+            scale = amplitude / float(unit)
+        fields = REQUANTIZED_F16_FIELDS[qtype]
+    else:
+        if amplitude is not None:
+            scale = amplitude / _CODE_RANGE[qtype]
+        fields = F16_FIELDS[qtype]
     rng = np.random.default_rng(seed)
     values, nbytes = GGML_QUANT_SIZES[qtype]
     raw = rng.integers(0, 256, (n, k // values, nbytes), dtype=np.uint8)
-    for off in F16_FIELDS[qtype]:
+    for off in fields:
         field = rng.uniform(scale / 50, scale, (n, k // values)).astype(np.float16)
         raw[:, :, off:off + 2] = field.view(np.uint8).reshape(n, k // values, 2)
+    if qtype == Q.IQ1_M:
+        bits = rng.uniform(scale / 50, scale, (n, k // values)).astype(np.float16).view(np.uint16)
+        words = raw[:, :, 48:56].copy().view(np.uint16)  # [n, blocks, 4]
+        for i in range(4):
+            words[:, :, i] = (words[:, :, i] & 0x0FFF) | (((bits >> (4 * i)) & 0xF) << 12)
+        raw[:, :, 48:56] = words.view(np.uint8)
     return quant.GGUFBlocks(torch.from_numpy(raw.reshape(n, -1)), qtype, k)
 
 

@@ -64,10 +64,13 @@ def _llama3_rope_factors(config) -> np.ndarray:
     return np.array(factors, dtype=np.float32)
 
 
-def write_tiny_gguf(path, arch: str, extra=None, rope_freqs: bool = True, vocab=None):
-    """A random model of `arch` in K-quant blocks at `path`; returns transformers' model holding
-    exactly the values the file means (gguf's dequantization). vocab: write_vocab's callback
-    writing a tokenizer (its vocabulary size first)."""
+def write_tiny_gguf(path, arch: str, extra=None, rope_freqs: bool = True, vocab=None,
+                    layer_types=None, top_types=None):
+    """A random model of `arch` in K-quant blocks at `path` (or layer_types / top_types: the
+    type of each layer's projections and of the top tensors); returns transformers' model
+    holding exactly the values the file means (gguf's dequantization). vocab: write_vocab's
+    callback writing a tokenizer (its vocabulary size first)."""
+    layer_types, top_types = layer_types or _LAYER_TYPES, top_types or _TOP_TYPES
     config = _config(arch, vocab[0] if vocab else 96)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config).eval().float()
@@ -80,7 +83,7 @@ def write_tiny_gguf(path, arch: str, extra=None, rope_freqs: bool = True, vocab=
     g = torch.Generator().manual_seed(1)
     for seed, (name, tensor) in enumerate(model.state_dict().items()):
         parts = name.split(".")
-        qtype = _TOP_TYPES.get(name) or (_LAYER_TYPES[int(parts[2])].get(parts[-2])
+        qtype = top_types.get(name) or (layer_types[int(parts[2])].get(parts[-2])
                                          if parts[-1] == "weight" and parts[1] == "layers" else None)
         if qtype is None:  # norms and biases: float32, random so that they matter
             value = (1 + 0.1 * torch.randn(tensor.shape, generator=g)) if "norm" in name else \
@@ -201,11 +204,98 @@ def test_rope_freqs_change_the_angles(tmp_path):
 
 
 def test_types_outside_the_list_are_refused_by_name(tmp_path):
-    path = tmp_path / "iq.gguf"
+    path = tmp_path / "mxfp4.gguf"
     write_tiny_gguf(path, "qwen2", extra=[
-        ("blk.0.attn_q_norm.weight", np.zeros((4, 144), dtype=np.uint8), {"raw_dtype": Q.IQ4_NL})])
-    with pytest.raises(ValueError, match=r"blk\.0\.attn_q_norm\.weight has ggml type IQ4_NL; supported: \["):
+        ("blk.0.attn_q_norm.weight", np.zeros((4, 136), dtype=np.uint8), {"raw_dtype": Q.MXFP4})])
+    with pytest.raises(ValueError, match=r"blk\.0\.attn_q_norm\.weight has ggml type MXFP4; supported: \["):
         load_model_files(str(path), load_tokenizer=False)
+
+
+# An i-quant file's mix (IQ4_XS, IQ3_M, IQ2_M, ... keep some tensors in other types), every
+# type pagellm requantizes to Q8_0 at least once; the head IQ4_NL (32-value blocks).
+_REQUANTIZED_LAYER_TYPES = [
+    {"q_proj": Q.IQ4_XS, "k_proj": Q.IQ4_XS, "v_proj": Q.IQ4_NL, "o_proj": Q.IQ3_S,
+     "gate_proj": Q.IQ3_XXS, "up_proj": Q.IQ2_XXS, "down_proj": Q.Q3_K},
+    {"q_proj": Q.IQ2_XS, "k_proj": Q.IQ2_S, "v_proj": Q.Q4_K, "o_proj": Q.IQ1_S,
+     "gate_proj": Q.IQ1_M, "up_proj": Q.TQ1_0, "down_proj": Q.TQ2_0},
+]
+_REQUANTIZED_TOP_TYPES = {"model.embed_tokens.weight": Q.IQ4_XS, "lm_head.weight": Q.Q2_K}
+
+
+@pytest.fixture(scope="module", params=["qwen2", "llama"])
+def iq_gguf(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(f"iq-{request.param}") / "tiny-iq.gguf"
+    return str(path), write_tiny_gguf(path, request.param, layer_types=_REQUANTIZED_LAYER_TYPES,
+                                      top_types=_REQUANTIZED_TOP_TYPES)
+
+
+def test_i_quant_files_match_transformers_in_float32(iq_gguf):
+    """IQ*, TQ* and the low-bit K-quants (gguf's dequantizer) load as the values the file
+    means: float32 prefill logits and greedy tokens equal transformers'."""
+    path, hf = iq_gguf
+    llm = LLM(path, dtype="float32", kv_cache_memory=2**22)
+    for prompt in PROMPTS:
+        ref = _hf_logits(hf, prompt)
+        torch.testing.assert_close(_prefill_logits(llm, prompt), ref, atol=1e-4 * ref.abs().max(), rtol=1e-4)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    for prompt, out in zip(PROMPTS, llm.generate(PROMPTS, params, use_tqdm=False)):
+        ids = torch.tensor([prompt])
+        ref = hf.generate(ids, max_new_tokens=16, do_sample=False, eos_token_id=None, pad_token_id=0,
+                          attention_mask=torch.ones_like(ids))[0, len(prompt):].tolist()
+        assert out.outputs[0].token_ids == ref
+
+
+def test_i_quant_weights_come_packed_as_q8_0_of_the_file_values(iq_gguf):
+    """Where weights stay packed, each projection, head and embedding of a requantized type
+    comes as Q8_0 blocks holding gguf's Q8_0 quantization of the file's values (rows in
+    transformers' order: llama's q/k permuted back), each within 1/254 of its block's
+    largest (and the f16 scale's rounding: 2^-11 of 127 steps, or below 2^-14 half the
+    subnormal spacing 2^-24 of each); the other types come as before."""
+    from gguf import quants
+
+    path, _ = iq_gguf
+    files = load_model_files(path, load_tokenizer=False)
+    assert files.packed_linears and files.packed_head
+    file_values = dict(files.weights())
+    packed = dict(files.weights(keep_packed=True, keep_head=True, keep_embedding=True))
+    block = {p: "self_attn" for p in ("q_proj", "k_proj", "v_proj", "o_proj")}
+    types = {**{f"model.layers.{i}.{block.get(p, 'mlp')}.{p}.weight": t
+                for i, layer in enumerate(_REQUANTIZED_LAYER_TYPES) for p, t in layer.items()},
+             **_REQUANTIZED_TOP_TYPES}
+    for name, t in types.items():
+        got = packed[name]
+        if t == Q.Q4_K:
+            assert isinstance(got, quant.GGUFBlocks) and got.ggml_type == Q.Q4_K, name
+            continue
+        values = file_values[name]
+        want = torch.from_numpy(quants.dequantize(quants.quantize(values.numpy(), Q.Q8_0), Q.Q8_0))
+        if name == "lm_head.weight":  # the head's Q8_0 form: int8 codes and float32 scales
+            assert isinstance(got, quant.Int8Blocks), name
+        else:
+            assert isinstance(got, quant.GGUFBlocks) and got.ggml_type == Q.Q8_0, name
+        assert torch.equal(got.dequantize(), want), name
+        amax = values.view(values.shape[0], -1, 32).abs().amax(-1, keepdim=True)
+        err = (got.dequantize() - values).view(values.shape[0], -1, 32).abs()
+        assert bool((err <= amax / 254 * (1 + 127 / 1024) + 127 * 2**-25).all()), name
+
+
+@pytest.mark.skipif(not native.available(), reason="no C compiler on this machine")
+def test_the_packed_path_runs_i_quants_as_q8_0(iq_gguf):
+    """dtype auto: every projection and the head stay packed (Q8_0), and the logits are about
+    as close to transformers' as the model dequantized to bfloat16 (Q8_0's rounding, 1/254 of
+    a block's largest, is bf16's 2^-9 of each weight in size)."""
+    path, hf = iq_gguf
+    packed = LLM(path, kv_cache_memory=2**22)
+    dense = LLM(path, kv_cache_memory=2**22, dtype="bfloat16", quantization="none")
+    model = packed.engine.model
+    assert packed.engine.dtype == torch.bfloat16
+    assert model.num_packed() == (4 * 2, 4 * 2) and model.head_packed is not None
+    for prompt in [PROMPTS[0], PROMPTS[2], list(range(60, 90))]:
+        ref = _hf_logits(hf, prompt)
+        ours = _prefill_logits(packed, prompt)
+        err = (ours - ref).abs().max() / ref.abs().max()
+        err_dense = (_prefill_logits(dense, prompt) - ref).abs().max() / ref.abs().max()
+        assert err <= 3 * err_dense + 5e-3, (len(prompt), float(err), float(err_dense))
 
 
 def test_unknown_tensors_are_refused(tmp_path):

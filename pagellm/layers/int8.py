@@ -22,7 +22,8 @@ codes hold every weight of the file exactly.
 
 The 32-value types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) carry a float scale per 32 values, whose
 product with the activations' scale costs as many multiplying instructions as float32 does
-(kernels/cpu_int8.c): they keep their dense weights, as do Q2_K / Q3_K.
+(kernels/cpu_int8.c): they keep their dense weights (as do the types requantized to Q8_0 at
+load, gguf_loader.REQUANTIZED_TYPES).
 """
 from __future__ import annotations
 

@@ -172,7 +172,7 @@ class _Packed:
 
     def _keep(self, shard: int, part: quant.Int4Blocks | quant.GGUFBlocks | None,
               write_dense) -> None:
-        """part None: this shard came dense (e.g. a Q2_K v_proj beside Q4 q/k), so the
+        """part None: this shard came dense (e.g. an F16 v_proj beside Q4 q/k), so the
         fused weight cannot be packed; parts already kept are dropped. write_dense() copies
         this part's dense values into the weight, now or once it is known to be needed."""
         parts = self.__dict__.setdefault("_packed_parts", {})

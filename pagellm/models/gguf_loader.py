@@ -32,10 +32,16 @@ _Q = GGMLQuantizationType
 _FLOAT_TYPES = {_Q.F32: (np.float32, torch.float32), _Q.F16: (np.float16, torch.float16),
                 _Q.BF16: (np.uint16, torch.bfloat16)}
 # Block formats: dequantized to float32 (Q8_0 / Q4_0 / Q4_1 by dequantize_blocks, the rest by
-# gguf's reference code), or kept packed (quant.GGUF_PACKED_TYPES). Others (IQ*, TQ*, ...) are
-# refused rather than silently mis-read.
+# gguf's reference code), or kept packed (quant.GGUF_PACKED_TYPES). Types with no native kernel
+# (REQUANTIZED_TYPES: the low-bit K-quants, the i-quants of IQ* files, ternary TQ*) are read by
+# gguf's dequantizer and, where a file's weights stay packed, quantized again to Q8_0 at load:
+# the native kernels' type that holds their values most closely (rounding each to 1/254 of its
+# 32-value block's largest), at half of bf16's memory. Others are refused, not mis-read.
 _FAST_BLOCK_TYPES = {_Q.Q8_0, _Q.Q4_0, _Q.Q4_1}
-_BLOCK_TYPES = _FAST_BLOCK_TYPES | {_Q.Q5_0, _Q.Q5_1, _Q.Q2_K, _Q.Q3_K, _Q.Q4_K, _Q.Q5_K, _Q.Q6_K}
+REQUANTIZED_TYPES = frozenset({
+    _Q.Q2_K, _Q.Q3_K, _Q.IQ1_S, _Q.IQ1_M, _Q.IQ2_XXS, _Q.IQ2_XS, _Q.IQ2_S, _Q.IQ3_XXS, _Q.IQ3_S,
+    _Q.IQ4_NL, _Q.IQ4_XS, _Q.TQ1_0, _Q.TQ2_0})
+_BLOCK_TYPES = _FAST_BLOCK_TYPES | {_Q.Q5_0, _Q.Q5_1, _Q.Q4_K, _Q.Q5_K, _Q.Q6_K} | REQUANTIZED_TYPES
 
 # GGUF metadata value types (gguf spec): fixed-size scalars, 8 = string, 9 = array.
 _SCALAR_FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
@@ -228,8 +234,15 @@ def has_packed_linears(gguf_file: GGUFFile) -> bool:
     """Whether any projection weight is stored in a block type this machine can keep packed
     (without a C compiler only Q4_0 / Q4_1: a K-quant file then runs dense, in float32 where
     dtype auto decides, instead of dense bf16 on CPUs without bf16 units)."""
-    types = packable_types()
+    types = _packable_or_requantized()
     return any(t.ggml_type in types and _LINEAR.fullmatch(t.hf_name) for t in gguf_file.tensors)
+
+
+def _packable_or_requantized() -> frozenset:
+    """The types whose weights can stay packed here: packable_types(), and with the native
+    kernels (Q8_0 among them) the types requantized to Q8_0."""
+    types = packable_types()
+    return types | REQUANTIZED_TYPES if _Q.Q8_0 in types else types
 
 
 def _head(gguf_file: GGUFFile) -> GGUFTensor:
@@ -241,7 +254,7 @@ def _head(gguf_file: GGUFFile) -> GGUFTensor:
 def has_packed_head(gguf_file: GGUFFile) -> bool:
     """Whether the LM head is stored in a block type that can stay packed."""
     head = _head(gguf_file)
-    return head is not None and head.ggml_type in GGUF_PACKED_TYPES
+    return head is not None and head.ggml_type in GGUF_PACKED_TYPES | REQUANTIZED_TYPES
 
 
 def iter_gguf_weights(gguf_file: GGUFFile, keep_packed: bool = False, keep_head: bool = False,
@@ -255,7 +268,8 @@ def iter_gguf_weights(gguf_file: GGUFFile, keep_packed: bool = False, keep_head:
     decodes the rows a step looks up).
     requantize: projections and the head stored in more bits a weight than this packed type
     are requantized to it first (packed or not, the same values: a draft model's cheaper form,
-    SpeculativeConfig.draft_quantization)."""
+    SpeculativeConfig.draft_quantization). Whatever is to come packed in a REQUANTIZED_TYPES
+    type comes as Q8_0 (the draft's requantize type instead where it has one)."""
     # np.asarray drops the memmap subclass: its per-slice bookkeeping is slow; pages stay mapped.
     blob = np.asarray(np.memmap(gguf_file.path, dtype=np.uint8, mode="r"))
     head = _head(gguf_file)
@@ -269,15 +283,18 @@ def iter_gguf_weights(gguf_file: GGUFFile, keep_packed: bool = False, keep_head:
             source, tensor = _requantize(blob, tensor, requantize)
             requantized = True
         linear = keep_packed and _LINEAR.fullmatch(tensor.hf_name)
+        embedding = keep_embedding and not is_head and tensor.hf_name == "model.embed_tokens.weight"
+        if tensor.ggml_type in REQUANTIZED_TYPES and (linear or embedding or (keep_head and is_head)):
+            into = requantize if requantize is not None and (linear or is_head) else _Q.Q8_0
+            source, tensor = _requantize(blob, tensor, into)
+            requantized = True
         # requantized blocks stay GGUF blocks (Q4_1: 5 bits a weight; as Int4Blocks, float32
         # scales and zeros make it 6)
         if linear and tensor.ggml_type in _INT4_TYPES and not requantized:
             yield tensor.hf_name, _load_int4(source, tensor)
         elif keep_head and is_head and tensor.ggml_type == _Q.Q8_0:
             yield tensor.hf_name, _load_int8(source, tensor)
-        elif ((linear or (keep_head and is_head)
-               or (keep_embedding and not is_head and tensor.hf_name == "model.embed_tokens.weight"))
-              and tensor.ggml_type in GGUF_PACKED_TYPES):
+        elif (linear or (keep_head and is_head) or embedding) and tensor.ggml_type in GGUF_PACKED_TYPES:
             yield tensor.hf_name, _load_blocks(source, tensor)
         else:
             yield tensor.hf_name, _load_tensor(source, tensor)
@@ -291,10 +308,15 @@ def _requantize(blob: np.ndarray, tensor: GGUFTensor,
                 ggml_type: GGMLQuantizationType) -> tuple[np.ndarray, GGUFTensor]:
     """The tensor's blocks dequantized and quantized again to ggml_type (gguf's own
     quantizer, rows in the file's order): (its bytes, the tensor described over them)."""
-    rows = tensor.hf_shape[0]
+    rows, cols = tensor.hf_shape
     raw = blob[tensor.offset:tensor.offset + tensor.nbytes].reshape(rows, -1)
-    dense = gguf_dequantize(raw, tensor.ggml_type).astype(np.float32, copy=False)
-    out = np.ascontiguousarray(gguf_quantize(dense, ggml_type)).reshape(-1)
+    block, size = GGML_QUANT_SIZES[ggml_type]
+    out = np.empty((rows, cols // block * size), dtype=np.uint8)
+    step = max(1, (1 << 22) // cols)  # ~16 MB of float32 at a time (a 262k-token embedding)
+    for r in range(0, rows, step):
+        dense = gguf_dequantize(raw[r:r + step], tensor.ggml_type).astype(np.float32, copy=False)
+        out[r:r + step] = gguf_quantize(dense, ggml_type)
+    out = out.reshape(-1)
     return out, dataclasses.replace(tensor, ggml_type=ggml_type, offset=0, nbytes=out.size)
 
 
