@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+import gguf
 import numpy as np
 import pytest
 import torch
@@ -30,12 +31,13 @@ _LAYER_TYPES = [
 _TOP_TYPES = {"model.embed_tokens.weight": Q.Q4_K, "lm_head.weight": Q.Q6_K}
 
 
-def _config(arch: str, vocab_size: int = 96):
+def _config(arch: str, vocab_size: int = 96, rope=None):
     common = dict(vocab_size=vocab_size, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
                   tie_word_embeddings=False, eos_token_id=2, bos_token_id=1)
     if arch == "qwen2":
-        return transformers.Qwen2Config(**common, architectures=["Qwen2ForCausalLM"])
+        return transformers.Qwen2Config(**common, architectures=["Qwen2ForCausalLM"],
+                                        **({"rope_parameters": rope} if rope else {}))
     # Llama 3.1-style scaling with an original context short enough that every band of the
     # frequency correction (kept, interpolated, divided by the factor) is reached
     rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
@@ -65,13 +67,14 @@ def _llama3_rope_factors(config) -> np.ndarray:
 
 
 def write_tiny_gguf(path, arch: str, extra=None, rope_freqs: bool = True, vocab=None,
-                    layer_types=None, top_types=None):
+                    layer_types=None, top_types=None, rope=None):
     """A random model of `arch` in K-quant blocks at `path` (or layer_types / top_types: the
     type of each layer's projections and of the top tensors); returns transformers' model
     holding exactly the values the file means (gguf's dequantization). vocab: write_vocab's
-    callback writing a tokenizer (its vocabulary size first)."""
+    callback writing a tokenizer (its vocabulary size first). rope: qwen2's rope_parameters
+    (yarn written as llama.cpp's converter writes it)."""
     layer_types, top_types = layer_types or _LAYER_TYPES, top_types or _TOP_TYPES
-    config = _config(arch, vocab[0] if vocab else 96)
+    config = _config(arch, vocab[0] if vocab else 96, rope)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config).eval().float()
     writer = gguf_writer(path, config, arch, eos_token_id=2)
@@ -79,6 +82,10 @@ def write_tiny_gguf(path, arch: str, extra=None, rope_freqs: bool = True, vocab=
         writer.add_rope_dimension_count(config.hidden_size // config.num_attention_heads)
     if arch == "llama" and rope_freqs:
         writer.add_tensor("rope_freqs.weight", _llama3_rope_factors(config))
+    if rope and rope.get("rope_type") == "yarn":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(rope["factor"])
+        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
     state = {}
     g = torch.Generator().manual_seed(1)
     for seed, (name, tensor) in enumerate(model.state_dict().items()):
@@ -201,6 +208,43 @@ def test_rope_freqs_change_the_angles(tmp_path):
     assert getattr(llm.engine.hf_config, "rope_freq_factors", None) is None
     ref = _hf_logits(hf, PROMPTS[1])
     assert (_prefill_logits(llm, PROMPTS[1]) - ref).abs().max() > 1e-2 * ref.abs().max()
+
+
+YARN = {"rope_type": "yarn", "rope_theta": 1000000.0, "factor": 4.0,
+        "original_max_position_embeddings": 32}
+
+
+def test_yarn_rope_scaling_matches_transformers(tmp_path):
+    """A Qwen2.5 file made for long contexts (rope.scaling.type yarn, its factor and the
+    context trained on): the interpolated frequencies and attention factor are transformers'
+    (float32 logits equal on a prompt past the original context); the same weights without
+    the scaling are not."""
+    path = tmp_path / "yarn.gguf"
+    hf = write_tiny_gguf(path, "qwen2", rope=YARN)
+    llm = LLM(str(path), dtype="float32", kv_cache_memory=2**22)
+    scaling = getattr(llm.engine.hf_config, "rope_parameters", None) or llm.engine.hf_config.rope_scaling
+    assert scaling["rope_type"] == "yarn" and scaling["factor"] == 4.0
+    prompt = list(range(10, 60))
+    ref = _hf_logits(hf, prompt)
+    torch.testing.assert_close(_prefill_logits(llm, prompt), ref, atol=1e-4 * ref.abs().max(), rtol=1e-4)
+    plain = tmp_path / "plain.gguf"
+    write_tiny_gguf(plain, "qwen2", rope={**YARN, "rope_type": "default"})
+    unscaled = _prefill_logits(LLM(str(plain), dtype="float32", kv_cache_memory=2**22), prompt)
+    assert (unscaled - ref).abs().max() > 1e-2 * ref.abs().max()
+
+
+def test_yarn_settings_transformers_lacks_are_refused(tmp_path):
+    bad = tmp_path / "yarn-log.gguf"
+    config = _config("qwen2")
+    writer = gguf_writer(bad, config, "qwen2", eos_token_id=2)
+    writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    writer.add_rope_scaling_factor(4.0)
+    writer.add_rope_scaling_orig_ctx_len(32)
+    writer.add_float32("qwen2.rope.scaling.yarn_log_multiplier", 0.1)
+    writer.add_tensor("token_embd.weight", np.zeros((96, 256), dtype=np.float32))
+    finish(writer)
+    with pytest.raises(ValueError, match="yarn_log_multiplier"):
+        load_model_files(str(bad), load_tokenizer=False)
 
 
 def test_types_outside_the_list_are_refused_by_name(tmp_path):

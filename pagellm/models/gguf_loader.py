@@ -206,6 +206,26 @@ def _plan_tensor(path, metadata, name, shape, ggml_type, offset) -> GGUFTensor:
     return GGUFTensor(name, hf_name, shape, _Q(ggml_type), offset, nbytes, rope_heads, minus_one)
 
 
+def _yarn(path: str, md: dict, arch: str, key) -> dict:
+    """YaRN rope scaling (Qwen2.5 / Qwen3 files made for 128k contexts) as transformers'
+    `rope_scaling`: the factor, the context trained on, and the ramp's bounds where the file
+    has its own; llama.cpp's defaults (ext_factor 1, attn_factor 1: the attention scaled by
+    0.1 ln(factor) + 1) are transformers' too. A file that changes what transformers cannot
+    express is refused."""
+    rope = {"rope_type": "yarn", "factor": float(key("rope.scaling.factor")),
+            "original_max_position_embeddings": int(key("rope.scaling.original_context_length"))}
+    for gguf_name, hf_name in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")):
+        if f"{arch}.rope.scaling.{gguf_name}" in md:
+            rope[hf_name] = float(md[f"{arch}.rope.scaling.{gguf_name}"])
+    for gguf_name, default in (("yarn_ext_factor", (-1.0, 1.0)), ("attn_factor", (1.0,)),
+                               ("yarn_attn_factor", (1.0,)), ("yarn_log_multiplier", (0.0,))):
+        value = md.get(f"{arch}.rope.scaling.{gguf_name}")
+        if value is not None and float(value) not in default:
+            raise ValueError(f"{path}: {arch}.rope.scaling.{gguf_name} = {value} is not supported "
+                             f"with yarn rope scaling (supported: {list(default)})")
+    return rope
+
+
 # Llama 3 rope scaling: per-frequency divisors of the rotary angles, read into the config.
 ROPE_FREQS = "rope_freqs"
 
@@ -442,9 +462,9 @@ def gguf_config(gguf_file: GGUFFile):
         return value
 
     scaling = md.get(f"{arch}.rope.scaling.type", "none")
-    if scaling not in ("none", "linear"):
+    if scaling not in ("none", "linear", "yarn"):
         raise ValueError(f"{gguf_file.path}: rope scaling {scaling!r} is not supported "
-                         "(supported: none, linear, and Llama 3's rope_freqs)")
+                         "(supported: none, linear, yarn, and Llama 3's rope_freqs)")
     num_heads = key("attention.head_count")
     names = {t.hf_name: t for t in gguf_file.tensors}
     if "model.embed_tokens.weight" not in names:
@@ -465,6 +485,8 @@ def gguf_config(gguf_file: GGUFFile):
     )
     if scaling == "linear":
         kwargs["rope_scaling"] = {"rope_type": "linear", "factor": key("rope.scaling.factor")}
+    elif scaling == "yarn":
+        kwargs["rope_scaling"] = _yarn(gguf_file.path, md, arch, key)
     if arch == "llama":  # as transformers does: rope dimension == head_dim for llama only
         kwargs["head_dim"] = key("rope.dimension_count", kwargs["hidden_size"] // num_heads)
     if arch in ("qwen2", "qwen3", "gemma3"):  # a head's width need not be hidden / heads
