@@ -104,3 +104,84 @@ def test_a_prompt_that_opens_thinking(thinking_server):
     finally:
         tok.chat_template = saved
     wait_idle(srv)
+
+
+def _respond(srv, regex: str, stream: bool = False, **extra) -> httpx.Response:
+    body = {"model": MODEL, "input": "Hi", "max_output_tokens": 40, "temperature": 0,
+            "guided_regex": regex, "stream": stream, **extra}
+    return httpx.post(srv.url + "/v1/responses", json=body, timeout=120)
+
+
+def _events(response: httpx.Response) -> list[dict]:
+    return [json.loads(line[6:]) for line in response.text.splitlines() if line.startswith("data: ")]
+
+
+def test_the_responses_api_gives_a_reasoning_item(thinking_server):
+    """/v1/responses: the thinking is a reasoning item (one reasoning_text part) before the
+    message, streamed as reasoning_text deltas that close before the message opens; the
+    message's log-probs are the answer's tokens only; usage counts the thinking's tokens; a
+    later turn's chat holds the answer, not the thinking; an output without thinking has no
+    reasoning item."""
+    srv = thinking_server
+    regex = r"<think>\nfirst, the plan\n</think>\n\nThe answer is 4\."
+    logprobs = {"include": ["message.output_text.logprobs"], "top_logprobs": 1}
+    body = _respond(srv, regex, **logprobs).json()
+    kinds = [item["type"] for item in body["output"]]
+    assert kinds == ["reasoning", "message"], kinds
+    reasoning, message = body["output"]
+    assert reasoning["content"] == [{"type": "reasoning_text", "text": "first, the plan"}]
+    assert reasoning["summary"] == [] and reasoning["status"] == "completed"
+    part = message["content"][0]
+    assert part["text"] == "The answer is 4."
+    answer_tokens = "".join(lp["token"] for lp in part["logprobs"])
+    assert answer_tokens.strip() == "The answer is 4." and "think" not in answer_tokens
+    details = body["usage"]["output_tokens_details"]
+    assert 0 < details["reasoning_tokens"] < body["usage"]["output_tokens"]
+
+    events = _events(_respond(srv, regex, stream=True, **logprobs))
+    kinds = [e["type"] for e in events]
+    thought = "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta")
+    assert thought == "first, the plan"
+    assert kinds.index("response.reasoning_text.done") < kinds.index("response.output_text.delta")
+    done = [e for e in events if e["type"] == "response.output_item.done"]
+    assert [(e["output_index"], e["item"]["type"]) for e in done] == [(0, "reasoning"), (1, "message")]
+    assert all(e["output_index"] == 1 for e in events if e["type"] == "response.output_text.delta")
+    text = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+    assert text == "The answer is 4."
+    final = events[-1]["response"]
+    assert final["output"][0]["content"] == reasoning["content"]
+    assert final["output"][1]["content"][0]["logprobs"] == part["logprobs"]
+    assert final["usage"] == body["usage"]
+
+    # the official client: the typed reasoning item, output_text the answer alone
+    r = srv.client.responses.create(model=MODEL, input="Hi", max_output_tokens=40,
+                                    extra_body={"guided_regex": regex})
+    assert r.output[0].type == "reasoning" and r.output[0].content[0].text == "first, the plan"
+    assert r.output_text == "The answer is 4."
+    # the next turn's prompt holds the answer as the assistant's turn, not the thinking
+    kept = srv.api.response_store.get(r.id)[1]
+    assert kept[-1] == {"role": "assistant", "content": "The answer is 4."}
+
+    plain = _respond(srv, r"Just 4\.").json()
+    assert [item["type"] for item in plain["output"]] == ["message"]
+    assert plain["usage"]["output_tokens_details"]["reasoning_tokens"] == 0
+    wait_idle(srv)
+
+
+def test_a_response_cut_while_thinking(thinking_server):
+    """max_output_tokens inside the thinking: an incomplete reasoning item and no message,
+    streamed or not; every output token counted as reasoning."""
+    srv = thinking_server
+    regex = r"<think>\n" + "a long plan " * 20 + r"\n</think>\n\nno"
+    body = _respond(srv, regex, max_output_tokens=8).json()
+    assert body["status"] == "incomplete"
+    assert [(i["type"], i["status"]) for i in body["output"]] == [("reasoning", "incomplete")]
+    usage = body["usage"]
+    assert usage["output_tokens_details"]["reasoning_tokens"] == usage["output_tokens"] == 8
+    events = _events(_respond(srv, regex, stream=True, max_output_tokens=8))
+    final = events[-1]
+    assert final["type"] == "response.incomplete"
+    assert [(i["type"], i["status"], i["content"]) for i in final["response"]["output"]] == \
+        [(i["type"], i["status"], i["content"]) for i in body["output"]]
+    assert "response.output_text.delta" not in [e["type"] for e in events]
+    wait_idle(srv)

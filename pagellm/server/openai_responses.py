@@ -7,11 +7,14 @@ message) or items: messages (text parts), the `function_call`s the model made be
 `function_call_output`s that answer them. Function `tools` and `tool_choice` work as on chat
 completions (server/tools.py: the same prompt form, grammar and parsing); `text.format`
 constrains the answer (beside tools on "auto", to calls or that JSON). The output is a list of
-items: a `message` with one `output_text` part (with calls, the text before the first), and a
-`function_call` item per call. A stream sends the documented typed events (response.created,
-response.in_progress, output item / content part / text delta events, function call argument
-events, then response.completed, or response.incomplete at max_output_tokens, or
-response.failed), each with its sequence_number.
+items: with a reasoning parser (server/reasoning.py), a `reasoning` item holding the thinking
+as one `reasoning_text` part; a `message` with one `output_text` part (with calls, the text
+before the first), and a `function_call` item per call. A stream sends the documented typed
+events (response.created, response.in_progress, output item / content part / reasoning text /
+output text delta events, function call argument events, then response.completed, or
+response.incomplete at max_output_tokens, or response.failed), each with its sequence_number.
+A later request's input may carry reasoning items back; the chat leaves them out, as chat
+templates leave out earlier turns' thinking.
 
 `store` (default true) keeps the response and its chat in memory (state.py's ResponseStore,
 bounded in count and bytes), so that a client can go on from it.
@@ -29,6 +32,7 @@ from pydantic import ValidationError
 from pagellm.engine.async_engine import RequestError
 from pagellm.server.errors import APIError, parse_request, sampling_error
 from pagellm.server.protocol import ResponsesRequest, Tool
+from pagellm.server.reasoning import ReasoningStream, prompt_opens_thinking, split_reasoning
 from pagellm.server.responses import chat_logprobs
 from pagellm.server.state import OpenAIServer, iterate
 from pagellm.server.streaming import ChoiceStream, EventStream
@@ -72,8 +76,7 @@ def _arguments(value, at: str) -> dict:
 def input_messages(items) -> list[dict]:
     """`input` -> chat messages in the templates' form (server/tools.py's prompt_messages takes
     them on): function_call items join the assistant message before them as its tool_calls,
-    function_call_output items become tool messages; reasoning items (which this server never
-    makes) are passed over."""
+    function_call_output items become tool messages; reasoning items are passed over."""
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
     out: list[dict] = []
@@ -200,6 +203,16 @@ def text_part(text: str, logprobs: list | None) -> dict:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
 
 
+def reasoning_item(item_id: str, thought: str | None, status: str) -> dict:
+    """The thinking as a reasoning item (no summary: the model's own text, as vLLM gives it)."""
+    return {"id": item_id, "type": "reasoning", "summary": [], "status": status,
+            "content": [] if thought is None else [reasoning_part(thought)]}
+
+
+def reasoning_part(text: str) -> dict:
+    return {"type": "reasoning_text", "text": text}
+
+
 def call_item(call: dict, status: str = "completed", arguments: str | None = None) -> dict:
     """A parsed call (server/tools.py's chat form) as a function_call output item."""
     fn = call["function"]
@@ -274,10 +287,12 @@ class ResponseBuilder:
                 "metadata": req.metadata or {}, "user": req.user}
 
 
-def response_usage(num_prompt: int, num_cached: int, num_generated: int) -> dict:
+def response_usage(num_prompt: int, num_cached: int, num_generated: int,
+                   num_reasoning: int = 0) -> dict:
     return {"input_tokens": num_prompt,
             "input_tokens_details": {"cached_tokens": num_cached, "cache_write_tokens": 0},
-            "output_tokens": num_generated, "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens": num_generated,
+            "output_tokens_details": {"reasoning_tokens": num_reasoning},
             "total_tokens": num_prompt + num_generated}
 
 
@@ -339,6 +354,9 @@ async def create_response(request: Request):
         if len(ids) > fits:
             ids = await _truncated(conversation, encode, fits) or ids
     api.limits.check_prompt_tokens(len(ids), "input")
+    parser = api.reasoning_parser
+    opened = parser is not None and prompt_opens_thinking(
+        await api.off_loop(api.tokenizer.decode, ids[-8:]))
     num_top = (req.top_logprobs or 0) if LOGPROBS_INCLUDE in (req.include or []) else None
     fmt, answer_schema = text_format(req)
     fmt_field = "text.format.schema" if fmt.get("type") == "json_schema" else "text.format"
@@ -393,29 +411,36 @@ async def create_response(request: Request):
             return
         for item in body["output"]:
             for part in item.get("content", []):
-                part["logprobs"] = []
+                if part["type"] == "output_text":
+                    part["logprobs"] = []
         turn = assistant_turn(content, calls)
         kept = conversation + [turn]  # counted whole: a chain's turns are shared, not copied,
         nbytes = len(json.dumps(body)) + len(json.dumps(kept))  # so this over-counts, safely
         api.response_store.put(builder.id, body, kept, nbytes)
 
     if req.stream:
+        thinking = ReasoningStream(parser, opened) if parser else None
         events = _stream(api, slots, params, builder, tool_names, bare_json, num_top,
-                         len(ids), logprobs, keep)
+                         len(ids), logprobs, keep, thinking)
         return EventStream(events, on_close=lambda: api.abort(slots))
 
     (final,) = await api.final_outputs(request, slots)
     comp = final.outputs[0]
     status, incomplete = status_of(comp.finish_reason)
-    calls = parse_tool_calls(comp.text, tool_names, bare_json)[1] if tool_names else []
-    content = message_text(comp.text, calls)
-    n = TokenCursor(api.token_str).within(comp.token_ids,
-                                          len(content or "") if calls else None)
-    output = ([message_item(_id("msg"), content, status,
-                            logprobs(comp.token_ids[:n], (comp.logprobs or [])[:n]))]
-              if content is not None else [])
+    thought, text = split_reasoning(parser, comp.text, opened) if parser else (None, comp.text)
+    # the answer is the output's last characters: the tokens wholly before it are thinking
+    skip = TokenCursor(api.token_str).within(comp.token_ids, len(comp.text) - len(text))
+    answer_ids, answer_lps = comp.token_ids[skip:], (comp.logprobs or [])[skip:]
+    calls = parse_tool_calls(text, tool_names, bare_json)[1] if tool_names else []
+    content = message_text(text, calls) if text or thought is None else None  # thinking only
+    n = TokenCursor(api.token_str).within(answer_ids, len(content or "") if calls else None)
+    output = [reasoning_item(_id("rs"), thought, status)] if thought is not None else []
+    if content is not None:
+        output.append(message_item(_id("msg"), content, status,
+                                   logprobs(answer_ids[:n], answer_lps[:n])))
     body = builder.body(status, output + [call_item(c) for c in calls], response_usage(
-        len(ids), final.num_cached_tokens, len(comp.token_ids)), incomplete)
+        len(ids), final.num_cached_tokens, len(comp.token_ids), skip if thought else 0),
+        incomplete)
     response = JSONResponse(body)
     keep(body, content, calls)
     return response
@@ -440,10 +465,13 @@ async def _truncated(turns: list[dict], encode, fits: int) -> list[int] | None:
 
 
 async def _stream(api, slots, params, builder: ResponseBuilder, tool_names: set[str],
-                  bare_json: bool, num_top: int | None, num_prompt: int, logprobs, keep):
-    """The typed events of one streamed response. A message item opens with the first text
-    that is not white space; with tools, text that may be a call is held back (ToolStream),
-    and each delta carries the log-probs of the tokens whose text it completes."""
+                  bare_json: bool, num_top: int | None, num_prompt: int, logprobs, keep,
+                  thinking: ReasoningStream | None):
+    """The typed events of one streamed response. With a reasoning parser (`thinking`), the
+    thinking streams first as a reasoning item, closed when the answer starts. A message item
+    opens with the first text that is not white space; with tools, text that may be a call is
+    held back (ToolStream), and each delta carries the log-probs of the tokens whose text it
+    completes (after the thinking's tokens)."""
     seq = 0
 
     def event(kind: str, **fields) -> str:
@@ -463,21 +491,35 @@ async def _stream(api, slots, params, builder: ResponseBuilder, tool_names: set[
     entries: list = []
     lps: list = []  # the log-probs sent, formatted
     cursor = TokenCursor(api.token_str)
+    rs_id, thought, reasoning = _id("rs"), "", None  # reasoning: None, "open" or its status
+    rs_where = {"item_id": rs_id, "output_index": 0, "content_index": 0}
+    fed = 0  # characters of output text fed to `thinking`
+    start, skip = None, 0  # where the answer starts: characters, and the tokens wholly before
 
     def take_logprobs(limit: int | None) -> list:
-        """The formatted log-probs of the tokens not yet sent whose text lies within `limit`
-        characters (None: all of them)."""
+        """The formatted log-probs of the answer's tokens not yet sent whose text lies within
+        `limit` of its characters (None: all of them)."""
         if num_top is None:
             return []
-        n = cursor.within(tids, limit)
-        new = logprobs(tids[len(lps):n], entries[len(lps):n]) if n > len(lps) else []
+        n = cursor.within(tids, None if limit is None else (start or 0) + limit)
+        done = skip + len(lps)
+        new = logprobs(tids[done:n], entries[done:n]) if n > done else []
         lps.extend(new)
         return new
 
     def open_message():
-        return [event("response.output_item.added", output_index=0,
+        where["output_index"] = 0 if reasoning is None else 1
+        return [event("response.output_item.added", output_index=where["output_index"],
                       item={**message_item(msg_id, "", "in_progress", None), "content": []}),
                 event("response.content_part.added", **where, part=text_part("", None))]
+
+    def close_reasoning(status: str):
+        nonlocal reasoning
+        reasoning = status
+        yield event("response.reasoning_text.done", **rs_where, text=thought)
+        yield event("response.content_part.done", **rs_where, part=reasoning_part(thought))
+        yield event("response.output_item.done", output_index=0,
+                    item=reasoning_item(rs_id, thought, status))
 
     try:
         async for _, out in iterate(slots):
@@ -488,6 +530,26 @@ async def _stream(api, slots, params, builder: ResponseBuilder, tool_names: set[
             delta, new_ids, new_lps = piece
             tids += new_ids
             entries += new_lps
+            if thinking is not None:
+                fed += len(delta)
+                more, delta = thinking.feed(delta, comp.finished)
+                if more:
+                    if reasoning is None:
+                        reasoning = "open"
+                        yield event("response.output_item.added", output_index=0,
+                                    item=reasoning_item(rs_id, None, "in_progress"))
+                        yield event("response.content_part.added", **rs_where,
+                                    part=reasoning_part(""))
+                    thought += more
+                    yield event("response.reasoning_text.delta", **rs_where, delta=more)
+                if reasoning == "open" and (not thinking.thinking or comp.finished):
+                    for e in close_reasoning("completed" if not thinking.thinking else
+                                             status_of(comp.finish_reason)[0]):
+                        yield e
+                if delta and start is None:
+                    # the answer's first characters: the tokens wholly before are thinking
+                    start = fed - len(thinking.buf) - len(delta)
+                    skip = cursor.within(tids, start)
             if tool_stream is not None:
                 delta = tool_stream.feed(delta, comp.finished)[0]
             held += delta
@@ -503,9 +565,11 @@ async def _stream(api, slots, params, builder: ResponseBuilder, tool_names: set[
             if not comp.finished:
                 continue
             status, incomplete = status_of(comp.finish_reason)
-            calls = parse_tool_calls(comp.text, tool_names, bare_json)[1] if tool_names else []
-            content = message_text(comp.text, calls)
-            output = []
+            # the answer: the output's characters from its start (none: all was thinking)
+            text = comp.text if thinking is None else "" if start is None else comp.text[start:]
+            calls = parse_tool_calls(text, tool_names, bare_json)[1] if tool_names else []
+            content = message_text(text, calls) if text or not thought else None
+            output = [reasoning_item(rs_id, thought, reasoning)] if reasoning else []
             if content is not None:
                 if not opened:
                     opened = True
@@ -519,7 +583,8 @@ async def _stream(api, slots, params, builder: ResponseBuilder, tool_names: set[
                 yield event("response.output_text.done", **where, text=sent, logprobs=lps)
                 yield event("response.content_part.done", **where, part=text_part(sent, lps))
                 item = message_item(msg_id, sent, status, lps)
-                yield event("response.output_item.done", output_index=0, item=item)
+                yield event("response.output_item.done", output_index=where["output_index"],
+                            item=item)
                 output.append(item)
             for call in calls:
                 index = len(output)
@@ -533,14 +598,19 @@ async def _stream(api, slots, params, builder: ResponseBuilder, tool_names: set[
                 item = call_item(call)
                 yield event("response.output_item.done", output_index=index, item=item)
                 output.append(item)
+            if reasoning and start is None:  # all thinking
+                skip = len(comp.token_ids)
             body = builder.body(status, output, response_usage(
-                num_prompt, out.num_cached_tokens, len(comp.token_ids)), incomplete)
+                num_prompt, out.num_cached_tokens, len(comp.token_ids), skip if thought else 0),
+                incomplete)
             final = event("response.completed" if status == "completed"
                           else "response.incomplete", response=body)
             keep(body, content, calls)
             yield final
     except RequestError as e:  # the engine failed the request: the stream says so and ends
         output = [message_item(msg_id, sent, "incomplete", lps)] if opened else []
+        if reasoning:
+            output.insert(0, reasoning_item(rs_id, thought, "incomplete"))
         body = builder.body("failed", output, error={
             "code": "server_error" if e.status_code >= 500 else "invalid_prompt",
             "message": e.message})
