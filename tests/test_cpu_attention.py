@@ -34,9 +34,10 @@ def _values(cache: torch.Tensor) -> torch.Tensor:
     return cpu_attention.dequantize_rows(cache) if cache.dtype == torch.int8 else cache
 
 
-def _reference(q, k_cache, v_cache, tables, seq_lens, qlens, scale, window=None):
+def _reference(q, k_cache, v_cache, tables, seq_lens, qlens, scale, window=None, softcap=None):
     """q [T, H, D]; caches [NB, BS, KVH, row] -> [T, H, D] float64, over the pools' values;
-    window: each row sees only its last `window` positions."""
+    window: each row sees only its last `window` positions; softcap: scores s become
+    softcap * tanh(s / softcap)."""
     k_cache, v_cache = _values(k_cache), _values(v_cache)
     out = torch.zeros(q.shape, dtype=torch.float64)
     h, kvh = q.shape[1], k_cache.shape[2]
@@ -51,6 +52,8 @@ def _reference(q, k_cache, v_cache, tables, seq_lens, qlens, scale, window=None)
             lo = max(0, visible - window) if window else 0
             for head in range(h):
                 scores = k[lo:visible, head // group] @ q[start + j, head].double() * scale
+                if softcap:
+                    scores = softcap * torch.tanh(scores / softcap)
                 out[start + j, head] = torch.softmax(scores, 0) @ v[lo:visible, head // group]
         start += ql
     return out
@@ -311,3 +314,27 @@ def test_sliding_window(d, kv_dtype, native_kernels, monkeypatch):
     # no window, and one wider than every sequence: the plain causal outputs
     plain = backend.forward(q, kc, vc, md, d ** -0.5)
     assert torch.equal(backend.forward(q, kc, vc, md, d ** -0.5, window=200), plain)
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+@pytest.mark.parametrize("d", [16, 64, 128])
+@pytest.mark.parametrize("native_kernels", [True, False])
+def test_soft_capping(d, kv_dtype, native_kernels, monkeypatch):
+    """Gemma 2's soft-capped scores (softcap * tanh(s / softcap) before the softmax): decode
+    and verification rows, prefill chunks of 40 and 150 rows after cached keys (the native
+    flash path's shapes, which the cap sends to the tiles; the PyTorch path's one-sequence
+    form), with and without a sliding window, against float64; a cap that bends the scores
+    changes the outputs."""
+    if not native_kernels:
+        monkeypatch.setattr(cpu_attention, "usable", lambda *a: False)
+    seq_lens, qlens = [30, 9, 37, 100, 19, 200], [1, 1, 5, 40, 19, 150]
+    backend, q, kc, vc, md, tables = _case(16, 2, 2, seq_lens, qlens, seed=d, d=d,
+                                           kv_dtype=kv_dtype)
+    q = q * 2  # scores of a few units: the cap of 1.5 bends them
+    for window in (None, 16):
+        out = backend.forward(q, kc, vc, md, d ** -0.5, window=window, softcap=1.5)
+        ref = _reference(q, kc, vc, tables, seq_lens, qlens, d ** -0.5, window, softcap=1.5)
+        tol = 1e-5 + (_bf16_bound(vc) if native_kernels else 0)
+        assert torch.allclose(out.double(), ref, atol=tol, rtol=1e-5), window
+        uncapped = _reference(q, kc, vc, tables, seq_lens, qlens, d ** -0.5, window)
+        assert (uncapped - ref).abs().max() > 100 * tol

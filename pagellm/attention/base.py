@@ -74,13 +74,15 @@ class AttentionBackend(ABC):
         metadata: AttentionMetadata,
         scale: float,
         window: int | None = None,  # sliding window: each row sees its last `window` positions
+        softcap: float | None = None,  # scores capped to softcap * tanh(s / softcap) (Gemma 2)
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         ...
 
 
 def get_attention_backend(device: torch.device, sliding_window: bool = False) -> AttentionBackend:
-    """Triton kernels on CUDA when they import (and the model has no sliding-window layers,
-    which they do not mask); the PyTorch backend everywhere else."""
+    """Triton kernels on CUDA when they import (and the model has no sliding-window layers or
+    soft-capped scores, which they do not compute: sliding_window then); the PyTorch backend
+    everywhere else."""
     if device.type == "cuda" and not sliding_window:
         try:
             from pagellm.attention.triton_paged import TritonPagedAttention

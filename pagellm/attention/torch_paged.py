@@ -57,11 +57,15 @@ def _attend(
     v: torch.Tensor,  # [n, kv_len, head_dim]
     bias: torch.Tensor,  # [n or 1, rows, kv_len] float32: 0 where a key is visible, else -inf
     scale: float,
+    softcap: float | None = None,  # scores capped to softcap * tanh(s / softcap) (Gemma 2)
 ) -> torch.Tensor:  # [n, rows, head_dim]
     dtype = q.dtype
     if upcast(q) or q.dtype != k.dtype:  # float32 K/V copies cost less than bf16 bmm's slow
         q, k, v = q.float(), k.float(), v.float()  # path on such CPUs; or a float32 KV pool
-    if q.dtype == torch.float32:  # scale * q k^T + bias in one op
+    if softcap:
+        scores = torch.bmm(q, k.transpose(1, 2)).float() * scale
+        scores = torch.tanh(scores / softcap) * softcap + bias
+    elif q.dtype == torch.float32:  # scale * q k^T + bias in one op
         scores = torch.baddbmm(bias, q, k.transpose(1, 2), alpha=scale)
     else:
         scores = torch.bmm(q, k.transpose(1, 2)).float() * scale + bias
@@ -187,7 +191,7 @@ class TorchPagedAttention(AttentionBackend):
                 cache.view(nb * bs, kvh, hd).index_copy_(0, slot_mapping, new.to(cache.dtype))
 
     def forward(self, query, k_cache, v_cache, metadata: AttentionMetadata, scale: float,
-                window: int | None = None):
+                window: int | None = None, softcap: float | None = None):
         # contiguous whatever query's layout (empty_like would copy a dense permutation's
         # strides, and the native kernel writes rows of [T, H, D])
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
@@ -196,7 +200,7 @@ class TorchPagedAttention(AttentionBackend):
         if k_store.dtype == torch.int8 and query.dtype != torch.float32:
             # an int8 pool's products are float32 (the module path of a bf16 model)
             return self.forward(query.float(), k_cache, v_cache, metadata, scale,
-                                window).to(query.dtype)
+                                window, softcap).to(query.dtype)
         seqs = native_seqs(k_cache, v_cache, metadata) if cpu_attention.usable(query, k_store) else None
         if seqs is not None:
             # every sequence, prefill chunks included: reads K/V in place through the block
@@ -205,17 +209,19 @@ class TorchPagedAttention(AttentionBackend):
             # prefilled at 2,930 tokens/s against 2,180 through PyTorch's fused attention)
             cpu_attention.paged_attention(
                 query.contiguous(), k_store, v_store, metadata.block_tables, metadata.seq_lens,
-                metadata.query_start_loc, seqs, scale, out, window)
+                metadata.query_start_loc, seqs, scale, out, window, softcap)
             return out
         short = [b for b, n in enumerate(metadata.query_lens_cpu) if n <= _BATCHED_MAX_QUERY_LEN]
         if short:
-            self._batched(query, k_cache, v_cache, metadata, starts, short, scale, out, window)
+            self._batched(query, k_cache, v_cache, metadata, starts, short, scale, out, window,
+                          softcap)
         for b, qlen in enumerate(metadata.query_lens_cpu):
             if qlen > _BATCHED_MAX_QUERY_LEN:
-                self._single(query, k_cache, v_cache, metadata, starts, b, scale, out, window)
+                self._single(query, k_cache, v_cache, metadata, starts, b, scale, out, window,
+                             softcap)
         return out
 
-    def _batched(self, query, k_cache, v_cache, md, starts, seqs, scale, out, window):
+    def _batched(self, query, k_cache, v_cache, md, starts, seqs, scale, out, window, softcap):
         num_heads, head_dim = query.shape[1], query.shape[2]
         kvh = k_cache.shape[2]
         group = num_heads // kvh
@@ -239,7 +245,7 @@ class TorchPagedAttention(AttentionBackend):
         v = gather_kv(v_cache, tables, max_kv)
         kv_len = k.shape[2]
         o = _attend(q, k.view(kvh * batch, kv_len, head_dim),
-                    v.view(kvh * batch, kv_len, head_dim), bias, scale)
+                    v.view(kvh * batch, kv_len, head_dim), bias, scale, softcap)
         o = o.view(kvh, batch, group, max_q, head_dim).permute(1, 3, 0, 2, 4)
         o = o.reshape(batch, max_q, num_heads, head_dim)
         if contiguous:
@@ -249,7 +255,7 @@ class TorchPagedAttention(AttentionBackend):
             for i, b in enumerate(seqs):
                 out[starts[b] : starts[b] + qlens[i]] = o[i, : qlens[i]]
 
-    def _single(self, query, k_cache, v_cache, md, starts, b, scale, out, window):
+    def _single(self, query, k_cache, v_cache, md, starts, b, scale, out, window, softcap):
         """One long query (a prefill chunk) against its sequence's keys, causal from the bottom
         right: the chunk's queries follow the keys already in the cache (a sliding window's
         rows see their last `window` positions only)."""
@@ -263,6 +269,16 @@ class TorchPagedAttention(AttentionBackend):
         if upcast(q) or q.dtype != k.dtype:  # as _attend: float32 where bf16 products are slow
             q, k, v = q.float(), k.float(), v.float()
         windowed = bool(window) and slen > window  # some row does not see every key before it
+        if softcap:  # capped scores: no fused kernel computes them
+            pos = torch.arange(slen - qlen, slen, device=q.device).unsqueeze(1)
+            seen = _visible(torch.arange(slen, device=q.device), pos, window)
+            bias = torch.zeros(seen.shape, device=q.device).masked_fill_(~seen, float("-inf"))
+            group = num_heads // kvh
+            qg = q.view(qlen, kvh, group, -1).permute(1, 2, 0, 3).reshape(kvh, group * qlen, -1)
+            o = _attend(qg, k, v, bias.repeat(group, 1).unsqueeze(0), scale, softcap)
+            o = o.view(kvh, group, qlen, -1).permute(2, 0, 1, 3).reshape(qlen, num_heads, -1)
+            out[starts[b] : starts[b] + qlen] = o.to(dtype)
+            return
         if slen > qlen and not windowed and _FLASH_WITH_LSE is not None and q.device.type == "cpu":
             o = _prefix_then_causal(q.transpose(0, 1), k, v, slen - qlen, scale)
         else:

@@ -484,9 +484,9 @@ class TritonPagedAttention(AttentionBackend):
                             self.block_n, num_splits=2)
 
     def forward(self, query, k_cache, v_cache, metadata: AttentionMetadata, scale: float,
-                window: int | None = None):
-        if window:  # get_attention_backend gives such models the PyTorch backend
-            raise ValueError("the Triton attention kernels have no sliding window")
+                window: int | None = None, softcap: float | None = None):
+        if window or softcap:  # get_attention_backend gives such models the PyTorch backend
+            raise ValueError("the Triton attention kernels have no sliding window or soft-capping")
         # paged_attention picks the single-kernel or the split-KV path per step.
         out = torch.empty_like(query)
         return paged_attention(query, k_cache, v_cache, metadata, scale, out, self.block_n)

@@ -554,12 +554,19 @@ static inline __attribute__((always_inline)) void tile_values(
     }
 }
 
+/* softcap > 0: each score s becomes softcap * tanh(s / softcap) (Gemma 2's logit soft-capping) */
+static inline void soft_cap(float *p, int64_t n, float softcap) {
+    const float inv = 1.f / softcap;
+    for (int64_t t = 0; t < n; t++) p[t] = softcap * tanhf(p[t] * inv);
+}
+
 /* Each vector's softmax over its own keys lo[i] ..< nv[i] (lo NULL: from key 0), the rest of
- * its row of n scores zeroed; inv[i] = 1 / the sum. */
+ * its row of n scores zeroed; inv[i] = 1 / the sum. softcap > 0: the scores capped first. */
 static inline void tile_softmax(int m, const int64_t *nv, const int64_t *lo, int64_t n,
-                                float *p, int64_t L, float *inv) {
+                                float *p, int64_t L, float *inv, float softcap) {
     for (int i = 0; i < m; i++) {
         const int64_t a = lo ? lo[i] : 0;
+        if (softcap > 0) soft_cap(p + i * L + a, nv[i] - a, softcap);
         inv[i] = 1.f / softmax_avx2(p + i * L + a, nv[i] - a);
         memset(p + i * L, 0, sizeof(float) * a);
         memset(p + i * L + nv[i], 0, sizeof(float) * (n - nv[i]));
@@ -572,7 +579,7 @@ static inline void tile_softmax(int m, const int64_t *nv, const int64_t *lo, int
 static inline __attribute__((always_inline)) void attend_tile(
         int m, const float *const *q, float *const *out, const int64_t *nv, const int64_t *lo,
         const void *kbase, const void *vbase, const int64_t *slot, int64_t D, int64_t n,
-        float scale, float *p, int64_t L, int kind, int64_t v_from, ahead_t *ahead) {
+        float scale, float *p, int64_t L, int kind, int64_t v_from, ahead_t *ahead, float softcap) {
     float inv[TILE];
 #ifdef __AVX512BW__
     if (kind == KV_BF16 && D % 64 == 0 && D <= 256) {
@@ -583,7 +590,7 @@ static inline __attribute__((always_inline)) void attend_tile(
             case 2: tile_scores_bf16u(2, qp, kbase, vbase, slot, D, n, scale, p, L, v_from, ahead); break;
             default: tile_scores_bf16u(TILE, qp, kbase, vbase, slot, D, n, scale, p, L, v_from, ahead); break;
         }
-        tile_softmax(m, nv, lo, n, p, L, inv);
+        tile_softmax(m, nv, lo, n, p, L, inv, softcap);
         switch (m) {
             case 1: tile_values_bf16u(1, p, L, inv, vbase, slot, D, n, out); break;
             case 2: tile_values_bf16u(2, p, L, inv, vbase, slot, D, n, out); break;
@@ -617,7 +624,7 @@ static inline __attribute__((always_inline)) void attend_tile(
         case 2: SCORES(2); break;
         default: SCORES(TILE); break;
     }
-    tile_softmax(m, nv, lo, n, p, L, inv);
+    tile_softmax(m, nv, lo, n, p, L, inv, softcap);
     switch (m) {
         case 1: VALUES(1); break;
         case 2: VALUES(2); break;
@@ -631,17 +638,17 @@ static inline __attribute__((always_inline)) void attend_tile(
 /* attend_tile for each pool kind, compiled apart */
 #define ATTEND_TILE_ARGS int m, const float *const *q, float *const *out, const int64_t *nv, \
         const int64_t *lo, const void *kbase, const void *vbase, const int64_t *slot, int64_t D, int64_t n, \
-        float scale, float *p, int64_t L, int64_t v_from, ahead_t *ahead
+        float scale, float *p, int64_t L, int64_t v_from, ahead_t *ahead, float softcap
 static void attend_tile_f32(ATTEND_TILE_ARGS) {
-    attend_tile(m, q, out, nv, lo, kbase, vbase, slot, D, n, scale, p, L, KV_F32, v_from, ahead);
+    attend_tile(m, q, out, nv, lo, kbase, vbase, slot, D, n, scale, p, L, KV_F32, v_from, ahead, softcap);
 }
 
 static void attend_tile_bf16(ATTEND_TILE_ARGS) {
-    attend_tile(m, q, out, nv, lo, kbase, vbase, slot, D, n, scale, p, L, KV_BF16, v_from, ahead);
+    attend_tile(m, q, out, nv, lo, kbase, vbase, slot, D, n, scale, p, L, KV_BF16, v_from, ahead, softcap);
 }
 
 static void attend_tile_i8(ATTEND_TILE_ARGS) {
-    attend_tile(m, q, out, nv, lo, kbase, vbase, slot, D, n, scale, p, L, KV_I8, v_from, ahead);
+    attend_tile(m, q, out, nv, lo, kbase, vbase, slot, D, n, scale, p, L, KV_I8, v_from, ahead, softcap);
 }
 #undef ATTEND_TILE_ARGS
 #endif
@@ -955,12 +962,13 @@ static void attend_flash(const float *q, float *out, const void *kbase, const vo
 /* One (sequence, KV head) task: the query rows of the `group` heads sharing the KV head, for
  * each of the sequence's ql query rows. kc, vc: pools of `kind` (kv_pool.h). window > 0: a
  * sliding window, each row seeing only its last `window` positions (itself included), as
- * Gemma 3's local layers. */
+ * Gemma's local layers. softcap > 0: scores capped to softcap * tanh(s / softcap) before the
+ * softmax (Gemma 2; the tiles, not the flash path). */
 static int attend(const float *q, float *out, const void *kc, const void *vc, int64_t H,
                   int64_t KVH, int64_t D, int64_t NB, int64_t BS, const int32_t *table,
                   int64_t L, int64_t q0, int64_t ql, int64_t kvh, float scale, int kind,
                   int64_t *slot, float *scores, float *flash_buf, int64_t v_sent, ahead_t *ahead,
-                  int64_t window) {
+                  int64_t window, float softcap) {
     const int64_t group = H / KVH, rows = ql * group;
     const void *kbase = (const char *)kc + kvh * NB * BS * kv_row_bytes(kind, D);
     const void *vbase = (const char *)vc + kvh * NB * BS * kv_row_bytes(kind, D);
@@ -982,7 +990,8 @@ static int attend(const float *q, float *out, const void *kc, const void *vc, in
         }
         const int windowed = window > 0 && L > window;  /* some row does not see every key */
 #ifdef __AVX512F__
-        if (flash_buf && ql >= FLASH_MIN_QUERY_ROWS && (D == 64 || D == 128) && !windowed) {
+        if (flash_buf && ql >= FLASH_MIN_QUERY_ROWS && (D == 64 || D == 128) && !windowed
+                && !(softcap > 0)) {
             attend_flash(q, out, kbase, vbase, H, D, group, slot, L, q0, ql, kvh, scale, kind,
                          flash_buf);
             return 0;
@@ -1011,7 +1020,7 @@ static int attend(const float *q, float *out, const void *kc, const void *vc, in
                                                     kbase, vbase, slot, D,
                                                     nv[m - 1], scale, p, L,
                                                     v0 == 0 ? v_sent : INT64_MAX,
-                                                    v0 == 0 ? ahead : NULL);
+                                                    v0 == 0 ? ahead : NULL, softcap);
         }
         return 0;
     }
@@ -1027,7 +1036,9 @@ static int attend(const float *q, float *out, const void *kc, const void *vc, in
             const int seen = t <= visible && (window <= 0 || visible - t < window);
             for (int64_t g = 0; g < group; g++) {
                 const float *qr = q + ((q0 + j) * H + kvh * group + g) * D;
-                p[(j * group + g) * L + t] = seen ? scale * dot(qr, k, D) : -INFINITY;
+                const float sc = scale * dot(qr, k, D);
+                p[(j * group + g) * L + t] = !seen ? -INFINITY
+                                           : softcap > 0 ? softcap * tanhf(sc / softcap) : sc;
             }
         }
     }
@@ -1088,7 +1099,7 @@ int paged_attention_window(const float *q, float *out, const void *kc, const voi
                            int64_t H, int64_t KVH, int64_t D, int64_t NB, int64_t BS,
                            const int32_t *tables, int64_t MB, const int32_t *seq_lens,
                            const int32_t *qstart, const int32_t *seqs, int64_t n_seqs,
-                           float scale, int threads, int kv_kind, int64_t window) {
+                           float scale, int threads, int kv_kind, int64_t window, float softcap) {
     /* tasks: (sequence, first query row of a chunk), times the KV heads */
     int64_t n_tasks = 0;
     int chunks = 0;  /* a prefill chunk among the sequences: the key-block buffers are needed */
@@ -1156,7 +1167,7 @@ int paged_attention_window(const float *q, float *out, const void *kc, const voi
             const int64_t len = task_keys(qstart, seq_lens, s, c);
             if (slot && p && attend(q, out, kc, vc, H, KVH, D, NB, BS, tables + s * MB, len,
                                     q0 + c, n, kvh, scale, kv_kind, slot, p, fb, v_sent, &ahead,
-                                    window)) {
+                                    window, softcap)) {
                 #pragma omp atomic write
                 failed = 1;
             }
@@ -1168,14 +1179,14 @@ int paged_attention_window(const float *q, float *out, const void *kc, const voi
     return failed ? -1 : 0;
 }
 
-/* paged_attention_window without a window (the C layers' calls) */
+/* paged_attention_window without a window or soft-capping (the many-row C layer's calls) */
 int paged_attention(const float *q, float *out, const void *kc, const void *vc,
                     int64_t H, int64_t KVH, int64_t D, int64_t NB, int64_t BS,
                     const int32_t *tables, int64_t MB, const int32_t *seq_lens,
                     const int32_t *qstart, const int32_t *seqs, int64_t n_seqs,
                     float scale, int threads, int kv_kind) {
     return paged_attention_window(q, out, kc, vc, H, KVH, D, NB, BS, tables, MB, seq_lens,
-                                  qstart, seqs, n_seqs, scale, threads, kv_kind, 0);
+                                  qstart, seqs, n_seqs, scale, threads, kv_kind, 0, 0.f);
 }
 
 /* One row of D values into row `index` of a pool of `kind`: float32 as they are, bf16

@@ -53,17 +53,19 @@ def usable(query: torch.Tensor, k_store: torch.Tensor) -> bool:
 def paged_attention(query: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor,
                     block_tables: torch.Tensor, seq_lens: torch.Tensor,
                     query_start_loc: torch.Tensor, seqs: torch.Tensor, scale: float,
-                    out: torch.Tensor, window: int | None = None) -> None:
+                    out: torch.Tensor, window: int | None = None,
+                    softcap: float | None = None) -> None:
     """query, out [T, H, D] float32 contiguous; k_store, v_store [KVH, NB, BS, row]; block_tables
     [S, MB], seq_lens [S], query_start_loc [S + 1], seqs [n] int32: fills out's rows of seqs.
-    window: a sliding window (each row sees its last `window` positions only)."""
+    window: a sliding window (each row sees its last `window` positions only); softcap: the
+    scores capped to softcap * tanh(s / softcap) before the softmax (Gemma 2)."""
     kvh, nb, bs, _ = k_store.shape
     if native.library().paged_attention_window(
             query.data_ptr(), out.data_ptr(), k_store.data_ptr(), v_store.data_ptr(),
             query.shape[1], kvh, query.shape[2], nb, bs, block_tables.data_ptr(),
             block_tables.shape[1], seq_lens.data_ptr(), query_start_loc.data_ptr(),
             seqs.data_ptr(), seqs.numel(), scale, torch.get_num_threads(),
-            kv_kind(k_store), window or 0) != 0:
+            kv_kind(k_store), window or 0, softcap or 0.0) != 0:
         raise MemoryError("paged_attention: out of memory for score buffers")
 
 

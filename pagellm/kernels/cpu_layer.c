@@ -29,7 +29,7 @@ int paged_attention_window(const float *q, float *out, const void *kc, const voi
                            int64_t H, int64_t KVH, int64_t D, int64_t NB, int64_t BS,
                            const int32_t *tables, int64_t MB, const int32_t *seq_lens,
                            const int32_t *qstart, const int32_t *seqs, int64_t n_seqs,
-                           float scale, int threads, int kv_kind, int64_t window);
+                           float scale, int threads, int kv_kind, int64_t window, float softcap);
 void store_kv_row(void *pool, int64_t index, const float *src, int64_t D, int kind);
 void rms_norm(const float *x, const float *add, float *x_out, const float *weight, float *out,
               int64_t T, int64_t D, float eps);
@@ -157,6 +157,7 @@ typedef struct {
     const float *mlp_out_norm;  /* the MLP's output, likewise */
     int64_t gelu;  /* 1: gelu(g) * u (tanh form); 0: silu(g) * u */
     int64_t window;  /* a sliding window (paged_attention_window); 0: none */
+    double softcap;  /* attention scores' soft-capping (Gemma 2); 0: none */
 } layer_ext_t;
 
 /* projs: qkv, o, gate|up, down; ext: NULL for the Llama form */
@@ -195,7 +196,8 @@ int decode_layer_ext(float *x, int64_t T, int64_t D, float eps, const float *nor
         }
     }
     if (paged_attention_window(q, a, kc, vc, H, KVH, hd, NB, BS, tables, MB, seq_lens, qstart,
-                               seqs, n_seqs, scale, threads, kv_kind, ext->window)) goto done;
+                               seqs, n_seqs, scale, threads, kv_kind, ext->window,
+                               (float)ext->softcap)) goto done;
     if (project(&projs[1], a, T, nq, d, D, tmp, threads)) goto done;
     if (ext->attn_out_norm) rms_norm(d, NULL, NULL, ext->attn_out_norm, d, T, D, eps);
     rms_norm(x, d, x, norm_post, h, T, D, eps);  /* x += attention; h = norm(x) */

@@ -25,13 +25,13 @@ class _Projection(ctypes.Structure):  # cpu_layer.c proj_t
 class _Ext(ctypes.Structure):  # cpu_layer.c layer_ext_t
     _fields_ = [("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p),
                 ("attn_out_norm", ctypes.c_void_p), ("mlp_out_norm", ctypes.c_void_p),
-                ("gelu", ctypes.c_int64), ("window", ctypes.c_int64)]
+                ("gelu", ctypes.c_int64), ("window", ctypes.c_int64), ("softcap", ctypes.c_double)]
 
 
 def _norms(layer) -> tuple:
     """The layer's norms as the C layer takes them: (before the attention, before the MLP,
     the attention's output, the MLP's output; the last two None in the Llama form)."""
-    if hasattr(layer, "pre_feedforward_layernorm"):  # Gemma 3: four a layer
+    if hasattr(layer, "pre_feedforward_layernorm"):  # Gemma 2 / 3: four a layer
         return (layer.input_layernorm, layer.pre_feedforward_layernorm,
                 layer.post_attention_layernorm, layer.post_feedforward_layernorm)
     return layer.input_layernorm, layer.post_attention_layernorm, None, None
@@ -57,7 +57,7 @@ def _parts(packed) -> list | None:
 
 class FusedDecodeLayer:
     """Holds one decoder layer's weights as the C function wants them (models/llama.py's
-    DecoderLayer, with or without per-head q/k norms, and models/gemma3.py's layer). Built
+    DecoderLayer, with or without per-head q/k norms, and models/gemma.py's layer). Built
     only for layers whose projections are all packed natively (NativeQ4, NativePanels,
     NativeGGUF, or parts of those), with float32 norms and biases, on one process."""
 
@@ -85,7 +85,7 @@ class FusedDecodeLayer:
         self._norms = tuple(t.data_ptr() for t in scales[:2])
         ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
         self._ext = _Ext(ptr(qk[0]), ptr(qk[1]), ptr(scales[2]), ptr(scales[3]),
-                         int(hasattr(mlp, "gelu")), attn.window or 0)
+                         int(hasattr(mlp, "gelu")), attn.window or 0, attn.softcap or 0.0)
 
     @staticmethod
     def supports(layer) -> bool:

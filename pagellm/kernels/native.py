@@ -37,7 +37,7 @@ SIGNATURES = {
     "paged_attention": ([_P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _P, _I64, _P, _P, _P, _I64,
                          _F32, _I32, _I32], ctypes.c_int),
     "paged_attention_window": ([_P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _P, _I64, _P, _P,
-                                _P, _I64, _F32, _I32, _I32, _I64], ctypes.c_int),
+                                _P, _I64, _F32, _I32, _I32, _I64, _F32], ctypes.c_int),
     "write_kv": ([_P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I32], None),
     "quantize_i8": ([_P, _I64, _I64, _P, _P, _P, _P], None),
     "i8_linear": ([_P, _P, _P, _I64, _I64, _P, _P, _P, _I64, _P, _I64, _I32], None),

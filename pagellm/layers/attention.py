@@ -16,11 +16,12 @@ class PagedSelfAttention(nn.Module):
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
                  bias: bool, rotary: RotaryEmbedding, backend: AttentionBackend,
                  qk_norm_eps: float | None = None, window: int | None = None,
-                 scale: float | None = None):
+                 scale: float | None = None, softcap: float | None = None):
         """qk_norm_eps: q and k get an RMSNorm over each head before the rotation (Qwen3,
         Gemma 3); window: a sliding window (each row sees its last `window` positions);
-        scale: the scores' factor, head_dim ** -0.5 unless given (Gemma 3's
-        query_pre_attn_scalar)."""
+        scale: the scores' factor, head_dim ** -0.5 unless given (Gemma's
+        query_pre_attn_scalar); softcap: the scaled scores capped to softcap * tanh(s /
+        softcap) before the softmax (Gemma 2's attn_logit_softcapping)."""
         super().__init__()
         # Tensor parallelism splits whole KV heads (each with its group of query heads).
         group = num_heads // num_kv_heads
@@ -32,6 +33,7 @@ class PagedSelfAttention(nn.Module):
         self.head_dim = head_dim
         self.scale = head_dim ** -0.5 if scale is None else scale
         self.window = window
+        self.softcap = softcap
         self.q_norm = self.k_norm = None
         if qk_norm_eps is not None:
             self.q_norm, self.k_norm = RMSNorm(head_dim, qk_norm_eps), RMSNorm(head_dim, qk_norm_eps)
@@ -66,5 +68,5 @@ class PagedSelfAttention(nn.Module):
         v = qkv[:, q_size + kv_size :].view(n, self.num_kv_heads, self.head_dim)
         self.backend.write_kv(k, v, self.k_cache, self.v_cache, md.slot_mapping)
         o = self.backend.forward(q, self.k_cache, self.v_cache, md, self.scale,
-                                 self.window).reshape(n, q_size)
+                                 self.window, self.softcap).reshape(n, q_size)
         return self.o_proj(o if out_rows is None else o.index_select(0, out_rows))

@@ -52,7 +52,8 @@ _STRING, _ARRAY = 8, 9
 _ARCHITECTURES = {"llama": ("LlamaConfig", "LlamaForCausalLM"),
                   "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
                   "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
-                  "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM")}
+                  "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+                  "gemma2": ("Gemma2Config", "Gemma2ForCausalLM")}
 
 # config/tokenizer attribute prefix -> GGUF key `tokenizer.ggml.<name>_token_id`
 _SPECIAL_TOKENS = {"bos": "bos", "eos": "eos", "pad": "padding", "unk": "unknown"}
@@ -78,11 +79,13 @@ _BLOCK_NAMES = {
     "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
     "post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm",
 }
-# Gemma 3's four norms a layer: its ffn_norm is the one before the MLP
+# Gemma's four norms a layer: its ffn_norm is the one before the MLP (Gemma 2 has no q/k norms)
 _ARCH_BLOCK_NAMES = {"gemma3": {**_BLOCK_NAMES, "ffn_norm": "pre_feedforward_layernorm"}}
+_ARCH_BLOCK_NAMES["gemma2"] = {k: v for k, v in _ARCH_BLOCK_NAMES["gemma3"].items()
+                               if k not in ("attn_q_norm", "attn_k_norm")}
 # Gemma's norms multiply by 1 + weight; llama.cpp's converter stores 1 + weight, which the
 # loader gives back as the checkpoint's weight (as transformers reads such a file)
-_NORM_SHIFTED = frozenset({"gemma3"})
+_NORM_SHIFTED = frozenset({"gemma3", "gemma2"})
 _BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
@@ -489,10 +492,12 @@ def gguf_config(gguf_file: GGUFFile):
         kwargs["rope_scaling"] = _yarn(gguf_file.path, md, arch, key)
     if arch == "llama":  # as transformers does: rope dimension == head_dim for llama only
         kwargs["head_dim"] = key("rope.dimension_count", kwargs["hidden_size"] // num_heads)
-    if arch in ("qwen2", "qwen3", "gemma3"):  # a head's width need not be hidden / heads
+    if arch in ("qwen2", "qwen3", "gemma3", "gemma2"):  # a head's width need not be hidden / heads
         kwargs["head_dim"] = key("attention.key_length", kwargs["hidden_size"] // num_heads)
     if arch == "gemma3":
         kwargs.update(_gemma3_kwargs(md, kwargs, key))
+    if arch == "gemma2":
+        kwargs.update(_gemma2_kwargs(md, kwargs, key))
     for token, gguf_key in _SPECIAL_TOKENS.items():
         if f"tokenizer.ggml.{gguf_key}_token_id" in md:
             kwargs[f"{token}_token_id"] = md[f"tokenizer.ggml.{gguf_key}_token_id"]
@@ -506,6 +511,21 @@ def gguf_config(gguf_file: GGUFFile):
         config.rope_freq_factors = _load_tensor(blob, tensor).float().reshape(-1).tolist()
     config._name_or_path = gguf_file.path  # as AutoConfig does for a folder: where it came from
     return config
+
+
+def _gemma2_kwargs(md: dict, kwargs: dict, key) -> dict:
+    """Gemma 2's settings as llama.cpp reads them: every other layer local (the first one
+    too) over the sliding window, one rotary base, soft-capped scores (50 unless the file
+    says) and logits (30), the scores scaled as Gemma 3's (hidden / heads for the 46-layer
+    27B)."""
+    layers = kwargs["num_hidden_layers"]
+    return dict(
+        sliding_window=key("attention.sliding_window"),
+        layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
+        query_pre_attn_scalar=(kwargs["hidden_size"] // kwargs["num_attention_heads"]
+                               if layers == 46 else kwargs["head_dim"]),
+        attn_logit_softcapping=float(md.get("gemma2.attn_logit_softcapping", 50.0)),
+        final_logit_softcapping=float(md.get("gemma2.final_logit_softcapping", 30.0)))
 
 
 def _gemma3_kwargs(md: dict, kwargs: dict, key) -> dict:

@@ -1,5 +1,5 @@
 """Llama-architecture decoder (Llama 2/3, Mistral, SmolLM, Qwen2, Qwen3): one class, flat token
-batches (models/gemma3.py builds Gemma 3 on it).
+batches (models/gemma.py builds Gemma 3 on it).
 
 Input is the step's flat batch of new tokens from every scheduled sequence; the paged KV cache
 and AttentionMetadata say where each token's context lives. q|k|v and gate|up are fused.
@@ -69,7 +69,7 @@ def has_qk_norm(config) -> bool:
 
 class DecoderLayer(nn.Module):
     # the many-row one-call layer (kernels/cpu_wide_layer.py) computes this form (Qwen3's
-    # per-head q/k norms included), not Gemma 3's (models/gemma3.py)
+    # per-head q/k norms included), not Gemma 3's (models/gemma.py)
     llama_form = True
 
     def __init__(self, config, rotary: RotaryEmbedding, backend: AttentionBackend, qkv_bias: bool):

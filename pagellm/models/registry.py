@@ -11,7 +11,7 @@ from pagellm.attention.base import get_attention_backend
 from pagellm import parallel
 from pagellm.kernels import native
 from pagellm.layers.linear import float32_biases, keep_float32, prepack_bf16, upcast
-from pagellm.models.gemma3 import Gemma3ForCausalLM
+from pagellm.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from pagellm.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -22,13 +22,15 @@ MODEL_CLASSES = {
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
 }
 # model types whose sliding windows the model attends over as such (elsewhere a config's
 # sliding_window caps the context: full attention is exact up to it)
-WINDOWED_MODEL_TYPES = frozenset({"gemma3_text"})
+WINDOWED_MODEL_TYPES = frozenset({"gemma3_text", "gemma2"})
 # model_type -> class, for configs that name no architecture
 _MODEL_TYPES = {"llama": LlamaForCausalLM, "mistral": LlamaForCausalLM, "qwen2": LlamaForCausalLM,
-                "qwen3": LlamaForCausalLM, "gemma3_text": Gemma3ForCausalLM}
+                "qwen3": LlamaForCausalLM, "gemma3_text": Gemma3ForCausalLM,
+                "gemma2": Gemma2ForCausalLM}
 
 
 def model_class(config):
@@ -91,7 +93,9 @@ def build_model(files, dtype: torch.dtype, device: torch.device, max_position: i
                 quantization: str | None = None):
     cls = model_class(files.config)
     with materialised_in(dtype, device):
-        sliding = "sliding_attention" in (getattr(files.config, "layer_types", None) or ())
+        # windows and soft-capped scores: not in the Triton kernels
+        sliding = ("sliding_attention" in (getattr(files.config, "layer_types", None) or ())
+                   or getattr(files.config, "attn_logit_softcapping", None) is not None)
         model = cls(files.config, get_attention_backend(device, sliding), max_position)
     packed = use_packed(quantization, files, dtype, device)
     # the head kernels are native only; they follow the packing decision of the projections

@@ -1,9 +1,9 @@
-"""Gemma 3 and Qwen3 on tiny random models built here, against transformers holding the same
-weights: Hugging Face folders and GGUF files (K-quant and legacy blocks, llama.cpp's names,
-Gemma's norms stored as 1 + weight), float32 logits and greedy tokens past Gemma's sliding
-window (prompts, decode, chunked prefill, cached prefixes, speculative verification rows), the
-packed bfloat16 path within its tolerance, the fused few-row layer against the module path,
-and what is refused."""
+"""Gemma 2, Gemma 3 and Qwen3 on tiny random models built here, against transformers holding
+the same weights: Hugging Face folders and GGUF files (K-quant and legacy blocks, llama.cpp's
+names, Gemma's norms stored as 1 + weight), float32 logits and greedy tokens past Gemma's
+sliding window (prompts, decode, chunked prefill, cached prefixes, speculative verification
+rows), Gemma 2's soft-capped scores and logits, the packed bfloat16 path within its
+tolerance, the fused few-row layer against the module path, and what is refused."""
 from __future__ import annotations
 
 import numpy as np
@@ -14,7 +14,7 @@ from gguf import GGMLQuantizationType as Q
 
 from pagellm import LLM, SamplingParams
 from pagellm.kernels import native
-from pagellm.models.gemma3 import Gemma3ForCausalLM
+from pagellm.models.gemma import Gemma3ForCausalLM
 from tests.gguf_files import finish, gguf_writer, random_blocks
 from tests.helpers import assert_greedy_close, layer_path_and_module_path
 from tests.test_gguf_models import _hf_logits, _prefill_logits
@@ -44,6 +44,17 @@ def _gemma3_config(layer_types, linear: bool = False, **kw):
                          "full_attention": full}, **kw)
 
 
+def _gemma2_config(layer_types, **kw):
+    """Caps small enough to bend a tiny model's scores, which are ~0.03 (Gemma 2's own: 50, 30);
+    transformers' eager attention, the one that applies the cap."""
+    kw = {**_SIZES, "query_pre_attn_scalar": 24, "attn_logit_softcapping": 0.02,
+          "final_logit_softcapping": 3.0, **kw}
+    return transformers.Gemma2Config(
+        num_hidden_layers=len(layer_types), sliding_window=WINDOW, layer_types=layer_types,
+        architectures=["Gemma2ForCausalLM"], attn_implementation="eager",
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, **kw)
+
+
 def _qwen3_config(**kw):
     return transformers.Qwen3Config(num_hidden_layers=2, architectures=["Qwen3ForCausalLM"],
                                     tie_word_embeddings=False, **{**_SIZES, **kw})
@@ -64,22 +75,23 @@ def _random_model(config):
 
 def _folder(tmp_path_factory, arch: str):
     config = (_gemma3_config(["sliding_attention", "sliding_attention", "full_attention",
-                              "sliding_attention"], linear=True)
-              if arch == "gemma3" else _qwen3_config())
+                              "sliding_attention"], linear=True) if arch == "gemma3"
+              else _gemma2_config(["sliding_attention", "full_attention"] * 2) if arch == "gemma2"
+              else _qwen3_config())
     model = _random_model(config)
     path = tmp_path_factory.mktemp(arch)
     model.save_pretrained(path)
     return str(path), model
 
 
-@pytest.fixture(scope="module", params=["gemma3", "qwen3"])
+@pytest.fixture(scope="module", params=["gemma3", "qwen3", "gemma2"])
 def hf_folder(request, tmp_path_factory):
     return _folder(tmp_path_factory, request.param)
 
 
-@pytest.fixture(scope="module")
-def gemma3_folder(tmp_path_factory):
-    return _folder(tmp_path_factory, "gemma3")
+@pytest.fixture(scope="module", params=["gemma3", "gemma2"])
+def gemma_folder(request, tmp_path_factory):
+    return _folder(tmp_path_factory, request.param)
 
 
 def _greedy_reference(model, prompt, n=NEW):
@@ -108,12 +120,12 @@ def test_float32_logits_and_greedy_tokens_match_transformers(hf_folder):
     _assert_matches(llm, hf)
 
 
-def test_gemma3s_window_matters_and_holds_in_chunks_and_cached_prefixes(gemma3_folder, monkeypatch):
+def test_gemmas_window_matters_and_holds_in_chunks_and_cached_prefixes(gemma_folder, monkeypatch):
     """The same model attending over everything gives other tokens (the test sees the window);
     a prompt prefilled in chunks of 5 (chunks after cached keys, rows whose windows start at
     different keys), then again over its cached prefix, then with n-gram verification rows:
     the reference's tokens each time."""
-    path, hf = gemma3_folder
+    path, hf = gemma_folder
     prompt = PROMPTS[1]
     want = _greedy_reference(hf, prompt, 30)
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
@@ -129,6 +141,27 @@ def test_gemma3s_window_matters_and_holds_in_chunks_and_cached_prefixes(gemma3_f
     for layer in chunked.engine.model.layers:
         monkeypatch.setattr(layer.self_attn, "window", None)
     assert chunked.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids != want
+
+
+def test_gemma2s_soft_caps_matter(tmp_path_factory, monkeypatch):
+    """Gemma 2's caps are what matches transformers: without either the log-probabilities
+    differ (without the logits' cap the greedy tokens do not: it keeps each row's order)."""
+    path, hf = _folder(tmp_path_factory, "gemma2")
+    llm = LLM(path, dtype="float32", kv_cache_memory=2**22, enable_prefix_caching=False)
+    prompt = PROMPTS[1]
+    params = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True, logprobs=1)
+    capped = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    assert capped.token_ids == _greedy_reference(hf, prompt)
+    monkeypatch.setattr(llm.engine.model, "final_softcap", None)
+    uncapped = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    assert uncapped.token_ids == capped.token_ids
+    lp = lambda out: [d[t] for d, t in zip(out.logprobs, out.token_ids)]  # noqa: E731
+    assert max(abs(a - b) for a, b in zip(lp(capped), lp(uncapped))) > 1e-2
+    for layer in llm.engine.model.layers:
+        monkeypatch.setattr(layer.self_attn, "softcap", None)
+    scores_uncapped = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    # (the attention moves a tiny random model's logits little: 6e-3 here, float32's noise 1e-5)
+    assert max(abs(a - b) for a, b in zip(lp(uncapped), lp(scores_uncapped))) > 1e-3
 
 
 # GGUF: llama.cpp's names, in block types of a Q4_K_M file's mix
@@ -154,6 +187,9 @@ def write_gguf(path, arch: str, key_length: int | None = None):
     if arch == "gemma3":
         config = _gemma3_config(["sliding_attention", "full_attention"] * 2,
                                 **_GGUF_SIZES, query_pre_attn_scalar=64)
+    elif arch == "gemma2":  # every other layer local, the first too, as llama.cpp reads it
+        config = _gemma2_config(["sliding_attention", "full_attention"] * 2,
+                                **_GGUF_SIZES, query_pre_attn_scalar=64)
     else:
         config = _qwen3_config(**_GGUF_SIZES)
     model = _random_model(config)
@@ -163,7 +199,12 @@ def write_gguf(path, arch: str, key_length: int | None = None):
     if arch == "gemma3":
         writer.add_sliding_window(WINDOW)
         writer.add_sliding_window_pattern([True, False] * 2)  # true: a local layer
-    names = _GEMMA_NAMES if arch == "gemma3" else _QWEN_NAMES
+    if arch == "gemma2":
+        writer.add_sliding_window(WINDOW)
+        writer.add_float32("gemma2.attn_logit_softcapping", config.attn_logit_softcapping)
+        writer.add_float32("gemma2.final_logit_softcapping", config.final_logit_softcapping)
+    gemma = arch in ("gemma3", "gemma2")
+    names = _GEMMA_NAMES if gemma else _QWEN_NAMES
     state = {}
     for seed, (name, tensor) in enumerate(model.state_dict().items()):
         if name == "lm_head.weight" and config.tie_word_embeddings:  # the embedding is the head
@@ -180,7 +221,7 @@ def write_gguf(path, arch: str, key_length: int | None = None):
                  else None)
         if qtype is None:  # norms: float32, as the model holds them (Gemma's file: 1 + weight)
             state[name] = tensor
-            stored = tensor.numpy() + (np.float32(1) if arch == "gemma3" else np.float32(0))
+            stored = tensor.numpy() + (np.float32(1) if gemma else np.float32(0))
             writer.add_tensor(gname, stored.astype(np.float32))
             continue
         blocks = random_blocks(qtype, *tensor.shape, seed=seed, amplitude=0.12)
@@ -189,7 +230,7 @@ def write_gguf(path, arch: str, key_length: int | None = None):
     model.load_state_dict(state, strict=False)  # a tied head: the embedding
     finish(writer)
     # transformers' model as the file means it: the norms' weights as read back (1 + w - 1)
-    if arch == "gemma3":
+    if gemma:
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if "norm" in name:
@@ -197,7 +238,7 @@ def write_gguf(path, arch: str, key_length: int | None = None):
     return model
 
 
-@pytest.fixture(scope="module", params=["gemma3", "qwen3"])
+@pytest.fixture(scope="module", params=["gemma3", "qwen3", "gemma2"])
 def tiny_gguf(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(request.param + "gguf") / "tiny.gguf"
     return str(path), write_gguf(path, request.param)
@@ -208,9 +249,11 @@ def test_gguf_config_and_float32_match_transformers(tiny_gguf):
     llm = LLM(path, dtype="float32", kv_cache_memory=2**22)
     config = llm.engine.hf_config
     assert config.head_dim == 64 and config.architectures == hf.config.architectures
-    if config.model_type == "gemma3_text":
+    if config.model_type in ("gemma3_text", "gemma2"):
         assert config.layer_types == ["sliding_attention", "full_attention"] * 2
         assert config.sliding_window == WINDOW and config.query_pre_attn_scalar == 64
+    if config.model_type == "gemma2":
+        assert (config.attn_logit_softcapping, config.final_logit_softcapping) == pytest.approx((0.02, 3.0))
     _assert_matches(llm, hf)
 
 
@@ -238,7 +281,7 @@ def test_logit_soft_capping_is_refused(tmp_path):
 def test_the_fused_layer_equals_the_module_path(tiny_gguf, monkeypatch):
     """Decode and verification steps of a few rows run each layer in one native call
     (kernels/cpu_layer.c with its layer_ext_t: q/k norms, Gemma's four norms, GELU, the
-    window). Every layer of every decode step, from the same input and KV cache: its output
+    window, Gemma 2's capped scores). Every layer of every decode step, from the same input and KV cache: its output
     and the K/V it writes are the module path's within float32 rounding moved across an int16
     activation step (1e-4 of the largest; a wrong formula is off by more than 1e-2); prompts
     past the window, so that decode rows attend over it. K-quant parts in int16 panels (with

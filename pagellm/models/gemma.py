@@ -1,13 +1,16 @@
-"""Gemma 3 (text): the Llama decoder with Gemma's differences.
+"""Gemma 2 and Gemma 3 (text): the Llama decoder with Gemma's differences.
 
 - The embedding's rows are multiplied by sqrt(hidden_size).
 - Four norms a layer: before and after the attention, before and after the MLP; every norm
   multiplies by 1 + its weight (layers/norm.py's OffsetRMSNorm; a GGUF file, whose converter
   added the 1, is read back into the checkpoint's weights by the loader).
-- q and k normalized per head before the rotation; the scores scaled by
-  query_pre_attn_scalar ** -0.5.
-- Local layers attend over a sliding window of the last `sliding_window` positions, with
-  their own rotary base (10,000); every sixth layer (config.layer_types) is global.
+- The scores scaled by query_pre_attn_scalar ** -0.5.
+- Local layers attend over a sliding window of the last `sliding_window` positions
+  (config.layer_types): Gemma 3's five of every six, with their own rotary base (10,000);
+  Gemma 2's every other one.
+- Gemma 3 normalizes q and k per head before the rotation. Gemma 2 instead soft-caps the
+  attention scores (softcap * tanh(s / softcap), attn_logit_softcapping) and the final logits
+  (final_logit_softcapping); an argmax, which the cap keeps, skips it.
 - The MLP gates with GELU (tanh approximation), not SiLU.
 
 Steps of a few rows run each layer as one native call (kernels/cpu_layer.py, as the Llama
@@ -43,16 +46,19 @@ class Gemma3DecoderLayer(nn.Module):
     fused = wide_layer = None  # the few-row one (kernels/cpu_layer.py) once enabled
 
     def __init__(self, config, rotary: RotaryEmbedding, backend: AttentionBackend,
-                 window: int | None):
+                 window: int | None, qk_norm: bool = True):
         super().__init__()
         h, eps = config.hidden_size, config.rms_norm_eps
         self.input_layernorm = OffsetRMSNorm(h, eps)
         self.self_attn = PagedSelfAttention(
             h, config.num_attention_heads, config.num_key_value_heads, config.head_dim,
-            bool(getattr(config, "attention_bias", False)), rotary, backend, qk_norm_eps=eps,
-            window=window, scale=config.query_pre_attn_scalar ** -0.5)
+            bool(getattr(config, "attention_bias", False)), rotary, backend,
+            qk_norm_eps=eps if qk_norm else None, window=window,
+            scale=config.query_pre_attn_scalar ** -0.5,
+            softcap=getattr(config, "attn_logit_softcapping", None))
         hd = config.head_dim
-        self.self_attn.q_norm, self.self_attn.k_norm = OffsetRMSNorm(hd, eps), OffsetRMSNorm(hd, eps)
+        if qk_norm:
+            self.self_attn.q_norm, self.self_attn.k_norm = OffsetRMSNorm(hd, eps), OffsetRMSNorm(hd, eps)
         self.post_attention_layernorm = OffsetRMSNorm(h, eps)
         self.pre_feedforward_layernorm = OffsetRMSNorm(h, eps)
         self.mlp = GeluMLP(h, config.intermediate_size, False)
@@ -101,11 +107,14 @@ def _rope_parameters(config, layer_type: str) -> dict:
 
 
 class Gemma3ForCausalLM(LlamaForCausalLM):
+    qk_norm = True
+
     def __init__(self, config, backend: AttentionBackend, max_position: int):
-        for name in ("final_logit_softcapping", "attn_logit_softcapping"):
-            if getattr(config, name, None) is not None:
-                raise ValueError(f"config.{name} is {getattr(config, name)}: logit soft-capping "
-                                 "(Gemma 2) is not supported")
+        if self.qk_norm:  # Gemma 3's configs carry the fields, unset
+            for name in ("final_logit_softcapping", "attn_logit_softcapping"):
+                if getattr(config, name, None) is not None:
+                    raise ValueError(f"config.{name} is {getattr(config, name)}: Gemma 3 has no "
+                                     "logit soft-capping (Gemma 2's config does)")
         super().__init__(config, backend, max_position)
         self.norm = OffsetRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.norm.requires_grad_(False)
@@ -127,3 +136,27 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
             if isinstance(m, OffsetRMSNorm):
                 m.forget_scale()
 
+
+
+class Gemma2ForCausalLM(Gemma3ForCausalLM):
+    """Gemma 2: Gemma 3's layers without q/k norms, one rotary for all layers, and the
+    attention scores and final logits soft-capped."""
+    qk_norm = False
+
+    def __init__(self, config, backend: AttentionBackend, max_position: int):
+        self.final_softcap = getattr(config, "final_logit_softcapping", None)
+        super().__init__(config, backend, max_position)
+
+    def _make_layers(self, config, backend, max_position, qkv_bias):
+        types = list(getattr(config, "layer_types", None) or [FULL] * config.num_hidden_layers)
+        self.rotary = RotaryEmbedding(config, config.head_dim, max_position)
+        self.local_rotary = None
+        return [Gemma3DecoderLayer(config, self.rotary, backend,
+                                   config.sliding_window if t == SLIDING else None, qk_norm=False)
+                for t in types]
+
+    def compute_logits(self, hidden: torch.Tensor, argmax_only: bool = False) -> torch.Tensor:
+        logits = super().compute_logits(hidden, argmax_only)
+        if self.final_softcap and not argmax_only:  # monotone: an argmax needs none
+            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+        return logits
