@@ -112,6 +112,26 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return serve(args, kwargs)
 
 
+def cmd_run_batch(args: argparse.Namespace) -> int:
+    import asyncio
+    import contextlib
+
+    from pagellm.server.api_server import build_app, make_api
+    from pagellm.server.batch import run_batch
+
+    if args.concurrency < 1:
+        raise ValueError(f"--concurrency must be >= 1, got {args.concurrency}")
+    with (contextlib.nullcontext(sys.stdin) if args.input_file == "-"
+          else open(args.input_file, encoding="utf-8")) as f:
+        lines = f.read().splitlines()
+    app = build_app(make_api(args, engine_kwargs(args)))
+    with (contextlib.nullcontext(sys.stdout) if args.output_file == "-"
+          else open(args.output_file, "w", encoding="utf-8")) as out:
+        ok, total = asyncio.run(run_batch(app, lines, out, args.concurrency))
+    logging.getLogger("pagellm.batch").info("%d of %d requests answered with 2xx", ok, total)
+    return 0
+
+
 def cmd_fetch(args: argparse.Namespace) -> int:
     from pagellm.models import fetch
 
@@ -150,11 +170,43 @@ def main(argv: list[str] | None = None) -> int:
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument("--api-key", default=None)
-    srv.add_argument("--served-model-name", default=None)
     srv.add_argument("--max-waiting", type=int, default=1024,
                      help="queued requests beyond which new ones get 503")
     srv.add_argument("--drain-timeout", type=float, default=30.0,
                      help="seconds SIGTERM waits for running requests")
+    add_api_args(srv)
+    srv.set_defaults(func=cmd_serve)
+
+    batch = sub.add_parser("run-batch", help="answer a file of requests in OpenAI's Batch API "
+                           "form (JSONL: custom_id, method, url, body), offline")
+    batch.add_argument("model", nargs="?", default=None)
+    batch.add_argument("-i", "--input-file", required=True, help="JSONL requests ('-': stdin)")
+    batch.add_argument("-o", "--output-file", required=True, help="JSONL answers ('-': stdout)")
+    batch.add_argument("--concurrency", type=int, default=256,
+                       help="requests in flight at once (the engine batches them)")
+    add_api_args(batch)
+    batch.set_defaults(func=cmd_run_batch)
+
+    fetch = sub.add_parser("fetch", help="download and assemble a named GGUF model; prints its path")
+    fetch.add_argument("name", nargs="?", default=None, help="omit to list the known models")
+    fetch.set_defaults(func=cmd_fetch)
+
+    # listed for --help; `pagellm bench ...` is handled before parsing (above)
+    sub.add_parser("bench", help="benchmarks: spec, profile, serve, soak, ... "
+                   "(`pagellm bench --help`)")
+
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def add_api_args(srv: argparse.ArgumentParser) -> None:
+    """What `serve` and `run-batch` answer requests with: the model's name, the reasoning
+    parser, sampling defaults, request limits, and the engine's arguments."""
+    srv.add_argument("--served-model-name", default=None)
     srv.add_argument("--reasoning-parser", choices=["qwen3", "deepseek_r1"], default=None,
                      help="chat completions carry a reasoning model's <think> text in "
                      "`reasoning` / `reasoning_content`, apart from `content`")
@@ -177,22 +229,6 @@ def main(argv: list[str] | None = None) -> int:
                          "it); default 512")):
         lim.add_argument(f"--{flag}", type=int, default=None, help=help_)
     add_engine_args(srv)
-    srv.set_defaults(func=cmd_serve)
-
-    fetch = sub.add_parser("fetch", help="download and assemble a named GGUF model; prints its path")
-    fetch.add_argument("name", nargs="?", default=None, help="omit to list the known models")
-    fetch.set_defaults(func=cmd_fetch)
-
-    # listed for --help; `pagellm bench ...` is handled before parsing (above)
-    sub.add_parser("bench", help="benchmarks: spec, profile, serve, soak, ... "
-                   "(`pagellm bench --help`)")
-
-    args = parser.parse_args(argv)
-    try:
-        return args.func(args)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
 
 
 if __name__ == "__main__":

@@ -152,22 +152,31 @@ def default_model_name(model: str | None, model_path: str) -> str:
     return name.removesuffix(".gguf")
 
 
-def serve(args, engine_kwargs: dict) -> int:
+def make_api(args, engine_kwargs: dict, api_key: str | None = None,
+             max_waiting: int | None = None) -> OpenAIServer:
+    """The engine and the server state that `pagellm serve` and `pagellm run-batch` share:
+    the model's name, sampling defaults, limits and reasoning parser from the arguments."""
     from pagellm.llm import LLM
+    from pagellm.server.defaults import FIELDS, sampling_defaults
 
     engine = LLM(**engine_kwargs).engine
     name = args.served_model_name or default_model_name(engine_kwargs.get("model"),
                                                         engine.model_path)
-    from pagellm.server.defaults import FIELDS, sampling_defaults
-
     defaults, source = sampling_defaults(
         engine.model_path, getattr(args, "generation_config", "auto"),
         {f: getattr(args, f"default_{f}", None) for f in FIELDS})
     logger.info("sampling defaults for fields a request omits: %s, from %s",
                 ", ".join(f"{k}={v}" for k, v in defaults.items()) or "none", source)
-    api = OpenAIServer(engine, name, api_key=args.api_key or os.environ.get("PAGELLM_API_KEY"),
-                       max_waiting=args.max_waiting, sampling_defaults=defaults,
-                       limits=Limits.from_args(args), reasoning_parser=args.reasoning_parser)
+    kwargs = {} if max_waiting is None else {"max_waiting": max_waiting}
+    return OpenAIServer(engine, name, api_key=api_key, sampling_defaults=defaults,
+                        limits=Limits.from_args(args), reasoning_parser=args.reasoning_parser,
+                        **kwargs)
+
+
+def serve(args, engine_kwargs: dict) -> int:
+    api = make_api(args, engine_kwargs, args.api_key or os.environ.get("PAGELLM_API_KEY"),
+                   args.max_waiting)
+    name = api.model_name
     config = uvicorn.Config(build_app(api), host=args.host, port=args.port, log_level="info",
                             timeout_graceful_shutdown=5, lifespan="on")
     server = DrainingServer(config, api, args.drain_timeout)

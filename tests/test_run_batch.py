@@ -1,0 +1,92 @@
+"""`pagellm run-batch`: a JSONL file of requests in OpenAI's Batch API form answered offline by
+the server's own routes (server/batch.py): each answer in the input's order, the same body a
+live request gets, refusals with their status code and error body, lines that are not
+requests reported one by one while the others run, and no request or block left behind."""
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+
+from pagellm import LLM, SamplingParams
+from pagellm.cli import main
+from pagellm.server.api_server import OpenAIServer, build_app
+from pagellm.server.batch import run_batch
+from tests.helpers import assert_no_leaks
+from tests.test_server import ENGINE_KW, MODEL, tiny_path  # noqa: F401
+
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Name a color."}],
+        "max_tokens": 12, "temperature": 0}
+
+
+def _lines() -> list[str]:
+    good = [
+        {"custom_id": "chat-1", "method": "POST", "url": "/v1/chat/completions", "body": CHAT},
+        {"custom_id": "cmpl-1", "method": "POST", "url": "/v1/completions",
+         "body": {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 8, "temperature": 0}},
+        {"custom_id": "resp-1", "method": "POST", "url": "/v1/responses",
+         "body": {"model": MODEL, "input": "Hi", "max_output_tokens": 6, "temperature": 0}},
+        {"custom_id": "bad-body", "method": "POST", "url": "/v1/chat/completions",
+         "body": {**CHAT, "max_tokens": -1}},
+        {"custom_id": "bad-url", "method": "POST", "url": "/v1/embeddings", "body": {}},
+        {"custom_id": "stream", "method": "POST", "url": "/v1/chat/completions",
+         "body": {**CHAT, "stream": True}},
+        {"custom_id": "chat-1", "method": "POST", "url": "/v1/completions", "body": {}},
+    ]
+    lines = [json.dumps(item) for item in good]
+    lines.insert(3, "{not json")
+    lines.insert(5, "")  # blank lines are skipped
+    lines += [json.dumps({"custom_id": f"many-{i}", "url": "/v1/chat/completions",
+                          "body": {**CHAT, "max_tokens": 4 + i % 5}}) for i in range(20)]
+    return lines
+
+
+def test_a_batch_file_answered_in_order(tiny_path):  # noqa: F811
+    llm = LLM(tiny_path, **ENGINE_KW)
+    app = build_app(OpenAIServer(llm.engine, MODEL))
+    out = io.StringIO()
+    ok, total = asyncio.run(run_batch(app, _lines(), out, concurrency=8, progress=False))
+    results = [json.loads(line) for line in out.getvalue().splitlines()]
+    assert (ok, total, len(results)) == (23, 28, 28)
+    ids = [r["custom_id"] for r in results]
+    assert ids[:8] == ["chat-1", "cmpl-1", "resp-1", None, "bad-body", "bad-url", "stream", "chat-1"]
+    assert ids[8:] == [f"many-{i}" for i in range(20)]
+    by_kind = {r["custom_id"]: r for r in results[:3]}
+
+    # the same greedy answer as offline generation on the same chat
+    want = llm.chat(CHAT["messages"], SamplingParams(temperature=0, max_tokens=12),
+                    use_tqdm=False)[0].outputs[0].text
+    chat = by_kind["chat-1"]["response"]
+    assert chat["status_code"] == 200 and chat["body"]["object"] == "chat.completion"
+    assert chat["body"]["choices"][0]["message"]["content"] == want
+    assert by_kind["cmpl-1"]["response"]["body"]["object"] == "text_completion"
+    assert by_kind["resp-1"]["response"]["body"]["object"] == "response"
+    assert all(r["error"] is None and r["response"]["request_id"] for r in results[:3])
+
+    bad = results[4]["response"]  # the route's own refusal: status and OpenAI error body
+    assert bad["status_code"] == 400 and bad["body"]["error"]["param"] == "max_tokens"
+    assert results[3]["error"]["code"] == "invalid_json" and results[3]["response"] is None
+    assert results[5]["error"]["code"] == "invalid_url"
+    assert "stream" in results[6]["error"]["message"]
+    assert results[7]["error"]["code"] == "duplicate_custom_id"
+    for i, r in enumerate(results[8:]):
+        usage = r["response"]["body"]["usage"]
+        assert usage["completion_tokens"] <= 4 + i % 5
+    assert len({r["id"] for r in results}) == len(results)
+    assert_no_leaks(llm.engine)
+
+
+def test_the_command_line(tiny_path, tmp_path):  # noqa: F811
+    """`pagellm run-batch -i ... -o ...` with the engine's arguments: the output file."""
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("\n".join(json.dumps({"custom_id": f"r{i}", "method": "POST",
+                                         "url": "/v1/chat/completions", "body": CHAT})
+                             for i in range(3)) + "\n")
+    rc = main(["run-batch", "-i", str(src), "-o", str(dst), "--model", tiny_path,
+               "--served-model-name", MODEL, "--dtype", "float32", "--kv-cache-memory", "16MiB",
+               "--max-model-len", "1024", "--generation-config", "none"])
+    assert rc == 0
+    results = [json.loads(line) for line in dst.read_text().splitlines()]
+    assert [r["custom_id"] for r in results] == ["r0", "r1", "r2"]
+    texts = {r["response"]["body"]["choices"][0]["message"]["content"] for r in results}
+    assert len(texts) == 1  # greedy: the same answer three times
