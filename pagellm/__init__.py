@@ -1,7 +1,9 @@
 """pagellm: a small LLM inference and serving engine with a paged KV cache."""
 from pagellm.llm import LLM
-from pagellm.outputs import CompletionOutput, RequestOutput
+from pagellm.outputs import CompletionOutput, EmbeddingRequestOutput, RequestOutput
+from pagellm.pooling_params import PoolingParams
 from pagellm.sampling_params import SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "PoolingParams", "RequestOutput", "CompletionOutput",
+           "EmbeddingRequestOutput"]
 __version__ = "0.1.0"

@@ -1,4 +1,5 @@
-"""The offline API: LLM(...).generate(prompts, sampling_params) and .chat(messages)."""
+"""The offline API: LLM(...).generate(prompts, sampling_params), .chat(messages) and
+.embed(prompts)."""
 from __future__ import annotations
 
 import itertools
@@ -10,7 +11,8 @@ from tqdm.auto import tqdm
 from pagellm.config import (CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig,
                             parse_bytes)
 from pagellm.engine.llm_engine import LLMEngine
-from pagellm.outputs import RequestOutput
+from pagellm.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
+from pagellm.pooling_params import PoolingParams
 from pagellm.sampling_params import SamplingParams
 
 Prompt = str | list[int] | dict[str, Any]
@@ -60,7 +62,7 @@ class LLM:
                 isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = sampling_params or SamplingParams()
-        if isinstance(params, SamplingParams):
+        if isinstance(params, (SamplingParams, PoolingParams)):
             params = [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"sampling_params: got {len(params)} for {len(prompts)} prompts")
@@ -75,6 +77,17 @@ class LLM:
                 self.engine.abort_request(rid)
             raise
         return self._run(ids, use_tqdm)
+
+    def embed(self, prompts: Prompt | Seq[Prompt], pooling_params: PoolingParams | None = None,
+              use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
+        """Each prompt's embedding (pooling_params.py: the last token's final hidden state, of
+        unit length by default), batched as generation is. A model trained for embeddings
+        (Qwen3-Embedding, gte-Qwen2, e5-mistral) gives retrieval-grade vectors; a chat model's
+        are its hidden states, nothing more."""
+        outs = self.generate(prompts, pooling_params or PoolingParams(), use_tqdm)
+        return [EmbeddingRequestOutput(o.request_id, o.prompt_token_ids,
+                                       EmbeddingOutput(o.embedding), o.finished,
+                                       o.num_cached_tokens) for o in outs]
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}

@@ -110,3 +110,20 @@ class RequestOutput:
     # with SamplingParams.prompt_logprobs: None for the first prompt token, then for each
     # token {token_id: logprob, ...its position's top-N} (the token first), as vLLM's
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    # an embedding request's (PoolingParams) vector, once finished; its outputs hold no tokens
+    embedding: list[float] | None = None
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """What LLM.embed returns for one prompt (vLLM's shape: outputs.embedding)."""
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True
+    num_cached_tokens: int = 0

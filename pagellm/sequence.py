@@ -57,6 +57,10 @@ class Sequence:
     # Structured outputs: the grammar state (pagellm.structured.Constraint), advanced with each
     # emitted token; None when unconstrained or finished.
     constraint: object | None = None
+    # An embedding request (pagellm.pooling_params.PoolingParams): it ends when its prompt has
+    # run, with `embedding` pooled from the last token's hidden state; nothing is sampled.
+    pooling: object | None = None
+    embedding: list[float] | None = None
 
     first_token_time: float | None = None
     finish_time: float | None = None

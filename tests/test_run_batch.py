@@ -28,7 +28,7 @@ def _lines() -> list[str]:
          "body": {"model": MODEL, "input": "Hi", "max_output_tokens": 6, "temperature": 0}},
         {"custom_id": "bad-body", "method": "POST", "url": "/v1/chat/completions",
          "body": {**CHAT, "max_tokens": -1}},
-        {"custom_id": "bad-url", "method": "POST", "url": "/v1/embeddings", "body": {}},
+        {"custom_id": "bad-url", "method": "POST", "url": "/v1/images/generations", "body": {}},
         {"custom_id": "stream", "method": "POST", "url": "/v1/chat/completions",
          "body": {**CHAT, "stream": True}},
         {"custom_id": "chat-1", "method": "POST", "url": "/v1/completions", "body": {}},
@@ -38,6 +38,8 @@ def _lines() -> list[str]:
     lines.insert(5, "")  # blank lines are skipped
     lines += [json.dumps({"custom_id": f"many-{i}", "url": "/v1/chat/completions",
                           "body": {**CHAT, "max_tokens": 4 + i % 5}}) for i in range(20)]
+    lines.append(json.dumps({"custom_id": "embd-1", "url": "/v1/embeddings",
+                             "body": {"input": ["a", "b"], "dimensions": 8}}))
     return lines
 
 
@@ -47,10 +49,10 @@ def test_a_batch_file_answered_in_order(tiny_path):  # noqa: F811
     out = io.StringIO()
     ok, total = asyncio.run(run_batch(app, _lines(), out, concurrency=8, progress=False))
     results = [json.loads(line) for line in out.getvalue().splitlines()]
-    assert (ok, total, len(results)) == (23, 28, 28)
+    assert (ok, total, len(results)) == (24, 29, 29)
     ids = [r["custom_id"] for r in results]
     assert ids[:8] == ["chat-1", "cmpl-1", "resp-1", None, "bad-body", "bad-url", "stream", "chat-1"]
-    assert ids[8:] == [f"many-{i}" for i in range(20)]
+    assert ids[8:] == [f"many-{i}" for i in range(20)] + ["embd-1"]
     by_kind = {r["custom_id"]: r for r in results[:3]}
 
     # the same greedy answer as offline generation on the same chat
@@ -69,9 +71,11 @@ def test_a_batch_file_answered_in_order(tiny_path):  # noqa: F811
     assert results[5]["error"]["code"] == "invalid_url"
     assert "stream" in results[6]["error"]["message"]
     assert results[7]["error"]["code"] == "duplicate_custom_id"
-    for i, r in enumerate(results[8:]):
+    for i, r in enumerate(results[8:-1]):
         usage = r["response"]["body"]["usage"]
         assert usage["completion_tokens"] <= 4 + i % 5
+    embd = results[-1]["response"]["body"]
+    assert [len(d["embedding"]) for d in embd["data"]] == [8, 8]
     assert len({r["id"] for r in results}) == len(results)
     assert_no_leaks(llm.engine)
 

@@ -20,6 +20,7 @@ from pagellm.engine.memory import (num_kv_blocks, resolve_device,
 from pagellm.layers.linear import packed_row_limit
 from pagellm.models.loader import load_model_files
 from pagellm.models.registry import WINDOWED_MODEL_TYPES, build_model, may_pack
+from pagellm.pooling_params import PoolingParams
 from pagellm.outputs import CompletionOutput, Prefix, RequestMetrics, RequestOutput
 from pagellm.sampling.sampler import SamplingRow, sample
 from pagellm.sampling_params import SamplingParams
@@ -139,12 +140,26 @@ class LLMEngine:
         self.dead: str | None = None  # why the engine cannot run any more (a lost worker)
 
     # ---- requests --------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    arrival_time: float | None = None, cache_salt: str | None = None) -> None:
+    def add_request(self, request_id: str, prompt: str | list[int],
+                    params: SamplingParams | PoolingParams, arrival_time: float | None = None,
+                    cache_salt: str | None = None) -> None:
+        """params: SamplingParams to generate, or PoolingParams for the prompt's embedding
+        (the request ends when its prompt has run; its output's `embedding`)."""
         if self.dead is not None:
             raise RuntimeError(self.dead)
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        pooling = None
+        if isinstance(params, PoolingParams):
+            kind = getattr(self.hf_config, "pooling_type", None)
+            if kind not in (None, "last", "none"):
+                raise ValueError(f"pooling: this model's embeddings are pooled by {kind!r} (its "
+                                 "files say); pagellm pools the last token only")
+            hidden = self.hf_config.hidden_size
+            if params.dimensions is not None and params.dimensions > hidden:
+                raise ValueError(f"dimensions: {params.dimensions} is more than the model's "
+                                 f"{hidden} hidden values")
+            pooling, params = params, SamplingParams(max_tokens=1, temperature=0.0)
         prompt_text, ids = self._tokenize(prompt)
         self._check_prompt(ids)
         bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
@@ -162,6 +177,7 @@ class LLMEngine:
                          arrival_time=arrival, cache_salt=cache_salt) for i in range(params.n)]
         for seq, c in zip(seqs, constraints):
             seq.constraint = c
+            seq.pooling = pooling
         self.requests[request_id] = Request(request_id, prompt_text, ids, params, seqs, arrival,
                                             pending_forks=seqs[1:])
         self.num_prompt_tokens += len(ids)
@@ -275,7 +291,7 @@ class LLMEngine:
         if not out.seqs:
             self._fail_unschedulable()
             return self._collect_outputs(set(), finished_only)
-        out, logits, failed = self._forward(out)
+        out, logits, hidden, failed = self._forward(out)
         self.block_manager.commit()  # the KV of this step's newly cached blocks is written
         rows, owners, prompt = self._logit_rows(out)
         if prompt:  # rows after the sampling rows: the prompt tokens' log-probabilities
@@ -283,16 +299,18 @@ class LLMEngine:
             failed |= self._prompt_logprobs(prompt, logits[first:])
             logits = logits[:first]
         self.scheduler.advance(out)
-        touched = self._process_samples(owners, logits)
+        touched = self._process_samples(owners, logits, hidden)
         return self._collect_outputs(touched | failed, finished_only)
 
     def _forward(self, out: SchedulerOutput):
         """The step's forward. If it fails, each sequence runs alone and the requests whose
         sequence fails alone are ended: one bad request never fails its batch. Returns the
-        sequences that ran, their logits rows and the failed request ids."""
+        sequences that ran, their logits rows, those rows' final hidden states (which embedding
+        requests pool) and the failed request ids."""
         rows, _, _ = self._logit_rows(out)
         try:  # an all-greedy step gets its tokens, not logits (_process_samples)
-            return out, self.runner.execute(out, rows, ids=True), set()
+            logits = self.runner.execute(out, rows, ids=True)
+            return out, logits, self.runner.last_hidden, set()
         except WorkerDiedError:
             raise
         except Exception:
@@ -301,7 +319,7 @@ class LLMEngine:
         # took one as a cache hit in this step recomputes instead.
         dropped = self.block_manager.drop_uncommitted()
         bs = self.block_manager.block_size
-        kept, parts, prompt_parts, failed = SchedulerOutput(), [], [], set()
+        kept, parts, prompt_parts, hidden, failed = SchedulerOutput(), [], [], [], set()
         for seq, n in zip(out.seqs, out.num_tokens):
             if seq.is_finished:  # a sibling's failure ended it
                 continue
@@ -315,6 +333,7 @@ class LLMEngine:
                 first = len(rows) - sum(k for _, _, k in prompt)
                 parts.append(logits[:first])  # sampling rows first, then prompt rows: as a batch
                 prompt_parts.append(logits[first:])
+                hidden.append(self.runner.last_hidden[:first])
             except WorkerDiedError:
                 raise
             except Exception:
@@ -326,7 +345,7 @@ class LLMEngine:
             kept.seqs.append(seq)
             kept.num_tokens.append(n)
         logits = torch.cat(parts + prompt_parts) if parts else torch.empty(0)
-        return kept, logits, failed
+        return kept, logits, torch.cat(hidden) if hidden else None, failed
 
     def _profile(self, draft) -> int:
         """A forward of the largest step (one prompt of the token budget, logits for as many
@@ -445,11 +464,14 @@ class LLMEngine:
             for tok, lp, tv, ti in zip(nxt.tolist(), own, top_v.tolist(), top_i.tolist()):
                 seq.prompt_logprobs.append({tok: lp, **{t: v for t, v in zip(ti, tv) if t != tok}})
 
-    def _process_samples(self, owners: list[tuple[Sequence, int]], logits: torch.Tensor) -> set[str]:
+    def _process_samples(self, owners: list[tuple[Sequence, int]], logits: torch.Tensor,
+                         hidden: torch.Tensor | None = None) -> set[str]:
         plain, plain_rows, spec, spec_logits = [], [], [], []
         offset = 0
         for seq, n in owners:
-            if n == 1:
+            if seq.pooling is not None:  # an embedding request: its prompt has run
+                self._guarded(seq, self._pool, seq, hidden[offset])
+            elif n == 1:
                 plain.append(seq)
                 plain_rows.append(offset)
             else:
@@ -477,6 +499,17 @@ class LLMEngine:
                 if v is not None and not seq.is_finished:
                     self._guarded(seq, self._emit_verified, seq, v, now)
         return {seq.request_id for seq, _ in owners}
+
+    def _pool(self, seq: Sequence, hidden: torch.Tensor) -> None:
+        """The embedding of a request whose prompt has run: the last token's final hidden
+        state, its first `dimensions` values, of unit length (PoolingParams)."""
+        vec = hidden.float()
+        if seq.pooling.dimensions is not None:
+            vec = vec[: seq.pooling.dimensions]
+        if seq.pooling.normalize:
+            vec = torch.nn.functional.normalize(vec, dim=0)
+        seq.embedding = vec.cpu().tolist()
+        self._finish(seq, "stop")
 
     def _per_request(self, fn, seqs: list[Sequence], data) -> list:
         """fn(seqs, data) -> one result per sequence, for the batch at once; if that raises,
@@ -666,7 +699,7 @@ class LLMEngine:
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, comps,
                              req.finished, metrics, head.num_cached_tokens,
                              snap(head.prompt_logprobs) if head.params.prompt_logprobs is not None
-                             else None)
+                             else None, head.embedding)
 
 
 _DEAD_END = object()  # a drawn row whose grammar allows no token

@@ -190,6 +190,10 @@ class ModelRunner:
             shapes.append((n, q))
         return shapes
 
+    # The last forward's final hidden states of its logit rows, [rows, hidden] (pooled by
+    # embedding requests: LLMEngine._process_samples).
+    last_hidden: torch.Tensor | None = None
+
     def execute(self, out: SchedulerOutput, logit_rows: list[int], *,
                 constrained: list[bool] | None = None, ids: bool = False) -> torch.Tensor:
         """Run the step; return float32 logits [len(logit_rows), vocab] for the given rows of
@@ -236,6 +240,7 @@ class ModelRunner:
             return None
         if out_rows is None:
             hidden = hidden.index_select(0, rows)
+        self.last_hidden = hidden  # the logit rows' final hidden states (embedding requests)
         if ids and argmax_only:
             return self.model.argmax_ids(hidden)
         return self.model.compute_logits(hidden, argmax_only=argmax_only)

@@ -510,7 +510,13 @@ def gguf_config(gguf_file: GGUFFile):
         blob = np.asarray(np.memmap(gguf_file.path, dtype=np.uint8, mode="r"))
         config.rope_freq_factors = _load_tensor(blob, tensor).float().reshape(-1).tolist()
     config._name_or_path = gguf_file.path  # as AutoConfig does for a folder: where it came from
+    if f"{arch}.pooling_type" in md:  # an embedding model's (llama.cpp's enum)
+        config.pooling_type = _POOLING_TYPES.get(md[f"{arch}.pooling_type"], "unknown")
     return config
+
+
+# llama.cpp's pooling types (an embedding model's GGUF states its own)
+_POOLING_TYPES = {0: "none", 1: "mean", 2: "cls", 3: "last", 4: "rank"}
 
 
 def _gemma2_kwargs(md: dict, kwargs: dict, key) -> dict:

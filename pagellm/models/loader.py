@@ -106,12 +106,30 @@ def _load_hf_folder(folder: str, load_tokenizer: bool) -> ModelFiles:
     files = _safetensors_files(folder)
     tied = bool(getattr(config, "tie_word_embeddings", False))
     _check_lm_head(files, tied, folder)
+    pooling = _sentence_transformers_pooling(folder)
+    if pooling is not None:
+        config.pooling_type = pooling
     return ModelFiles(
         config=config,
         tokenizer=_hf_tokenizer(folder) if load_tokenizer else None,
         weights=functools.partial(_iter_safetensors, files, tied),
         path=folder,
     )
+
+
+def _sentence_transformers_pooling(folder: str) -> str | None:
+    """An embedding model's pooling as sentence-transformers states it (1_Pooling/config.json):
+    "last", "mean", "cls", ... or None where the folder says nothing."""
+    path = os.path.join(folder, "1_Pooling", "config.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        modes = json.load(f)
+    for key, name in (("pooling_mode_lasttoken", "last"), ("pooling_mode_mean_tokens", "mean"),
+                      ("pooling_mode_cls_token", "cls"), ("pooling_mode_max_tokens", "max")):
+        if modes.get(key):
+            return name
+    return "unknown"
 
 
 def _safetensors_files(folder: str) -> list[str]:

@@ -4,8 +4,8 @@ state.py, SSE in streaming.py), the API-key / drain gate, request limits (limits
 responses, `pagellm serve` and the graceful SIGTERM drain.
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (both stream as server-sent events
-ending in `data: [DONE]`), GET /v1/models, POST /tokenize, POST /detokenize, GET /health,
-GET /metrics (Prometheus text), GET /version.
+ending in `data: [DONE]`), POST /v1/responses, POST /v1/embeddings, GET /v1/models, POST
+/tokenize, POST /detokenize, GET /health, GET /metrics (Prometheus text), GET /version.
 """
 from __future__ import annotations
 
@@ -25,13 +25,14 @@ from pagellm.engine.async_engine import RequestError
 from pagellm.server import routes
 from pagellm.server.chat import create_chat_completion
 from pagellm.server.completions import create_completion
+from pagellm.server.embeddings import create_embedding
 from pagellm.server.llama_cpp import create_infill, create_llama_completion
 from pagellm.server.limits import LimitGate, Limits
 from pagellm.server.openai_responses import create_response, delete_response, get_response
 from pagellm.server.errors import APIError
 from pagellm.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                     InfillRequest, LlamaCompletionRequest, ResponsesRequest,
-                                     TokenizeRequest)
+                                     EmbeddingRequest, InfillRequest, LlamaCompletionRequest,
+                                     ResponsesRequest, TokenizeRequest)
 from pagellm.server.state import OpenAIServer
 
 __all__ = ["OpenAIServer", "build_app", "default_model_name", "serve"]
@@ -91,6 +92,7 @@ def build_app(api: OpenAIServer) -> FastAPI:
     bodies = {"/v1/completions": (create_completion, CompletionRequest),
               "/v1/chat/completions": (create_chat_completion, ChatCompletionRequest),
               "/v1/responses": (create_response, ResponsesRequest),
+              "/v1/embeddings": (create_embedding, EmbeddingRequest),
               "/infill": (create_infill, InfillRequest),
               "/completion": (create_llama_completion, LlamaCompletionRequest),
               "/completions": (create_llama_completion, LlamaCompletionRequest),

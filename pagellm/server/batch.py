@@ -27,7 +27,7 @@ from typing import IO
 import httpx
 from tqdm import tqdm
 
-URLS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
+URLS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings")
 
 
 def _error(custom_id, code: str, message: str) -> dict:

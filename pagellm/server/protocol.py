@@ -419,6 +419,25 @@ class TokenizeRequest(_TemplateKwargs):
     add_generation_prompt: bool = True
 
 
+class EmbeddingRequest(BaseModel):
+    """POST /v1/embeddings: OpenAI's fields (input: a string, strings, token ids or lists of
+    them)."""
+    model_config = ConfigDict(extra="allow", strict=True)
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(None, ge=1)
+    user: str | None = None
+    # vLLM's: whether the vector is scaled to unit length (default: yes, as OpenAI's are)
+    normalize: bool = True
+
+    def inputs(self) -> list[str | list[int]]:
+        x = self.input
+        if isinstance(x, str) or (x and type(x[0]) is int):
+            return [x]
+        return list(x)
+
+
 class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
     model: str | None = None
@@ -430,6 +449,7 @@ CompletionRequest.model_rebuild()
 ChatMessage.model_rebuild()
 ChatCompletionRequest.model_rebuild()
 ResponsesRequest.model_rebuild()
+EmbeddingRequest.model_rebuild()
 LlamaCppRequest.model_rebuild()
 InfillRequest.model_rebuild()
 LlamaCompletionRequest.model_rebuild()
