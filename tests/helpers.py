@@ -73,8 +73,11 @@ def make_tiny_model(path, arch: str = "llama", **overrides):
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "smollm3": (transformers.SmolLM3Config, transformers.SmolLM3ForCausalLM),
     }[arch]
     kwargs = {**TINY, "eos_token_id": 2, "bos_token_id": 1, **overrides}
+    if arch == "smollm3":  # its default pad id (128004) is past a tiny vocabulary
+        kwargs.setdefault("pad_token_id", 0)
     torch.manual_seed(0)
     model = model_cls(cfg_cls(**kwargs)).eval().float()
     model.save_pretrained(path)

@@ -18,10 +18,12 @@ def hf_greedy(model, prompt, n):
     return out[0, len(prompt):].tolist()
 
 
-@pytest.fixture(scope="module", params=["llama", "mistral", "qwen2"])
+@pytest.fixture(scope="module", params=["llama", "mistral", "qwen2", "smollm3"])
 def tiny(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(request.param)
     overrides = {"tie_word_embeddings": True} if request.param == "qwen2" else {}
+    if request.param == "smollm3":  # its second layer without rotary (NoPE)
+        overrides = {"no_rope_layer_interval": 2}
     return str(path), make_tiny_model(path, request.param, **overrides)
 
 

@@ -31,13 +31,21 @@ _LAYER_TYPES = [
 _TOP_TYPES = {"model.embed_tokens.weight": Q.Q4_K, "lm_head.weight": Q.Q6_K}
 
 
-def _config(arch: str, vocab_size: int = 96, rope=None):
-    common = dict(vocab_size=vocab_size, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+def _config(arch: str, vocab_size: int = 96, rope=None, num_layers: int = 2):
+    common = dict(vocab_size=vocab_size, hidden_size=256, intermediate_size=512,
+                  num_hidden_layers=num_layers,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
                   tie_word_embeddings=False, eos_token_id=2, bos_token_id=1)
     if arch == "qwen2":
         return transformers.Qwen2Config(**common, architectures=["Qwen2ForCausalLM"],
                                         **({"rope_parameters": rope} if rope else {}))
+    if arch == "smollm3":  # every fourth layer without rotary, as llama.cpp reads the file;
+        # the base SmolLM3's 2e6 makes these random weights ill-conditioned (transformers'
+        # own float32 logits 3e-4 from float64), 1e4 leaves float32's rounding at 1e-6
+        return transformers.SmolLM3Config(**common, architectures=["SmolLM3ForCausalLM"],
+                                          no_rope_layer_interval=4, pad_token_id=0,
+                                          rope_parameters={"rope_type": "default",
+                                                           "rope_theta": 10000.0})
     # Llama 3.1-style scaling with an original context short enough that every band of the
     # frequency correction (kept, interpolated, divided by the factor) is reached
     rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
@@ -74,11 +82,11 @@ def write_tiny_gguf(path, arch: str, extra=None, rope_freqs: bool = True, vocab=
     callback writing a tokenizer (its vocabulary size first). rope: qwen2's rope_parameters
     (yarn written as llama.cpp's converter writes it)."""
     layer_types, top_types = layer_types or _LAYER_TYPES, top_types or _TOP_TYPES
-    config = _config(arch, vocab[0] if vocab else 96, rope)
+    config = _config(arch, vocab[0] if vocab else 96, rope, len(layer_types))
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config).eval().float()
     writer = gguf_writer(path, config, arch, eos_token_id=2)
-    if arch == "llama":
+    if arch in ("llama", "smollm3"):
         writer.add_rope_dimension_count(config.hidden_size // config.num_attention_heads)
     if arch == "llama" and rope_freqs:
         writer.add_tensor("rope_freqs.weight", _llama3_rope_factors(config))
@@ -101,9 +109,9 @@ def write_tiny_gguf(path, arch: str, extra=None, rope_freqs: bool = True, vocab=
         blocks = random_blocks(qtype, *tensor.shape, seed=seed, amplitude=0.12)
         state[name] = blocks.dequantize()
         raw = blocks.raw.numpy()
-        if arch == "llama" and parts[-2] == "q_proj":
+        if arch in ("llama", "smollm3") and parts[-2] == "q_proj":
             raw = llama_cpp_permute(raw, config.num_attention_heads)
-        elif arch == "llama" and parts[-2] == "k_proj":
+        elif arch in ("llama", "smollm3") and parts[-2] == "k_proj":
             raw = llama_cpp_permute(raw, config.num_key_value_heads)
         writer.add_tensor(gguf_name(name), np.ascontiguousarray(raw), raw_dtype=qtype)
     if vocab:
@@ -518,3 +526,34 @@ def test_the_vocabularys_end_tokens_end_generation():
                                                  logit_bias={endoftext: 100.0}),
                        use_tqdm=False)[0].outputs[0]
     assert (out.token_ids, out.finish_reason, out.text) == ([endoftext], "stop", "")
+
+
+def test_smollm3_files_rotate_three_layers_of_four(tmp_path):
+    """A SmolLM3 GGUF (llama.cpp's q/k row order; every fourth layer without rotary, the
+    step llama.cpp reads such a file with): float32 logits and greedy tokens equal
+    transformers'; the packed path (its fused and many-row layers rotating the NoPE layer by
+    an identity) stays within its tolerance; rotating every layer is not the model."""
+    path = tmp_path / "smollm3.gguf"
+    hf = write_tiny_gguf(path, "smollm3", layer_types=_LAYER_TYPES * 2)
+    llm = LLM(str(path), dtype="float32", kv_cache_memory=2**22, enable_prefix_caching=False)
+    assert llm.engine.hf_config.no_rope_layers == [1, 1, 1, 0]
+    for prompt in PROMPTS:
+        ref = _hf_logits(hf, prompt)
+        torch.testing.assert_close(_prefill_logits(llm, prompt), ref, atol=1e-4 * ref.abs().max(), rtol=1e-4)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
+    want = llm.generate(PROMPTS, params, use_tqdm=False)
+    for prompt, out in zip(PROMPTS, want):
+        ids = torch.tensor([prompt])
+        ref = hf.generate(ids, max_new_tokens=16, do_sample=False, eos_token_id=None, pad_token_id=0,
+                          attention_mask=torch.ones_like(ids))[0, len(prompt):].tolist()
+        assert out.outputs[0].token_ids == ref
+    if native.available():
+        packed = LLM(str(path), kv_cache_memory=2**22)
+        assert packed.engine.model.num_packed()[0] > 0
+        for ref, got in zip(want, packed.generate(PROMPTS, params, use_tqdm=False)):
+            assert_greedy_close(ref.outputs[0], got.outputs[0], 0.1)
+    rotary = llm.engine.model.rotary
+    for layer in llm.engine.model.layers:
+        layer.self_attn.rotary = rotary
+    ref = _hf_logits(hf, PROMPTS[1])
+    assert (_prefill_logits(llm, PROMPTS[1]) - ref).abs().max() > 1e-3 * ref.abs().max()

@@ -73,3 +73,19 @@ class RotaryEmbedding(nn.Module):
             self._step_sin = self.signed_sin[positions].unsqueeze(1).to(x.dtype)
         half = x.shape[-1] // 2
         return x * self._step_cos + x.roll(half, dims=-1) * self._step_sin
+
+
+class NoRotation(RotaryEmbedding):
+    """A layer that rotates nothing (SmolLM3's every fourth layer, "NoPE"), in every path that
+    rotates: tables of cos 1 and sin 0, so x * 1 + roll(x) * 0 gives x exactly (the module
+    path, the fused layers' native rotation and the many-row layer's alike)."""
+
+    def __init__(self, head_dim: int, max_position: int):
+        nn.Module.__init__(self)
+        device = torch.get_default_device()
+        with torch.device("cpu"):
+            cos = torch.ones(max_position, head_dim, dtype=torch.float32)
+            sin = torch.zeros(max_position, head_dim, dtype=torch.float32)
+        self.register_buffer("cos", cos.to(device), persistent=False)
+        self.register_buffer("signed_sin", sin.to(device), persistent=False)
+        self._step_key = None

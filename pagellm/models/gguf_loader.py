@@ -50,6 +50,7 @@ _STRING, _ARRAY = 8, 9
 
 # GGUF architecture -> (transformers config class name, HF architecture name).
 _ARCHITECTURES = {"llama": ("LlamaConfig", "LlamaForCausalLM"),
+                  "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM"),
                   "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
                   "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
                   "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
@@ -86,6 +87,8 @@ _ARCH_BLOCK_NAMES["gemma2"] = {k: v for k, v in _ARCH_BLOCK_NAMES["gemma3"].item
 # Gemma's norms multiply by 1 + weight; llama.cpp's converter stores 1 + weight, which the
 # loader gives back as the checkpoint's weight (as transformers reads such a file)
 _NORM_SHIFTED = frozenset({"gemma3", "gemma2"})
+# architectures whose q/k rows llama.cpp's converter permutes (LlamaModel's undo_permute)
+_PERMUTED = frozenset({"llama", "smollm3"})
 _BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
@@ -196,11 +199,12 @@ def _plan_tensor(path, metadata, name, shape, ggml_type, offset) -> GGUFTensor:
     arch, rope_heads = metadata["general.architecture"], None
     hf_name = _hf_name(path, name, arch)
     # llama.cpp's convert_hf_to_gguf.py permutes q/k rows (weights and biases) for the llama
-    # architecture only; qwen2 is written in HF order.
-    if arch == "llama" and hf_name.endswith(("q_proj.weight", "q_proj.bias")):
-        rope_heads = metadata["llama.attention.head_count"]
-    elif arch == "llama" and hf_name.endswith(("k_proj.weight", "k_proj.bias")):
-        rope_heads = metadata.get("llama.attention.head_count_kv", metadata["llama.attention.head_count"])
+    # architecture and those converted as it (smollm3); qwen2 is written in HF order.
+    if arch in _PERMUTED and hf_name.endswith(("q_proj.weight", "q_proj.bias")):
+        rope_heads = metadata[f"{arch}.attention.head_count"]
+    elif arch in _PERMUTED and hf_name.endswith(("k_proj.weight", "k_proj.bias")):
+        rope_heads = metadata.get(f"{arch}.attention.head_count_kv",
+                                  metadata[f"{arch}.attention.head_count"])
     if ggml_type in _FLOAT_TYPES:
         nbytes = int(np.prod(shape)) * np.dtype(_FLOAT_TYPES[ggml_type][0]).itemsize
     else:
@@ -490,7 +494,7 @@ def gguf_config(gguf_file: GGUFFile):
         kwargs["rope_scaling"] = {"rope_type": "linear", "factor": key("rope.scaling.factor")}
     elif scaling == "yarn":
         kwargs["rope_scaling"] = _yarn(gguf_file.path, md, arch, key)
-    if arch == "llama":  # as transformers does: rope dimension == head_dim for llama only
+    if arch in _PERMUTED:  # as transformers does: rope dimension == head_dim for llama only
         kwargs["head_dim"] = key("rope.dimension_count", kwargs["hidden_size"] // num_heads)
     if arch in ("qwen2", "qwen3", "gemma3", "gemma2"):  # a head's width need not be hidden / heads
         kwargs["head_dim"] = key("attention.key_length", kwargs["hidden_size"] // num_heads)

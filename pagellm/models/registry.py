@@ -21,6 +21,7 @@ MODEL_CLASSES = {
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
+    "SmolLM3ForCausalLM": LlamaForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
 }
@@ -29,7 +30,8 @@ MODEL_CLASSES = {
 WINDOWED_MODEL_TYPES = frozenset({"gemma3_text", "gemma2"})
 # model_type -> class, for configs that name no architecture
 _MODEL_TYPES = {"llama": LlamaForCausalLM, "mistral": LlamaForCausalLM, "qwen2": LlamaForCausalLM,
-                "qwen3": LlamaForCausalLM, "gemma3_text": Gemma3ForCausalLM,
+                "qwen3": LlamaForCausalLM, "smollm3": LlamaForCausalLM,
+                "gemma3_text": Gemma3ForCausalLM,
                 "gemma2": Gemma2ForCausalLM}
 
 
