@@ -207,6 +207,9 @@ def add_api_args(srv: argparse.ArgumentParser) -> None:
     """What `serve` and `run-batch` answer requests with: the model's name, the reasoning
     parser, sampling defaults, request limits, and the engine's arguments."""
     srv.add_argument("--served-model-name", default=None)
+    srv.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                     help="LoRA adapters (PEFT folders) served beside the base model: a "
+                     "request whose `model` is NAME runs with that adapter")
     srv.add_argument("--reasoning-parser", choices=["qwen3", "deepseek_r1"], default=None,
                      help="chat completions carry a reasoning model's <think> text in "
                      "`reasoning` / `reasoning_content`, apart from `content`")

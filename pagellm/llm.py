@@ -11,6 +11,7 @@ from tqdm.auto import tqdm
 from pagellm.config import (CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig,
                             parse_bytes)
 from pagellm.engine.llm_engine import LLMEngine
+from pagellm.lora import LoRARequest
 from pagellm.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from pagellm.pooling_params import PoolingParams
 from pagellm.sampling_params import SamplingParams
@@ -57,7 +58,10 @@ class LLM:
 
     def generate(self, prompts: Prompt | Seq[Prompt],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True,
+                 lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
+                 ) -> list[RequestOutput]:
+        """lora_request: an adapter for every prompt, or one (or None) a prompt."""
         if isinstance(prompts, (str, dict)) or (
                 isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -66,11 +70,15 @@ class LLM:
             params = [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"sampling_params: got {len(params)} for {len(prompts)} prompts")
+        loras = (list(lora_request) if isinstance(lora_request, (list, tuple))
+                 else [lora_request] * len(prompts))
+        if len(loras) != len(prompts):
+            raise ValueError(f"lora_request: got {len(loras)} for {len(prompts)} prompts")
         ids = []
         try:
-            for prompt, p in zip(prompts, params):
+            for prompt, p, adapter in zip(prompts, params, loras):
                 rid = f"offline-{next(self._ids)}"
-                self.engine.add_request(rid, prompt, p)
+                self.engine.add_request(rid, prompt, p, lora_request=adapter)
                 ids.append(rid)
         except ValueError:
             for rid in ids:
@@ -108,13 +116,14 @@ class LLM:
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
              add_generation_prompt: bool = True,
-             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: dict | None = None,
+             lora_request: LoRARequest | None = None) -> list[RequestOutput]:
         """chat_template_kwargs: more variables for the chat template (e.g. Qwen3's
         {"enable_thinking": False})."""
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [self.apply_chat_template(c, add_generation_prompt, chat_template_kwargs)
                    for c in convs]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             chat_template_kwargs: dict | None = None) -> list[int]:

@@ -61,6 +61,8 @@ class Sequence:
     # run, with `embedding` pooled from the last token's hidden state; nothing is sampled.
     pooling: object | None = None
     embedding: list[float] | None = None
+    # the request's adapter (pagellm.lora.LoRAAdapter): its rows get its products added
+    lora: object | None = None
 
     first_token_time: float | None = None
     finish_time: float | None = None

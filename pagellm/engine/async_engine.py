@@ -90,6 +90,7 @@ class _Add:
     arrival_time: float
     future: asyncio.Future
     cache_salt: str | None = None
+    lora_request: object | None = None  # a pagellm.lora.LoRARequest
 
 
 class AsyncEngine:
@@ -143,7 +144,7 @@ class AsyncEngine:
     async def add_request(self, request_id: str, prompt_token_ids: list[int],
                           params: SamplingParams, waker: asyncio.Event,
                           arrival_time: float | None = None,
-                          cache_salt: str | None = None) -> RequestSlot:
+                          cache_salt: str | None = None, lora_request=None) -> RequestSlot:
         """Queue a request; returns once the engine has taken it. ValueError if it refused it."""
         if not self.is_alive:
             raise RequestError("the engine is not running", 503)
@@ -151,7 +152,7 @@ class AsyncEngine:
         future = self.loop.create_future()
         cmd = _Add(slot, prompt_token_ids, params,
                    arrival_time if arrival_time is not None else time.monotonic(), future,
-                   cache_salt)
+                   cache_salt, lora_request)
         self._count(+1)
         self._submit(cmd)
         try:
@@ -210,7 +211,8 @@ class AsyncEngine:
         rid = cmd.slot.request_id
         try:
             self.engine.add_request(rid, cmd.prompt, cmd.params, arrival_time=cmd.arrival_time,
-                                    cache_salt=cmd.cache_salt)
+                                    cache_salt=cmd.cache_salt,
+                                    lora_request=cmd.lora_request)
         except Exception as e:  # ValueError: bad request (400); anything else: engine bug (500)
             self._count(-1)
             if not isinstance(e, ValueError):

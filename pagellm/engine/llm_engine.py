@@ -20,6 +20,8 @@ from pagellm.engine.memory import (num_kv_blocks, resolve_device,
 from pagellm.layers.linear import packed_row_limit
 from pagellm.models.loader import load_model_files
 from pagellm.models.registry import WINDOWED_MODEL_TYPES, build_model, may_pack
+from pagellm import lora
+from pagellm.lora import LoRARequest
 from pagellm.pooling_params import PoolingParams
 from pagellm.outputs import CompletionOutput, Prefix, RequestMetrics, RequestOutput
 from pagellm.sampling.sampler import SamplingRow, sample
@@ -131,6 +133,7 @@ class LLMEngine:
                     "KV %.0f MiB", m["target_weights"], m["target_kv"], m["draft_weights"],
                     m["draft_kv"])
         self.requests: dict[str, Request] = {}
+        self.adapters: dict[int, lora.LoRAAdapter] = {}  # LoRA adapters read so far, by id
         self._seq_ids = itertools.count()
         # Draws of requests without a seed of their own, on the model's device (a seeded
         # request's generator stays on the CPU: a seed draws the same on every device).
@@ -142,13 +145,18 @@ class LLMEngine:
     # ---- requests --------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int],
                     params: SamplingParams | PoolingParams, arrival_time: float | None = None,
-                    cache_salt: str | None = None) -> None:
+                    cache_salt: str | None = None, lora_request: LoRARequest | None = None
+                    ) -> None:
         """params: SamplingParams to generate, or PoolingParams for the prompt's embedding
-        (the request ends when its prompt has run; its output's `embedding`)."""
+        (the request ends when its prompt has run; its output's `embedding`). lora_request:
+        an adapter for this request's rows (pagellm/lora.py)."""
         if self.dead is not None:
             raise RuntimeError(self.dead)
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        adapter = self._adapter(lora_request) if lora_request is not None else None
+        if adapter is not None:  # another adapter's K/V for the same prompt: apart in the cache
+            cache_salt = f"lora-{lora_request.lora_int_id}:{cache_salt or ''}"
         pooling = None
         if isinstance(params, PoolingParams):
             kind = getattr(self.hf_config, "pooling_type", None)
@@ -178,10 +186,31 @@ class LLMEngine:
         for seq, c in zip(seqs, constraints):
             seq.constraint = c
             seq.pooling = pooling
+            seq.lora = adapter
         self.requests[request_id] = Request(request_id, prompt_text, ids, params, seqs, arrival,
                                             pending_forks=seqs[1:])
         self.num_prompt_tokens += len(ids)
         self.scheduler.add(seqs[0])
+
+    def _adapter(self, request: LoRARequest) -> lora.LoRAAdapter:
+        """The request's adapter, read at its first use and kept (by lora_int_id)."""
+        if not isinstance(request, LoRARequest):
+            raise ValueError(f"lora_request must be a LoRARequest, got {type(request).__name__}")
+        known = self.adapters.get(request.lora_int_id)
+        if known is not None:
+            if known.request != request:
+                raise ValueError(f"lora_request: id {request.lora_int_id} is already "
+                                 f"{known.request.lora_name!r} at {known.request.lora_path}")
+            return known
+        if self._tp_procs is not None:
+            raise ValueError("lora_request: adapters are not supported with tensor parallelism")
+        if not hasattr(self.model.layers[0].self_attn.qkv_proj, "lora_key"):
+            lora.attach(self.model)
+        adapter = lora.load_adapter(request, self.model)
+        self.adapters[request.lora_int_id] = adapter
+        logger.info("LoRA adapter %r (id %d) loaded from %s: %d projections", request.lora_name,
+                    request.lora_int_id, request.lora_path, len(adapter.weights))
+        return adapter
 
     def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):

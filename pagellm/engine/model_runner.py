@@ -11,6 +11,7 @@ import time
 
 import torch
 
+from pagellm import lora
 from pagellm import parallel
 from pagellm.attention.base import AttentionMetadata
 from pagellm.kernels import cpu_attention
@@ -211,8 +212,15 @@ class ModelRunner:
             constrained = [s.constraint is not None for s in out.seqs]
         argmax_only = all(not s.spec_token_ids and reads_argmax_only(
             s.params, s.num_output_tokens, c) for s, c in zip(out.seqs, constrained))
-        return self.forward(*self.prepare(out), logit_rows, choose_path=decode,
-                            argmax_only=argmax_only, ids=ids)
+        step = _lora_step(out, self.device)
+        if step is None:
+            return self.forward(*self.prepare(out), logit_rows, choose_path=decode,
+                                argmax_only=argmax_only, ids=ids)
+        lora.STEP = step  # rows with adapters: their products added in every projection
+        try:
+            return self.forward(*self.prepare(out), logit_rows, argmax_only=argmax_only, ids=ids)
+        finally:
+            lora.STEP = None
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata,
@@ -225,7 +233,7 @@ class ModelRunner:
         rows = out_rows = None
         if logit_rows is not None:
             rows = upload(torch.tensor(logit_rows, dtype=torch.long), input_ids.device)
-            if _prunable(logit_rows, input_ids.shape[0]):
+            if _prunable(logit_rows, input_ids.shape[0]) and lora.STEP is None:
                 out_rows = rows  # the last layer carries only these rows past its attention
         if choice is None:
             hidden = self.model(input_ids, positions, md, out_rows=out_rows)
@@ -244,3 +252,17 @@ class ModelRunner:
         if ids and argmax_only:
             return self.model.argmax_ids(hidden)
         return self.model.compute_logits(hidden, argmax_only=argmax_only)
+
+
+def _lora_step(out: SchedulerOutput, device: torch.device) -> lora.LoRAStep | None:
+    """The step's rows of each adapter (seq.lora, pagellm.lora), in the flat batch, or None."""
+    groups: dict[int, tuple] = {}
+    offset = 0
+    for seq, n in zip(out.seqs, out.num_tokens):
+        if seq.lora is not None:
+            groups.setdefault(id(seq.lora), (seq.lora, []))[1].extend(range(offset, offset + n))
+        offset += n
+    if not groups:
+        return None
+    return lora.LoRAStep([(a, torch.tensor(rows, dtype=torch.long, device=device))
+                          for a, rows in groups.values()])

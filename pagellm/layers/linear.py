@@ -13,6 +13,7 @@ from torch import nn
 
 import os
 
+from pagellm import lora
 from pagellm import parallel
 from pagellm.kernels import native
 from pagellm.layers import int8, onednn, q32, quant
@@ -244,7 +245,8 @@ class ColumnParallelLinear(_Packed, nn.Module):
             write()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.packed, self.wide)
+        y = linear(x, self.weight, self.bias, self.packed, self.wide)
+        return y if lora.STEP is None else lora.STEP.apply(self, x, y)
 
 
 class RowParallelLinear(_Packed, nn.Module):
@@ -285,4 +287,6 @@ class RowParallelLinear(_Packed, nn.Module):
         y = linear(x, self.weight, packed=self.packed, wide=self.wide)
         if self.reduce:
             y = parallel.all_reduce(y)
+        if lora.STEP is not None:
+            y = lora.STEP.apply(self, x, y)
         return y + self.bias if self.bias is not None else y

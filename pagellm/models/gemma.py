@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagellm import lora
 from pagellm.attention.base import AttentionBackend
 from pagellm.layers.attention import PagedSelfAttention
 from pagellm.layers.norm import OffsetRMSNorm
@@ -66,7 +67,7 @@ class Gemma3DecoderLayer(nn.Module):
 
     def forward(self, positions, x, md, out_rows=None):
         """As DecoderLayer.forward: out_rows, the rows whose output is wanted."""
-        if (self.fused is not None and positions.dtype == torch.int64
+        if (self.fused is not None and positions.dtype == torch.int64 and lora.STEP is None
                 and self.fused.usable(x, md)):  # few rows: all of them
             x = self.fused(positions, x, md)
             return x if out_rows is None else x.index_select(0, out_rows)

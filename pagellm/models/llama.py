@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagellm import lora
 from pagellm.attention.base import AttentionBackend, AttentionMetadata
 from pagellm.kernels.cpu_layer import FusedDecodeLayer, gate_up_silu_bf16
 from pagellm.kernels.cpu_wide_layer import WideLayer, WideStack
@@ -49,7 +50,8 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gu, down = self.gate_up_proj, self.down_proj
-        if (gu.bf16_wide is not None and down.bf16_wide is not None and gu.int8 is None
+        if (lora.STEP is None and gu.bf16_wide is not None and down.bf16_wide is not None
+                and gu.int8 is None
                 and down.int8 is None and gu.bias is None and down.bias is None
                 and not down.reduce and gu.takes_wide(x) and down.takes_wide(x)):
             # prepacked bf16 products (CPUs with bf16 units): the gate|up output stays bf16
@@ -93,7 +95,7 @@ class DecoderLayer(nn.Module):
         stop after the attention (a model's last layer in a prefill step, where only each
         prompt's last row is sampled). The one-call q32 layer gives those rows the bits of the
         whole step; the module path multiplies them as a step of that many rows."""
-        if positions.dtype == torch.int64:
+        if positions.dtype == torch.int64 and lora.STEP is None:  # adapters: the modules
             if self.fused is not None and self.fused.usable(x, md):  # few rows: all of them
                 x = self.fused(positions, x, md)
                 return x if out_rows is None else x.index_select(0, out_rows)
@@ -204,7 +206,7 @@ class LlamaForCausalLM(nn.Module):
         if self.embed_scale is not None:  # in the activations' dtype (float32: as llama.cpp and
             # float32 transformers scale; transformers in bf16 rounds the scale to bf16 first)
             x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
-        stack = self.wide_stack if num_layers is None else None
+        stack = self.wide_stack if num_layers is None and lora.STEP is None else None
         if stack is not None and stack.usable(positions, x, md):
             return self.norm(stack(positions, x, md, out_rows))  # every layer in one native call
         layers = self.layers[:num_layers]

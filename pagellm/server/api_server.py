@@ -170,9 +170,15 @@ def make_api(args, engine_kwargs: dict, api_key: str | None = None,
     logger.info("sampling defaults for fields a request omits: %s, from %s",
                 ", ".join(f"{k}={v}" for k, v in defaults.items()) or "none", source)
     kwargs = {} if max_waiting is None else {"max_waiting": max_waiting}
+    loras = {}
+    for spec in getattr(args, "lora_modules", None) or []:
+        lora_name, sep, path = spec.partition("=")
+        if not sep or not lora_name or not path:
+            raise ValueError(f"--lora-modules: {spec!r} is not NAME=PATH")
+        loras[lora_name] = path
     return OpenAIServer(engine, name, api_key=api_key, sampling_defaults=defaults,
                         limits=Limits.from_args(args), reasoning_parser=args.reasoning_parser,
-                        **kwargs)
+                        lora_modules=loras, **kwargs)
 
 
 def serve(args, engine_kwargs: dict) -> int:

@@ -25,7 +25,7 @@ async def create_chat_completion(request: Request):
     api: OpenAIServer = request.app.state.api
     arrival = time.monotonic()
     req = parse_request(ChatCompletionRequest, await request.body())
-    api.check_model(req.model)
+    lora = api.check_model(req.model)
     api.need_tokenizer("messages")
     tools = tool_dicts(req.tools)
     tool_choice, only = resolve_tool_choice(req.tool_choice, tools)
@@ -71,7 +71,7 @@ async def create_chat_completion(request: Request):
     except ValueError as e:
         raise sampling_error(e) from None
     rid = f"chatcmpl-{uuid.uuid4().hex}"
-    slots = await api.add([ids], [params], arrival, rid, structured_field, req.cache_salt)
+    slots = await api.add([ids], [params], arrival, rid, structured_field, req.cache_salt, lora)
     choices = [ChoiceStream(j, params) for j in range(req.n)]
     base = {"id": rid, "object": "chat.completion", "created": int(time.time()),
             "model": api.model_name}

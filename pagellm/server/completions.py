@@ -19,7 +19,7 @@ async def create_completion(request: Request):
     api: OpenAIServer = request.app.state.api
     arrival = time.monotonic()
     req = parse_request(CompletionRequest, await request.body())
-    api.check_model(req.model)
+    lora = api.check_model(req.model)
     if req.best_of not in (None, req.n):
         raise APIError(400, "best_of: must equal n (best-of selection is not supported)",
                        param="best_of")
@@ -66,7 +66,7 @@ async def create_completion(request: Request):
                 for text, ids in encoded]
     rid = f"cmpl-{uuid.uuid4().hex}"
     slots = await api.add([ids for _, ids in encoded], params, arrival, rid, structured_field,
-                          req.cache_salt)
+                          req.cache_salt, lora)
     token_str = api.token_str if req.logprobs is not None else None
     choices = [ChoiceStream(i * req.n + j, params[i], prefixes[i], token_str)
                for i in range(len(slots)) for j in range(req.n)]

@@ -25,7 +25,7 @@ async def create_embedding(request: Request):
     api: OpenAIServer = request.app.state.api
     arrival = time.monotonic()
     req = parse_request(EmbeddingRequest, await request.body())
-    api.check_model(req.model)
+    lora = api.check_model(req.model)
     inputs = req.inputs()
     if not inputs:
         raise APIError(400, "input: must not be empty", param="input")
@@ -42,7 +42,7 @@ async def create_embedding(request: Request):
         api.check_scored_prompt(len(ids), "input")
     params = PoolingParams(normalize=req.normalize, dimensions=req.dimensions)
     slots = await api.add([ids for _, ids in encoded], [params] * len(encoded), arrival,
-                          f"embd-{uuid.uuid4().hex}", "input")
+                          f"embd-{uuid.uuid4().hex}", "input", lora=lora)
     finals = await api.final_outputs(request, slots)
     data = []
     for i, out in enumerate(finals):

@@ -89,7 +89,7 @@ async def _serve(request: Request, api: OpenAIServer, req: LlamaCppRequest,
     """Run each (prompt ids, truncated) and answer llama.cpp's completion object (a JSON array
     of them for several prompts), or stream one prompt's as `data:` events. end_ids: more ids
     that end generation."""
-    api.check_model(req.model)
+    lora = api.check_model(req.model)
     api.limits.check_stop(req.stop)
     api.limits.check_logprobs(req.n_probs or None, "n_probs")
     if req.n_probs:
@@ -112,7 +112,7 @@ async def _serve(request: Request, api: OpenAIServer, req: LlamaCppRequest,
     except ValueError as e:
         raise sampling_error(e) from None
     slots = await api.add([ids for ids, _ in prompts], params, arrival,
-                          f"{kind}-{uuid.uuid4().hex}", structured_field, req.cache_salt)
+                          f"{kind}-{uuid.uuid4().hex}", structured_field, req.cache_salt, lora)
     watches = [_Watch(req.n_indent, req.t_max_predict_ms, warm_only) for _ in prompts]
 
     def answer(i: int, out: RequestOutput) -> dict:

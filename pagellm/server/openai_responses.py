@@ -312,7 +312,7 @@ async def create_response(request: Request):
     api: OpenAIServer = request.app.state.api
     arrival = time.monotonic()
     req = parse_request(ResponsesRequest, await request.body())
-    api.check_model(req.model)
+    lora = api.check_model(req.model)
     api.need_tokenizer("input")
     if req.n != 1:
         raise APIError(400, "n: the Responses API gives one output (use n on chat completions)",
@@ -394,7 +394,8 @@ async def create_response(request: Request):
     except ValueError as e:
         raise sampling_error(e) from None
     builder = ResponseBuilder(api, req, params, fmt)
-    slots = await api.add([ids], [params], arrival, builder.id, structured_field, req.cache_salt)
+    slots = await api.add([ids], [params], arrival, builder.id, structured_field, req.cache_salt,
+                          lora)
     tool_names = {t["function"]["name"] for t in tools} if tool_choice != "none" else set()
     # beside a JSON answer, calls come only in tags: a JSON text is the answer
     bare_json = not (answer_schema is not None and tool_choice == "auto")

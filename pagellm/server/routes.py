@@ -12,11 +12,13 @@ from pagellm.server.state import OpenAIServer
 
 async def list_models(request: Request):
     api: OpenAIServer = request.app.state.api
-    return {"object": "list", "data": [{
-        "id": api.model_name, "object": "model", "created": api.created, "owned_by": "pagellm",
-        # root: the served name, not the file's absolute path (which tells clients about the
-        # server's file system)
-        "root": api.model_name, "max_model_len": api.max_model_len}]}
+    # root: the served name, not the file's absolute path (which tells clients about the
+    # server's file system); an adapter names the base model as its parent, as vLLM's do
+    base = {"id": api.model_name, "object": "model", "created": api.created,
+            "owned_by": "pagellm", "root": api.model_name, "parent": None,
+            "max_model_len": api.max_model_len}
+    return {"object": "list", "data": [base] + [
+        {**base, "id": name, "root": name, "parent": api.model_name} for name in api.loras]}
 
 
 async def tokenize(request: Request):

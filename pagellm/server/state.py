@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import Request
 
+from pagellm.lora import LoRARequest
 from pagellm.chat_template import render_chat
 from pagellm.server.reasoning import PARSERS
 from pagellm.engine.async_engine import AsyncEngine, RequestError, RequestSlot
@@ -60,11 +61,19 @@ class OpenAIServer:
 
     def __init__(self, engine, model_name: str, api_key: str | None = None,
                  max_waiting: int | None = None, sampling_defaults: dict | None = None,
-                 limits: Limits | None = None, reasoning_parser: str | None = None):
+                 limits: Limits | None = None, reasoning_parser: str | None = None,
+                 lora_modules: dict[str, str] | None = None):
         """reasoning_parser: server/reasoning.py's PARSERS, or None (thinking stays in the
-        answer's text)."""
+        answer's text). lora_modules: adapter name -> PEFT folder; a request whose `model`
+        names one runs with it (each read and checked here, at start)."""
         if reasoning_parser is not None and reasoning_parser not in PARSERS:
             raise ValueError(f"reasoning_parser {reasoning_parser!r}: known are {list(PARSERS)}")
+        self.loras: dict[str, LoRARequest] = {}
+        for i, (name, path) in enumerate((lora_modules or {}).items(), start=1):
+            if name == model_name:
+                raise ValueError(f"lora module {name!r}: the base model's name")
+            self.loras[name] = LoRARequest(name, i, path)
+            engine._adapter(self.loras[name])  # a bad folder fails the start, not a request
         self.reasoning_parser = reasoning_parser
         self.engine = engine
         self.limits = limits or Limits()
@@ -91,10 +100,14 @@ class OpenAIServer:
         self.fim = fim_tokens(self.tokenizer)  # read once: the tokenizer stays on its thread
 
     # ---- helpers ------------------------------------------------------------------------------
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
+    def check_model(self, model: str | None) -> LoRARequest | None:
+        """404 for a model this server does not serve; the adapter a name selects, or None
+        (the base model)."""
+        if model is not None and model != self.model_name and model not in self.loras:
+            served = ", ".join(f"`{n}`" for n in [self.model_name, *self.loras])
             raise APIError(404, f"The model `{model}` does not exist. This server serves "
-                           f"`{self.model_name}`.", param="model", code="model_not_found")
+                           f"{served}.", param="model", code="model_not_found")
+        return self.loras.get(model)
 
     def token_str(self, token_id: int) -> str:
         s = self._token_strs.get(token_id)
@@ -188,7 +201,8 @@ class OpenAIServer:
 
     async def add(self, prompts: list[list[int]], params: list, arrival: float,
                   request_id: str, structured_field: str | None = None,
-                  cache_salt: str | None = None) -> list[RequestSlot]:
+                  cache_salt: str | None = None, lora: LoRARequest | None = None
+                  ) -> list[RequestSlot]:
         """Hand the prompts to the engine (one engine request per prompt; n is SamplingParams.n).
         503 when the waiting queue is full; 400 when the engine refuses a prompt (a schema or
         grammar it cannot compile: 400 naming structured_field, the field that sent it)."""
@@ -205,7 +219,7 @@ class OpenAIServer:
             # await each would add one prompt per step).
             added = await asyncio.gather(*(
                 self.async_engine.add_request(f"{request_id}-{i}", ids, p, waker, arrival,
-                                              cache_salt)
+                                              cache_salt, lora)
                 for i, (ids, p) in enumerate(zip(prompts, params))), return_exceptions=True)
             slots = [a for a in added if isinstance(a, RequestSlot)]
             for a in added:

@@ -1,0 +1,151 @@
+"""LoRA adapters, per request (vLLM's LoRARequest): many adapters over one base model, each
+request's rows multiplied by its own.
+
+An adapter is a PEFT folder (adapter_config.json and adapter_model.safetensors) whose
+`target_modules` are among the decoder's projections (q/k/v/o_proj, gate/up/down_proj). For a
+request with an adapter, each targeted projection adds scale * (x A^T) B^T to the base
+model's output (scale = lora_alpha / r, or / sqrt(r) with use_rslora): what transformers gives
+with the adapter merged into the weights, without touching them. A step holding such rows
+runs the module path (the one-call native layers know nothing of adapters) with the adapters'
+products added per group of rows (`LoRAStep`); steps without them are as before.
+
+Each adapter's requests keep their prefix-cache entries to themselves (the adapter's id joins
+the cache salt): the same prompt has other K/V under another adapter.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from dataclasses import dataclass, field
+
+import torch
+
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# projection -> (the model's module, its part in a fused module)
+_FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+          "o_proj": ("o_proj", 0), "gate_proj": ("gate_up_proj", 0),
+          "up_proj": ("gate_up_proj", 1), "down_proj": ("down_proj", 0)}
+_KEY = re.compile(r"(?:base_model\.model\.)?(?:model\.)?layers\.(\d+)\.(?:self_attn|mlp)\."
+                  r"(\w+)\.lora_([AB])(?:\.weight)?")
+
+
+@dataclass(frozen=True)
+class LoRARequest:
+    """An adapter for a request: its name (what the server lists and a request's `model`
+    names), a positive id unique to it, and its PEFT folder."""
+    lora_name: str
+    lora_int_id: int
+    lora_path: str
+
+    def __post_init__(self):
+        if not isinstance(self.lora_int_id, int) or self.lora_int_id < 1:
+            raise ValueError(f"lora_int_id must be a positive integer, got {self.lora_int_id!r}")
+
+
+@dataclass
+class LoRAAdapter:
+    """An adapter's weights: (layer, fused module name) -> [(part, A [r, in], B [out, r])],
+    and the scale of every product."""
+    request: LoRARequest
+    scale: float
+    weights: dict[tuple[int, str], list[tuple[int, torch.Tensor, torch.Tensor]]] = field(
+        default_factory=dict)
+
+
+def load_adapter(request: LoRARequest, model) -> LoRAAdapter:
+    """Read a PEFT adapter for `model` (a LlamaForCausalLM); ValueError naming what does not
+    fit: a missing file, a feature not supported, a module or shape the model lacks."""
+    from safetensors.torch import load_file
+
+    folder = request.lora_path
+    cfg_path = os.path.join(folder, "adapter_config.json")
+    weights_path = os.path.join(folder, "adapter_model.safetensors")
+    for path in (cfg_path, weights_path):
+        if not os.path.isfile(path):
+            raise ValueError(f"lora_path: {path} does not exist (a PEFT adapter folder has "
+                             "adapter_config.json and adapter_model.safetensors)")
+    with open(cfg_path) as f:
+        cfg = json.load(f)
+    if cfg.get("peft_type", "LORA") != "LORA":
+        raise ValueError(f"lora_path: peft_type {cfg.get('peft_type')!r} is not LORA")
+    for key in ("use_dora", "rank_pattern", "alpha_pattern", "modules_to_save",
+                "layers_to_transform"):
+        if cfg.get(key):
+            raise ValueError(f"lora_path: adapter_config.json {key} is not supported")
+    if cfg.get("bias", "none") != "none":
+        raise ValueError("lora_path: adapters that train biases are not supported")
+    r, alpha = int(cfg["r"]), float(cfg.get("lora_alpha", cfg["r"]))
+    scale = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
+    tensors = load_file(weights_path)
+    pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for name, t in tensors.items():
+        m = _KEY.fullmatch(name)
+        if m is None or m.group(2) not in PROJECTIONS:
+            raise ValueError(f"lora_path: tensor {name!r} is not a LoRA weight of a decoder "
+                             f"projection ({', '.join(PROJECTIONS)})")
+        pairs.setdefault((int(m.group(1)), m.group(2)), {})[m.group(3)] = t
+    adapter = LoRAAdapter(request, scale)
+    dtype = next(p for p in model.parameters()).dtype
+    dtype = torch.float32 if dtype not in (torch.float32, torch.bfloat16) else dtype
+    for (layer, proj), ab in sorted(pairs.items()):
+        if set(ab) != {"A", "B"}:
+            raise ValueError(f"lora_path: layer {layer} {proj} has lora_{set('AB') - set(ab)} "
+                             "missing")
+        if layer >= len(model.layers):
+            raise ValueError(f"lora_path: layer {layer} past the model's {len(model.layers)}")
+        module_name, part = _FUSED[proj]
+        module = getattr(model.layers[layer].self_attn if module_name in ("qkv_proj", "o_proj")
+                         else model.layers[layer].mlp, module_name)
+        rows = (module.weight.shape[0] if module_name in ("o_proj", "down_proj")
+                else module.ranges[part][1])
+        a, b = ab["A"], ab["B"]
+        want_a, want_b = (a.shape[0], module.in_features), (rows, a.shape[0])
+        if tuple(a.shape) != want_a or tuple(b.shape) != want_b:
+            raise ValueError(f"lora_path: layer {layer} {proj}: lora_A {tuple(a.shape)} and "
+                             f"lora_B {tuple(b.shape)} do not fit the model's {want_a} / {want_b}")
+        adapter.weights.setdefault((layer, module_name), []).append(
+            (part, a.to(dtype).contiguous(), b.to(dtype).contiguous()))
+    return adapter
+
+
+def attach(model) -> None:
+    """Name each decoder projection of `model` for adapters (module.lora_key = (layer,
+    fused module name)); a draft model's stay unnamed, so a step's adapters never touch it."""
+    for i, layer in enumerate(model.layers):
+        for parent, name in ((layer.self_attn, "qkv_proj"), (layer.self_attn, "o_proj"),
+                             (layer.mlp, "gate_up_proj"), (layer.mlp, "down_proj")):
+            getattr(parent, name).lora_key = (i, name)
+
+
+class LoRAStep:
+    """The adapters of one step's rows: [(adapter, rows int64)], rows of the flat batch."""
+
+    def __init__(self, groups: list[tuple[LoRAAdapter, torch.Tensor]]):
+        self.groups = groups
+
+    def apply(self, module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """y = module(x) for the step's rows; each adapter's rows get its products added."""
+        key = getattr(module, "lora_key", None)
+        if key is None:
+            return y
+        offsets = None
+        for adapter, rows in self.groups:
+            parts = adapter.weights.get(key)
+            if not parts:
+                continue
+            if offsets is None:
+                ranges = getattr(module, "ranges", None) or [(0, y.shape[-1])]
+                offsets = [sum(n for _, n in ranges[:i]) for i in range(len(ranges) + 1)]
+                y = y.clone()
+            xr = x.index_select(0, rows)
+            for part, a, b in parts:
+                delta = (xr.to(a.dtype) @ a.t()) @ b.t() * adapter.scale
+                lo, hi = offsets[part], offsets[part + 1]
+                y[rows, lo:hi] += delta.to(y.dtype)
+        return y
+
+
+# The step now running through the target model (ModelRunner.forward sets it), or None.
+STEP: LoRAStep | None = None
