@@ -1,8 +1,11 @@
 """LoRA adapters, per request (vLLM's LoRARequest): many adapters over one base model, each
 request's rows multiplied by its own.
 
-An adapter is a PEFT folder (adapter_config.json and adapter_model.safetensors) whose
-`target_modules` are among the decoder's projections (q/k/v/o_proj, gate/up/down_proj). For a
+An adapter is a PEFT folder (adapter_config.json and adapter_model.safetensors), or a GGUF
+LoRA file (llama.cpp's convert_lora_to_gguf.py: general.type "adapter", tensors
+blk.N.<proj>.weight.lora_a / .lora_b, q and k's lora_b rows in llama.cpp's order for the
+architectures whose weights are so written), whose targets are among the decoder's
+projections (q/k/v/o_proj, gate/up/down_proj). For a
 request with an adapter, each targeted projection adds scale * (x A^T) B^T to the base
 model's output (scale = lora_alpha / r, or / sqrt(r) with use_rslora): what transformers gives
 with the adapter merged into the weights, without touching them. A step holding such rows
@@ -55,11 +58,20 @@ class LoRAAdapter:
 
 
 def load_adapter(request: LoRARequest, model) -> LoRAAdapter:
-    """Read a PEFT adapter for `model` (a LlamaForCausalLM); ValueError naming what does not
-    fit: a missing file, a feature not supported, a module or shape the model lacks."""
+    """Read an adapter (a PEFT folder or a GGUF LoRA file) for `model` (a LlamaForCausalLM);
+    ValueError naming what does not fit: a missing file, a feature not supported, a module
+    or shape the model lacks."""
+    if request.lora_path.endswith(".gguf"):
+        scale, pairs = _read_gguf(request.lora_path, model)
+    else:
+        scale, pairs = _read_peft(request.lora_path)
+    return _fit(request, scale, pairs, model)
+
+
+def _read_peft(folder: str) -> tuple[float, dict]:
+    """A PEFT folder -> (scale, {(layer, projection): {"A": A, "B": B}})."""
     from safetensors.torch import load_file
 
-    folder = request.lora_path
     cfg_path = os.path.join(folder, "adapter_config.json")
     weights_path = os.path.join(folder, "adapter_model.safetensors")
     for path in (cfg_path, weights_path):
@@ -86,9 +98,75 @@ def load_adapter(request: LoRARequest, model) -> LoRAAdapter:
             raise ValueError(f"lora_path: tensor {name!r} is not a LoRA weight of a decoder "
                              f"projection ({', '.join(PROJECTIONS)})")
         pairs.setdefault((int(m.group(1)), m.group(2)), {})[m.group(3)] = t
+    return scale, pairs
+
+
+# llama.cpp's tensor names of the projections
+_GGUF_NAMES = {"attn_q": "q_proj", "attn_k": "k_proj", "attn_v": "v_proj",
+               "attn_output": "o_proj", "ffn_gate": "gate_proj", "ffn_up": "up_proj",
+               "ffn_down": "down_proj"}
+_GGUF_KEY = re.compile(r"blk\.(\d+)\.(\w+)\.weight\.lora_([ab])")
+
+
+def _read_gguf(path: str, model) -> tuple[float, dict]:
+    """A GGUF LoRA file -> (scale, pairs) as _read_peft; q/k's lora_b rows back in
+    transformers' order where llama.cpp's converter permuted them (as the base weights)."""
+    import gguf
+    import numpy as np
+    from gguf.quants import dequantize
+
+    from pagellm.models.gguf_loader import PERMUTED_ARCHITECTURES, undo_rope_permute
+
+    if not os.path.isfile(path):
+        raise ValueError(f"lora_path: {path} does not exist")
+    reader = gguf.GGUFReader(path)
+
+    def meta(key):
+        field = reader.fields.get(key)
+        return None if field is None else field.contents()
+
+    if meta("general.type") != "adapter" or meta("adapter.type") != "lora":
+        raise ValueError(f"lora_path: {path} is not a GGUF LoRA adapter (general.type "
+                         f"{meta('general.type')!r}, adapter.type {meta('adapter.type')!r})")
+    arch = meta("general.architecture")
+    base = getattr(model.config, "model_type", None)
+    if arch != {"gemma3_text": "gemma3", "mistral": "llama"}.get(base, base):
+        raise ValueError(f"lora_path: the adapter is for architecture {arch!r}, the model is "
+                         f"{base!r}")
+    pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    rank = None
+    for t in reader.tensors:
+        m = _GGUF_KEY.fullmatch(t.name)
+        if m is None or m.group(2) not in _GGUF_NAMES:
+            raise ValueError(f"lora_path: tensor {t.name!r} is not a LoRA weight of a decoder "
+                             f"projection ({', '.join(_GGUF_NAMES)})")
+        shape = tuple(int(n) for n in reversed(t.shape))  # ggml's dims, reversed: torch's
+        data = np.asarray(t.data)
+        if t.tensor_type not in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16,
+                                 gguf.GGMLQuantizationType.BF16):
+            data = dequantize(data, t.tensor_type)
+        elif t.tensor_type == gguf.GGMLQuantizationType.BF16:
+            data = (data.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+        data = np.ascontiguousarray(data, dtype=np.float32).reshape(shape)
+        layer, proj, kind = int(m.group(1)), _GGUF_NAMES[m.group(2)], m.group(3).upper()
+        attn = model.layers[min(layer, len(model.layers) - 1)].self_attn
+        if kind == "B" and arch in PERMUTED_ARCHITECTURES and proj in ("q_proj", "k_proj"):
+            data = undo_rope_permute(data, attn.num_heads if proj == "q_proj"
+                                     else attn.num_kv_heads)
+        if kind == "A":
+            rank = data.shape[0]
+        pairs.setdefault((layer, proj), {})[kind] = torch.from_numpy(data.copy())
+    if rank is None:
+        raise ValueError(f"lora_path: {path} has no LoRA tensors")
+    alpha = meta("adapter.lora.alpha")
+    return (float(alpha) / rank if alpha else 1.0), pairs
+
+
+def _fit(request: LoRARequest, scale: float, pairs: dict, model) -> LoRAAdapter:
+    """The pairs checked against the model's projections, in the model's dtype."""
     adapter = LoRAAdapter(request, scale)
-    dtype = next(p for p in model.parameters()).dtype
-    dtype = torch.float32 if dtype not in (torch.float32, torch.bfloat16) else dtype
+    # float32 whatever the model's dtype (a few MB): the products as exact as the activations
+    device = next(p for p in model.parameters()).device
     for (layer, proj), ab in sorted(pairs.items()):
         if set(ab) != {"A", "B"}:
             raise ValueError(f"lora_path: layer {layer} {proj} has lora_{set('AB') - set(ab)} "
@@ -106,7 +184,8 @@ def load_adapter(request: LoRARequest, model) -> LoRAAdapter:
             raise ValueError(f"lora_path: layer {layer} {proj}: lora_A {tuple(a.shape)} and "
                              f"lora_B {tuple(b.shape)} do not fit the model's {want_a} / {want_b}")
         adapter.weights.setdefault((layer, module_name), []).append(
-            (part, a.to(dtype).contiguous(), b.to(dtype).contiguous()))
+            (part, a.to(device, torch.float32).contiguous(),
+             b.to(device, torch.float32).contiguous()))
     return adapter
 
 

@@ -9,6 +9,7 @@ import copy
 import json
 import os
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -197,3 +198,56 @@ def test_a_server_with_a_bad_adapter_does_not_start(tiny, tmp_path):
     llm = LLM(path, dtype="float32", kv_cache_memory=2**22)
     with pytest.raises(ValueError, match="does not exist"):
         OpenAIServer(llm.engine, "base", lora_modules={"x": str(tmp_path / "none")})
+
+
+def _gguf_adapter(path, folder, arch: str, config) -> None:
+    """The PEFT adapter at `folder` as llama.cpp's convert_lora_to_gguf.py writes it: lora_a
+    and lora_b per projection, q/k's lora_b rows in llama.cpp's order for the llama form."""
+    import gguf
+    from safetensors.torch import load_file
+
+    from tests.gguf_files import llama_cpp_permute
+
+    names = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
+             "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}
+    cfg = json.load(open(os.path.join(folder, "adapter_config.json")))
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_type(gguf.GGUFType.ADAPTER)
+    writer.add_string(gguf.Keys.Adapter.TYPE, "lora")
+    writer.add_float32(gguf.Keys.Adapter.LORA_ALPHA, cfg["lora_alpha"])
+    for name, t in sorted(load_file(os.path.join(folder, "adapter_model.safetensors")).items()):
+        parts = name.split(".")
+        layer, proj, kind = parts[4], parts[6], parts[7][-1].lower()
+        data = t.numpy()
+        if kind == "b" and arch == "llama" and proj in ("q_proj", "k_proj"):
+            heads = config.num_attention_heads if proj == "q_proj" else config.num_key_value_heads
+            data = llama_cpp_permute(data, heads)
+        dtype = np.float16 if proj == "v_proj" else np.float32  # both kinds converters write
+        writer.add_tensor(f"blk.{layer}.{names[proj]}.weight.lora_{kind}",
+                          np.ascontiguousarray(data, dtype=dtype))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_a_gguf_lora_file_is_its_peft_adapter(tiny, tmp_path):
+    """llama.cpp's GGUF form of an adapter (lora_b of q/k permuted back for llama) gives what
+    its PEFT folder gives; a file for another architecture is refused."""
+    path, hf, adapters = tiny
+    arch = hf.config.model_type
+    req = adapters["every"][0]
+    llm = LLM(path, dtype="float32", kv_cache_memory=2**22, enable_prefix_caching=False)
+    cfg = json.load(open(os.path.join(req.lora_path, "adapter_config.json")))
+    assert cfg["use_rslora"]  # llama.cpp's scale is alpha / r: the GGUF test adapter is plain
+    plain = write_adapter(tmp_path / "plain", hf, ("q_proj", "k_proj", "v_proj", "down_proj"))
+    _gguf_adapter(tmp_path / "plain.gguf", tmp_path / "plain", arch, hf.config)
+    from_gguf = LoRARequest("g", 5, str(tmp_path / "plain.gguf"))
+    for prompt in PROMPTS:
+        out = llm.generate(prompt, GREEDY, use_tqdm=False, lora_request=from_gguf)[0]
+        assert out.outputs[0].token_ids == _greedy(plain, prompt)
+    other = "qwen2" if arch == "llama" else "llama"
+    _gguf_adapter(tmp_path / "other.gguf", tmp_path / "plain", other, hf.config)
+    with pytest.raises(ValueError, match=f"for architecture '{other}'"):
+        llm.generate(PROMPTS[0], GREEDY, use_tqdm=False,
+                     lora_request=LoRARequest("o", 6, str(tmp_path / "other.gguf")))

@@ -88,7 +88,7 @@ _ARCH_BLOCK_NAMES["gemma2"] = {k: v for k, v in _ARCH_BLOCK_NAMES["gemma3"].item
 # loader gives back as the checkpoint's weight (as transformers reads such a file)
 _NORM_SHIFTED = frozenset({"gemma3", "gemma2"})
 # architectures whose q/k rows llama.cpp's converter permutes (LlamaModel's undo_permute)
-_PERMUTED = frozenset({"llama", "smollm3"})
+PERMUTED_ARCHITECTURES = frozenset({"llama", "smollm3"})
 _BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
@@ -200,9 +200,9 @@ def _plan_tensor(path, metadata, name, shape, ggml_type, offset) -> GGUFTensor:
     hf_name = _hf_name(path, name, arch)
     # llama.cpp's convert_hf_to_gguf.py permutes q/k rows (weights and biases) for the llama
     # architecture and those converted as it (smollm3); qwen2 is written in HF order.
-    if arch in _PERMUTED and hf_name.endswith(("q_proj.weight", "q_proj.bias")):
+    if arch in PERMUTED_ARCHITECTURES and hf_name.endswith(("q_proj.weight", "q_proj.bias")):
         rope_heads = metadata[f"{arch}.attention.head_count"]
-    elif arch in _PERMUTED and hf_name.endswith(("k_proj.weight", "k_proj.bias")):
+    elif arch in PERMUTED_ARCHITECTURES and hf_name.endswith(("k_proj.weight", "k_proj.bias")):
         rope_heads = metadata.get(f"{arch}.attention.head_count_kv",
                                   metadata[f"{arch}.attention.head_count"])
     if ggml_type in _FLOAT_TYPES:
@@ -352,7 +352,7 @@ def _load_blocks(blob: np.ndarray, tensor: GGUFTensor) -> GGUFBlocks:
     rows, cols = tensor.hf_shape
     raw = np.array(blob[tensor.offset:tensor.offset + tensor.nbytes]).reshape(rows, -1)
     if tensor.rope_heads is not None:
-        raw = _undo_rope_permute(raw, tensor.rope_heads)
+        raw = undo_rope_permute(raw, tensor.rope_heads)
     return GGUFBlocks(torch.from_numpy(raw), tensor.ggml_type, cols)
 
 
@@ -381,7 +381,7 @@ def _load_int4(blob: np.ndarray, tensor: GGUFTensor) -> Int4Blocks:
     codes = _unpack_nibbles(blocks, np.empty((blocks.shape[0], block_size), dtype=np.uint8))
     codes = codes.reshape(rows, cols)
     if tensor.rope_heads is not None:  # the same row order as the dequantized path
-        codes, scale, zero = (_undo_rope_permute(a, tensor.rope_heads) for a in (codes, scale, zero))
+        codes, scale, zero = (undo_rope_permute(a, tensor.rope_heads) for a in (codes, scale, zero))
     return Int4Blocks(torch.from_numpy(np.ascontiguousarray(codes)), torch.from_numpy(scale),
                       torch.from_numpy(zero))
 
@@ -401,7 +401,7 @@ def _load_tensor(blob: np.ndarray, tensor: GGUFTensor) -> torch.Tensor:
         array = gguf_dequantize(raw, tensor.ggml_type).astype(np.float32, copy=False)
     array = array.reshape(tensor.hf_shape)
     if tensor.rope_heads is not None:
-        array = _undo_rope_permute(array, tensor.rope_heads)
+        array = undo_rope_permute(array, tensor.rope_heads)
     if tensor.minus_one:
         array = array.astype(np.float32) - np.float32(1)
         torch_dtype = torch.float32
@@ -445,7 +445,7 @@ def _unpack_nibbles(blocks: np.ndarray, out: np.ndarray) -> np.ndarray:
     return out
 
 
-def _undo_rope_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
+def undo_rope_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
     """Inverse of llama.cpp's `permute`, which reorders each head's rows from HF's rotate-half
     layout (all first halves, then all second halves) to interleaved pairs:
         gguf = hf.reshape(heads, 2, head_dim // 2, ...).swapaxes(1, 2)
@@ -494,7 +494,7 @@ def gguf_config(gguf_file: GGUFFile):
         kwargs["rope_scaling"] = {"rope_type": "linear", "factor": key("rope.scaling.factor")}
     elif scaling == "yarn":
         kwargs["rope_scaling"] = _yarn(gguf_file.path, md, arch, key)
-    if arch in _PERMUTED:  # as transformers does: rope dimension == head_dim for llama only
+    if arch in PERMUTED_ARCHITECTURES:  # as transformers does: rope dimension == head_dim for llama only
         kwargs["head_dim"] = key("rope.dimension_count", kwargs["hidden_size"] // num_heads)
     if arch in ("qwen2", "qwen3", "gemma3", "gemma2"):  # a head's width need not be hidden / heads
         kwargs["head_dim"] = key("attention.key_length", kwargs["hidden_size"] // num_heads)
