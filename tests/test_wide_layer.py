@@ -271,7 +271,7 @@ def test_a_qwen3_layer_equals_the_module_path(tmp_path, monkeypatch, kind):
     path's output and K/V either way, bit for bit."""
     from gguf import GGMLQuantizationType as Q
 
-    from tests import test_gemma3_qwen3 as tiny
+    from tests import test_gemma_qwen3 as tiny
 
     if kind == "one-call":
         if not q32.available():
