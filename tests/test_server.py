@@ -500,8 +500,8 @@ def test_bad_requests_raise_in_openai_client(srv):
         srv.client.completions.create(model=MODEL, prompt="hi", temperature=-1)
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         srv.client.chat.completions.create(model="other", messages=CHAT)
-    with pytest.raises(openai.NotFoundError):
-        srv.client.embeddings.create(model=MODEL, input="x")
+    with pytest.raises(openai.NotFoundError):  # an endpoint this server does not have
+        srv.client.images.generate(model=MODEL, prompt="x")
     assert srv.client.completions.create(model=MODEL, prompt="hi", max_tokens=2).choices
 
 
