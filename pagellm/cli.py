@@ -123,7 +123,8 @@ def cmd_run_batch(args: argparse.Namespace) -> int:
         raise ValueError(f"--concurrency must be >= 1, got {args.concurrency}")
     with (contextlib.nullcontext(sys.stdin) if args.input_file == "-"
           else open(args.input_file, encoding="utf-8")) as f:
-        lines = f.read().splitlines()
+        # JSON Lines end at \n only (U+2028 and the like may stand raw inside a string)
+        lines = [line.removesuffix("\r") for line in f.read().split("\n")]
     app = build_app(make_api(args, engine_kwargs(args)))
     with (contextlib.nullcontext(sys.stdout) if args.output_file == "-"
           else open(args.output_file, "w", encoding="utf-8")) as out:
@@ -208,7 +209,8 @@ def add_api_args(srv: argparse.ArgumentParser) -> None:
     parser, sampling defaults, request limits, and the engine's arguments."""
     srv.add_argument("--served-model-name", default=None)
     srv.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
-                     help="LoRA adapters (PEFT folders) served beside the base model: a "
+                     help="LoRA adapters (PEFT folders or GGUF LoRA files) served beside the "
+                     "base model: a "
                      "request whose `model` is NAME runs with that adapter")
     srv.add_argument("--reasoning-parser", choices=["qwen3", "deepseek_r1"], default=None,
                      help="chat completions carry a reasoning model's <think> text in "

@@ -80,7 +80,7 @@ class LLM:
                 rid = f"offline-{next(self._ids)}"
                 self.engine.add_request(rid, prompt, p, lora_request=adapter)
                 ids.append(rid)
-        except ValueError:
+        except Exception:  # a refused prompt or adapter: the ones already added go too
             for rid in ids:
                 self.engine.abort_request(rid)
             raise

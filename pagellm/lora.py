@@ -49,10 +49,9 @@ class LoRARequest:
 
 @dataclass
 class LoRAAdapter:
-    """An adapter's weights: (layer, fused module name) -> [(part, A [r, in], B [out, r])],
-    and the scale of every product."""
+    """An adapter's weights: (layer, fused module name) -> [(part, A [r, in], scale * B
+    [out, r])], float32 on the model's device."""
     request: LoRARequest
-    scale: float
     weights: dict[tuple[int, str], list[tuple[int, torch.Tensor, torch.Tensor]]] = field(
         default_factory=dict)
 
@@ -62,14 +61,14 @@ def load_adapter(request: LoRARequest, model) -> LoRAAdapter:
     ValueError naming what does not fit: a missing file, a feature not supported, a module
     or shape the model lacks."""
     if request.lora_path.endswith(".gguf"):
-        scale, pairs = _read_gguf(request.lora_path, model)
+        pairs = _read_gguf(request.lora_path, model)
     else:
-        scale, pairs = _read_peft(request.lora_path)
-    return _fit(request, scale, pairs, model)
+        pairs = _read_peft(request.lora_path)
+    return _fit(request, pairs, model)
 
 
-def _read_peft(folder: str) -> tuple[float, dict]:
-    """A PEFT folder -> (scale, {(layer, projection): {"A": A, "B": B}})."""
+def _read_peft(folder: str) -> dict:
+    """A PEFT folder -> {(layer, projection): {"A": A, "B": B, "scale": s}}."""
     from safetensors.torch import load_file
 
     cfg_path = os.path.join(folder, "adapter_config.json")
@@ -88,7 +87,10 @@ def _read_peft(folder: str) -> tuple[float, dict]:
             raise ValueError(f"lora_path: adapter_config.json {key} is not supported")
     if cfg.get("bias", "none") != "none":
         raise ValueError("lora_path: adapters that train biases are not supported")
-    r, alpha = int(cfg["r"]), float(cfg.get("lora_alpha", cfg["r"]))
+    r, alpha = cfg.get("r"), cfg.get("lora_alpha", cfg.get("r"))
+    if not isinstance(r, int) or r < 1 or not isinstance(alpha, (int, float)):
+        raise ValueError(f"lora_path: adapter_config.json needs a positive integer r and a "
+                         f"number lora_alpha, got r={r!r}, lora_alpha={alpha!r}")
     scale = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
     tensors = load_file(weights_path)
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
@@ -97,8 +99,8 @@ def _read_peft(folder: str) -> tuple[float, dict]:
         if m is None or m.group(2) not in PROJECTIONS:
             raise ValueError(f"lora_path: tensor {name!r} is not a LoRA weight of a decoder "
                              f"projection ({', '.join(PROJECTIONS)})")
-        pairs.setdefault((int(m.group(1)), m.group(2)), {})[m.group(3)] = t
-    return scale, pairs
+        pairs.setdefault((int(m.group(1)), m.group(2)), {"scale": scale})[m.group(3)] = t
+    return pairs
 
 
 # llama.cpp's tensor names of the projections
@@ -108,9 +110,10 @@ _GGUF_NAMES = {"attn_q": "q_proj", "attn_k": "k_proj", "attn_v": "v_proj",
 _GGUF_KEY = re.compile(r"blk\.(\d+)\.(\w+)\.weight\.lora_([ab])")
 
 
-def _read_gguf(path: str, model) -> tuple[float, dict]:
-    """A GGUF LoRA file -> (scale, pairs) as _read_peft; q/k's lora_b rows back in
-    transformers' order where llama.cpp's converter permuted them (as the base weights)."""
+def _read_gguf(path: str, model) -> dict:
+    """A GGUF LoRA file -> pairs as _read_peft's (each scale alpha / its own rank, as llama.cpp
+    scales it); q/k's lora_b rows back in transformers' order where llama.cpp's converter
+    permuted them (as the base weights)."""
     import gguf
     import numpy as np
     from gguf.quants import dequantize
@@ -133,8 +136,8 @@ def _read_gguf(path: str, model) -> tuple[float, dict]:
     if arch != {"gemma3_text": "gemma3", "mistral": "llama"}.get(base, base):
         raise ValueError(f"lora_path: the adapter is for architecture {arch!r}, the model is "
                          f"{base!r}")
-    pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
-    rank = None
+    alpha = meta("adapter.lora.alpha")
+    pairs: dict[tuple[int, str], dict] = {}
     for t in reader.tensors:
         m = _GGUF_KEY.fullmatch(t.name)
         if m is None or m.group(2) not in _GGUF_NAMES:
@@ -153,24 +156,24 @@ def _read_gguf(path: str, model) -> tuple[float, dict]:
         if kind == "B" and arch in PERMUTED_ARCHITECTURES and proj in ("q_proj", "k_proj"):
             data = undo_rope_permute(data, attn.num_heads if proj == "q_proj"
                                      else attn.num_kv_heads)
-        if kind == "A":
-            rank = data.shape[0]
-        pairs.setdefault((layer, proj), {})[kind] = torch.from_numpy(data.copy())
-    if rank is None:
+        pair = pairs.setdefault((layer, proj), {})
+        pair[kind] = torch.from_numpy(data.copy())
+        if kind == "A":  # llama.cpp: alpha / this tensor's rank (no alpha: a scale of 1)
+            pair["scale"] = float(alpha) / data.shape[0] if alpha else 1.0
+    if not pairs:
         raise ValueError(f"lora_path: {path} has no LoRA tensors")
-    alpha = meta("adapter.lora.alpha")
-    return (float(alpha) / rank if alpha else 1.0), pairs
+    return pairs
 
 
-def _fit(request: LoRARequest, scale: float, pairs: dict, model) -> LoRAAdapter:
-    """The pairs checked against the model's projections, in the model's dtype."""
-    adapter = LoRAAdapter(request, scale)
-    # float32 whatever the model's dtype (a few MB): the products as exact as the activations
+def _fit(request: LoRARequest, pairs: dict, model) -> LoRAAdapter:
+    """The pairs checked against the model's projections; float32 (a few MB) whatever the
+    model's dtype, so the products are as exact as the activations, each B times its scale."""
+    adapter = LoRAAdapter(request)
     device = next(p for p in model.parameters()).device
     for (layer, proj), ab in sorted(pairs.items()):
-        if set(ab) != {"A", "B"}:
-            raise ValueError(f"lora_path: layer {layer} {proj} has lora_{set('AB') - set(ab)} "
-                             "missing")
+        if not {"A", "B"} <= set(ab):
+            raise ValueError(f"lora_path: layer {layer} {proj} has lora_"
+                             f"{''.join(sorted(set('AB') - set(ab)))} missing")
         if layer >= len(model.layers):
             raise ValueError(f"lora_path: layer {layer} past the model's {len(model.layers)}")
         module_name, part = _FUSED[proj]
@@ -185,7 +188,7 @@ def _fit(request: LoRARequest, scale: float, pairs: dict, model) -> LoRAAdapter:
                              f"lora_B {tuple(b.shape)} do not fit the model's {want_a} / {want_b}")
         adapter.weights.setdefault((layer, module_name), []).append(
             (part, a.to(device, torch.float32).contiguous(),
-             b.to(device, torch.float32).contiguous()))
+             (b.to(device, torch.float32) * ab["scale"]).contiguous()))
     return adapter
 
 
@@ -220,7 +223,7 @@ class LoRAStep:
                 y = y.clone()
             xr = x.index_select(0, rows)
             for part, a, b in parts:
-                delta = (xr.to(a.dtype) @ a.t()) @ b.t() * adapter.scale
+                delta = (xr.to(a.dtype) @ a.t()) @ b.t()
                 lo, hi = offsets[part], offsets[part + 1]
                 y[rows, lo:hi] += delta.to(y.dtype)
         return y

@@ -30,7 +30,7 @@ class Sequence:
     params: SamplingParams
     eos_token_id: int | None
     arrival_time: float = field(default_factory=time.monotonic)
-    cache_salt: str | None = None
+    cache_salt: str | tuple | None = None  # (adapter id, salt) for a LoRA request's
 
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0

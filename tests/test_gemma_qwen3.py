@@ -160,6 +160,13 @@ def test_gemma2s_soft_caps_matter(tmp_path_factory, monkeypatch):
     for layer in llm.engine.model.layers:
         monkeypatch.setattr(layer.self_attn, "softcap", None)
     scores_uncapped = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    # a draft's limited vocabulary: ids past it stay -inf through the cap (never drawn)
+    model = llm.engine.model
+    monkeypatch.setattr(model, "final_softcap", 3.0)
+    model.limit_vocab(16)
+    logits = model.compute_logits(torch.randn(2, model.config.hidden_size))
+    model.limit_vocab(None)
+    assert torch.isinf(logits[:, 16:]).all() and torch.isfinite(logits[:, :16]).all()
     # (the attention moves a tiny random model's logits little: 6e-3 here, float32's noise 1e-5)
     assert max(abs(a - b) for a, b in zip(lp(uncapped), lp(scores_uncapped))) > 1e-3
 

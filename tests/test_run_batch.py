@@ -81,11 +81,13 @@ def test_a_batch_file_answered_in_order(tiny_path):  # noqa: F811
 
 
 def test_the_command_line(tiny_path, tmp_path):  # noqa: F811
-    """`pagellm run-batch -i ... -o ...` with the engine's arguments: the output file."""
+    """`pagellm run-batch -i ... -o ...` with the engine's arguments: the output file; a line
+    whose JSON string holds a raw U+2028 (legal in JSON Lines) stays one request."""
     src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     src.write_text("\n".join(json.dumps({"custom_id": f"r{i}", "method": "POST",
-                                         "url": "/v1/chat/completions", "body": CHAT})
-                             for i in range(3)) + "\n")
+                                         "url": "/v1/chat/completions", "body": CHAT,
+                                         "note": "a\u2028b"}, ensure_ascii=False)
+                             for i in range(3)) + "\n", encoding="utf-8")
     rc = main(["run-batch", "-i", str(src), "-o", str(dst), "--model", tiny_path,
                "--served-model-name", MODEL, "--dtype", "float32", "--kv-cache-memory", "16MiB",
                "--max-model-len", "1024", "--generation-config", "none"])
@@ -94,3 +96,30 @@ def test_the_command_line(tiny_path, tmp_path):  # noqa: F811
     assert [r["custom_id"] for r in results] == ["r0", "r1", "r2"]
     texts = {r["response"]["body"]["choices"][0]["message"]["content"] for r in results}
     assert len(texts) == 1  # greedy: the same answer three times
+
+
+def test_a_request_that_fails_in_the_server_fails_alone(tiny_path, monkeypatch):  # noqa: F811
+    """A route that raises (a server bug) answers that line with its 500 and error body; the
+    lines around it are answered; a JSON string holding U+2028 stays one line."""
+    llm = LLM(tiny_path, **ENGINE_KW)
+    api = OpenAIServer(llm.engine, MODEL)
+    real = api.encode_chat
+
+    def encode_chat(messages, *args, **kwargs):
+        if messages[-1]["content"] == "boom":
+            raise RuntimeError("a bug")
+        return real(messages, *args, **kwargs)
+
+    monkeypatch.setattr(api, "encode_chat", encode_chat)
+    bodies = [CHAT, {**CHAT, "messages": [{"role": "user", "content": "boom"}]},
+              {**CHAT, "messages": [{"role": "user", "content": "a\u2028b"}]}]
+    text = "\n".join(json.dumps({"custom_id": f"r{i}", "url": "/v1/chat/completions", "body": b},
+                                ensure_ascii=False) for i, b in enumerate(bodies))
+    lines = [line.removesuffix("\r") for line in text.split("\n")]  # as the command splits
+    out = io.StringIO()
+    ok, total = asyncio.run(run_batch(build_app(api), lines, out, progress=False))
+    results = [json.loads(line) for line in out.getvalue().splitlines()]
+    assert (ok, total) == (2, 3) and [r["custom_id"] for r in results] == ["r0", "r1", "r2"]
+    assert results[1]["response"]["status_code"] == 500
+    assert "internal server error" in results[1]["response"]["body"]["error"]["message"]
+    assert_no_leaks(llm.engine)

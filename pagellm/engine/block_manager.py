@@ -27,7 +27,10 @@ class KVBlock:
     generation: int = 0  # bumped whenever the block is reused for other tokens
 
 
-def hash_block(parent_hash: int | None, token_ids: tuple[int, ...], salt: str | None) -> int:
+def hash_block(parent_hash: int | None, token_ids: tuple[int, ...],
+               salt: str | tuple | None) -> int:
+    """salt: a request's cache_salt, or (LoRA adapter id, cache_salt) for an adapter's
+    requests, a tuple no client's string salt can equal."""
     return hash((parent_hash, token_ids, salt))
 
 

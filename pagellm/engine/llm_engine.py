@@ -156,7 +156,7 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         adapter = self._adapter(lora_request) if lora_request is not None else None
         if adapter is not None:  # another adapter's K/V for the same prompt: apart in the cache
-            cache_salt = f"lora-{lora_request.lora_int_id}:{cache_salt or ''}"
+            cache_salt = (lora_request.lora_int_id, cache_salt)  # no string salt equals it
         pooling = None
         if isinstance(params, PoolingParams):
             kind = getattr(self.hf_config, "pooling_type", None)
@@ -320,7 +320,7 @@ class LLMEngine:
         if not out.seqs:
             self._fail_unschedulable()
             return self._collect_outputs(set(), finished_only)
-        out, logits, hidden, failed = self._forward(out)
+        out, logits, pooled, failed = self._forward(out)
         self.block_manager.commit()  # the KV of this step's newly cached blocks is written
         rows, owners, prompt = self._logit_rows(out)
         if prompt:  # rows after the sampling rows: the prompt tokens' log-probabilities
@@ -328,18 +328,18 @@ class LLMEngine:
             failed |= self._prompt_logprobs(prompt, logits[first:])
             logits = logits[:first]
         self.scheduler.advance(out)
-        touched = self._process_samples(owners, logits, hidden)
+        touched = self._process_samples(owners, logits, pooled)
         return self._collect_outputs(touched | failed, finished_only)
 
     def _forward(self, out: SchedulerOutput):
         """The step's forward. If it fails, each sequence runs alone and the requests whose
         sequence fails alone are ended: one bad request never fails its batch. Returns the
-        sequences that ran, their logits rows, those rows' final hidden states (which embedding
-        requests pool) and the failed request ids."""
-        rows, _, _ = self._logit_rows(out)
+        sequences that ran, their logits rows, the final hidden states embedding requests pool
+        (by seq_id) and the failed request ids."""
+        rows, owners, _ = self._logit_rows(out)
         try:  # an all-greedy step gets its tokens, not logits (_process_samples)
             logits = self.runner.execute(out, rows, ids=True)
-            return out, logits, self.runner.last_hidden, set()
+            return out, logits, self._pooled(owners), set()
         except WorkerDiedError:
             raise
         except Exception:
@@ -348,7 +348,7 @@ class LLMEngine:
         # took one as a cache hit in this step recomputes instead.
         dropped = self.block_manager.drop_uncommitted()
         bs = self.block_manager.block_size
-        kept, parts, prompt_parts, hidden, failed = SchedulerOutput(), [], [], [], set()
+        kept, parts, prompt_parts, pooled, failed = SchedulerOutput(), [], [], {}, set()
         for seq, n in zip(out.seqs, out.num_tokens):
             if seq.is_finished:  # a sibling's failure ended it
                 continue
@@ -357,12 +357,12 @@ class LLMEngine:
                 continue
             one = SchedulerOutput([seq], [n])
             try:
-                rows, _, prompt = self._logit_rows(one)
+                rows, one_owners, prompt = self._logit_rows(one)
                 logits = self.runner.execute(one, rows)
+                pooled.update(self._pooled(one_owners))
                 first = len(rows) - sum(k for _, _, k in prompt)
                 parts.append(logits[:first])  # sampling rows first, then prompt rows: as a batch
                 prompt_parts.append(logits[first:])
-                hidden.append(self.runner.last_hidden[:first])
             except WorkerDiedError:
                 raise
             except Exception:
@@ -374,7 +374,17 @@ class LLMEngine:
             kept.seqs.append(seq)
             kept.num_tokens.append(n)
         logits = torch.cat(parts + prompt_parts) if parts else torch.empty(0)
-        return kept, logits, torch.cat(hidden) if hidden else None, failed
+        return kept, logits, pooled, failed
+
+    def _pooled(self, owners: list[tuple[Sequence, int]]) -> dict[int, torch.Tensor]:
+        """The last forward's final hidden state of each embedding request's row, by seq_id
+        (its owner row: one, as nothing is speculated for it)."""
+        pooled, offset = {}, 0
+        for seq, n in owners:
+            if seq.pooling is not None:
+                pooled[seq.seq_id] = self.runner.last_hidden[offset]
+            offset += n
+        return pooled
 
     def _profile(self, draft) -> int:
         """A forward of the largest step (one prompt of the token budget, logits for as many
@@ -494,12 +504,12 @@ class LLMEngine:
                 seq.prompt_logprobs.append({tok: lp, **{t: v for t, v in zip(ti, tv) if t != tok}})
 
     def _process_samples(self, owners: list[tuple[Sequence, int]], logits: torch.Tensor,
-                         hidden: torch.Tensor | None = None) -> set[str]:
+                         pooled: dict[int, torch.Tensor] | None = None) -> set[str]:
         plain, plain_rows, spec, spec_logits = [], [], [], []
         offset = 0
         for seq, n in owners:
             if seq.pooling is not None:  # an embedding request: its prompt has run
-                self._guarded(seq, self._pool, seq, hidden[offset])
+                self._guarded(seq, self._pool, seq, pooled[seq.seq_id])
             elif n == 1:
                 plain.append(seq)
                 plain_rows.append(offset)

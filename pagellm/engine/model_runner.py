@@ -191,8 +191,8 @@ class ModelRunner:
             shapes.append((n, q))
         return shapes
 
-    # The last forward's final hidden states of its logit rows, [rows, hidden] (pooled by
-    # embedding requests: LLMEngine._process_samples).
+    # The last forward's final hidden states of its logit rows, [rows, hidden], where a step
+    # holds embedding requests (execute's keep_hidden; pooled by LLMEngine._pooled), else None.
     last_hidden: torch.Tensor | None = None
 
     def execute(self, out: SchedulerOutput, logit_rows: list[int], *,
@@ -212,25 +212,30 @@ class ModelRunner:
             constrained = [s.constraint is not None for s in out.seqs]
         argmax_only = all(not s.spec_token_ids and reads_argmax_only(
             s.params, s.num_output_tokens, c) for s, c in zip(out.seqs, constrained))
+        keep = any(s.pooling is not None for s in out.seqs)
         step = _lora_step(out, self.device)
         if step is None:
             return self.forward(*self.prepare(out), logit_rows, choose_path=decode,
-                                argmax_only=argmax_only, ids=ids)
+                                argmax_only=argmax_only, ids=ids, keep_hidden=keep)
         lora.STEP = step  # rows with adapters: their products added in every projection
         try:
-            return self.forward(*self.prepare(out), logit_rows, argmax_only=argmax_only, ids=ids)
+            return self.forward(*self.prepare(out), logit_rows, argmax_only=argmax_only, ids=ids,
+                                keep_hidden=keep)
         finally:
             lora.STEP = None
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata,
                 logit_rows: list[int] | None, choose_path: bool = False,
-                argmax_only: bool = False, ids: bool = False) -> torch.Tensor | None:
+                argmax_only: bool = False, ids: bool = False,
+                keep_hidden: bool = False) -> torch.Tensor | None:
         """argmax_only: every row's sampling reads only its argmax (the logits may be right
         only there: `LlamaModel.compute_logits`); ids (with argmax_only): return those argmaxes,
-        [rows] int64, not logits."""
+        [rows] int64, not logits. keep_hidden: keep the logit rows' final hidden states in
+        last_hidden."""
         choice = self.packed_rows if choose_path else None
         rows = out_rows = None
+        self.last_hidden = None
         if logit_rows is not None:
             rows = upload(torch.tensor(logit_rows, dtype=torch.long), input_ids.device)
             if _prunable(logit_rows, input_ids.shape[0]) and lora.STEP is None:
@@ -248,7 +253,7 @@ class ModelRunner:
             return None
         if out_rows is None:
             hidden = hidden.index_select(0, rows)
-        self.last_hidden = hidden  # the logit rows' final hidden states (embedding requests)
+        self.last_hidden = hidden if keep_hidden else None  # embedding requests pool them
         if ids and argmax_only:
             return self.model.argmax_ids(hidden)
         return self.model.compute_logits(hidden, argmax_only=argmax_only)

@@ -178,7 +178,8 @@ class TPModelRunner(ModelRunner):
         self._send(("step", input_ids.cpu(), positions.cpu(), _to(md, torch.device("cpu"))))
         md = _to(md, self.device)
         try:
-            return self.forward(input_ids, positions, md, logit_rows)
+            return self.forward(input_ids, positions, md, logit_rows, keep_hidden=any(
+                s.pooling is not None for s in out.seqs))
         except RuntimeError as e:
             raise WorkerDiedError(f"tensor-parallel step failed: {e}") from e
 

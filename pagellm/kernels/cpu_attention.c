@@ -1036,9 +1036,8 @@ static int attend(const float *q, float *out, const void *kc, const void *vc, in
             const int seen = t <= visible && (window <= 0 || visible - t < window);
             for (int64_t g = 0; g < group; g++) {
                 const float *qr = q + ((q0 + j) * H + kvh * group + g) * D;
-                const float sc = scale * dot(qr, k, D);
-                p[(j * group + g) * L + t] = !seen ? -INFINITY
-                                           : softcap > 0 ? softcap * tanhf(sc / softcap) : sc;
+                const float sc = seen ? scale * dot(qr, k, D) : -INFINITY;
+                p[(j * group + g) * L + t] = seen && softcap > 0 ? softcap * tanhf(sc / softcap) : sc;
             }
         }
     }

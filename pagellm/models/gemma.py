@@ -159,5 +159,7 @@ class Gemma2ForCausalLM(Gemma3ForCausalLM):
     def compute_logits(self, hidden: torch.Tensor, argmax_only: bool = False) -> torch.Tensor:
         logits = super().compute_logits(hidden, argmax_only)
         if self.final_softcap and not argmax_only:  # monotone: an argmax needs none
-            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+            capped = torch.tanh(logits / self.final_softcap) * self.final_softcap
+            # -inf stays -inf (a draft's ids past its vocabulary limit must never be drawn)
+            logits = torch.where(torch.isinf(logits), logits, capped)
         return logits

@@ -76,8 +76,13 @@ async def run_batch(app, lines: list[str], out: IO[str], concurrency: int = 256,
     bar = tqdm(total=len(parsed), desc="batch", unit="req", disable=not progress)
 
     async def one(i: int, item: dict, client: httpx.AsyncClient) -> None:
-        async with gate:
-            r = await client.post(item["url"], json=item["body"])
+        try:
+            async with gate:
+                r = await client.post(item["url"], json=item["body"])
+        except Exception as e:  # noqa: BLE001 (a failure of this request alone: its line says so)
+            results[i] = _error(item["custom_id"], "server_error", f"{type(e).__name__}: {e}")
+            bar.update(1)
+            return
         try:
             body = r.json()
         except ValueError:
@@ -88,7 +93,8 @@ async def run_batch(app, lines: list[str], out: IO[str], concurrency: int = 256,
                       "error": None}
         bar.update(1)
 
-    transport = httpx.ASGITransport(app=app)
+    # the app's 500 (its handler's error body) comes back as a response, not an exception
+    transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
     async with app.router.lifespan_context(app):  # the engine's loop runs while the batch does
         async with httpx.AsyncClient(transport=transport, base_url="http://batch",
                                      timeout=None) as client:

@@ -32,7 +32,8 @@ from pydantic import ValidationError
 from pagellm.engine.async_engine import RequestError
 from pagellm.server.errors import APIError, parse_request, sampling_error
 from pagellm.server.protocol import ResponsesRequest, Tool
-from pagellm.server.reasoning import ReasoningStream, prompt_opens_thinking, split_reasoning
+from pagellm.server.reasoning import (CLOSE, ReasoningStream, prompt_opens_thinking,
+                                      split_reasoning)
 from pagellm.server.responses import chat_logprobs
 from pagellm.server.state import OpenAIServer, iterate
 from pagellm.server.streaming import ChoiceStream, EventStream
@@ -435,7 +436,9 @@ async def create_response(request: Request):
     calls = parse_tool_calls(text, tool_names, bare_json)[1] if tool_names else []
     content = message_text(text, calls) if text or thought is None else None  # thinking only
     n = TokenCursor(api.token_str).within(answer_ids, len(content or "") if calls else None)
-    output = [reasoning_item(_id("rs"), thought, status)] if thought is not None else []
+    # the thinking ended (</think>) is complete whatever became of the answer, as streamed
+    rs_status = "completed" if CLOSE in comp.text else status
+    output = [reasoning_item(_id("rs"), thought, rs_status)] if thought is not None else []
     if content is not None:
         output.append(message_item(_id("msg"), content, status,
                                    logprobs(answer_ids[:n], answer_lps[:n])))

@@ -64,8 +64,8 @@ class OpenAIServer:
                  limits: Limits | None = None, reasoning_parser: str | None = None,
                  lora_modules: dict[str, str] | None = None):
         """reasoning_parser: server/reasoning.py's PARSERS, or None (thinking stays in the
-        answer's text). lora_modules: adapter name -> PEFT folder; a request whose `model`
-        names one runs with it (each read and checked here, at start)."""
+        answer's text). lora_modules: adapter name -> PEFT folder or GGUF LoRA file; a request
+        whose `model` names one runs with it (each read and checked here, at start)."""
         if reasoning_parser is not None and reasoning_parser not in PARSERS:
             raise ValueError(f"reasoning_parser {reasoning_parser!r}: known are {list(PARSERS)}")
         self.loras: dict[str, LoRARequest] = {}
