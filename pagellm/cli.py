@@ -125,6 +125,7 @@ def cmd_run_batch(args: argparse.Namespace) -> int:
           else open(args.input_file, encoding="utf-8")) as f:
         # JSON Lines end at \n only (U+2028 and the like may stand raw inside a string)
         lines = [line.removesuffix("\r") for line in f.read().split("\n")]
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
     app = build_app(make_api(args, engine_kwargs(args)))
     with (contextlib.nullcontext(sys.stdout) if args.output_file == "-"
           else open(args.output_file, "w", encoding="utf-8")) as out:
