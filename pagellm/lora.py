@@ -152,7 +152,7 @@ def _read_gguf(path: str, model) -> dict:
             data = (data.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
         data = np.ascontiguousarray(data, dtype=np.float32).reshape(shape)
         layer, proj, kind = int(m.group(1)), _GGUF_NAMES[m.group(2)], m.group(3).upper()
-        attn = model.layers[min(layer, len(model.layers) - 1)].self_attn
+        attn = model.layers[0].self_attn  # every layer's head counts
         if kind == "B" and arch in PERMUTED_ARCHITECTURES and proj in ("q_proj", "k_proj"):
             data = undo_rope_permute(data, attn.num_heads if proj == "q_proj"
                                      else attn.num_kv_heads)

@@ -84,6 +84,14 @@ def make_tiny_model(path, arch: str = "llama", **overrides):
     return model
 
 
+def hf_greedy(model, prompt, n):
+    """transformers' greedy continuation of `prompt`: n tokens, EOS ignored."""
+    ids = torch.tensor([prompt])
+    out = model.generate(ids, max_new_tokens=n, do_sample=False, eos_token_id=None,
+                         pad_token_id=0, attention_mask=torch.ones_like(ids))
+    return out[0, len(prompt):].tolist()
+
+
 def assert_greedy_close(ref, got, tol: float) -> None:
     """Two greedy CompletionOutputs (with logprobs=2 or more): at every position the chosen
     token's log-probability agrees within tol, and the tokens are equal, except from a

@@ -6,16 +6,9 @@ import pytest
 import torch
 
 from pagellm import LLM, SamplingParams
-from tests.helpers import assert_greedy_close, make_tiny_model
+from tests.helpers import assert_greedy_close, hf_greedy, make_tiny_model
 
 PROMPTS = [[5, 17, 33, 4, 90, 12, 7], [3, 3, 3], list(range(10, 51)), [200, 100, 50, 25, 12, 6, 3, 1, 9, 8, 7, 6, 5]]
-
-
-def hf_greedy(model, prompt, n):
-    ids = torch.tensor([prompt])
-    out = model.generate(ids, max_new_tokens=n, do_sample=False, eos_token_id=None,
-                         pad_token_id=0, attention_mask=torch.ones_like(ids))
-    return out[0, len(prompt):].tolist()
 
 
 @pytest.fixture(scope="module", params=["llama", "mistral", "qwen2", "smollm3"])

@@ -17,7 +17,7 @@ from pagellm import LLM, SamplingParams
 from pagellm.kernels import native
 from pagellm.layers import quant
 from pagellm.models.loader import load_model_files
-from tests.helpers import assert_greedy_close
+from tests.helpers import assert_greedy_close, hf_greedy
 from tests.gguf_files import finish, gguf_name, gguf_writer, llama_cpp_permute, random_blocks
 
 PROMPTS = [[5, 17, 33, 4, 90, 12, 7], list(range(10, 51)), [3, 3, 3, 60, 61, 62]]
@@ -291,10 +291,7 @@ def test_i_quant_files_match_transformers_in_float32(iq_gguf):
         torch.testing.assert_close(_prefill_logits(llm, prompt), ref, atol=1e-4 * ref.abs().max(), rtol=1e-4)
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     for prompt, out in zip(PROMPTS, llm.generate(PROMPTS, params, use_tqdm=False)):
-        ids = torch.tensor([prompt])
-        ref = hf.generate(ids, max_new_tokens=16, do_sample=False, eos_token_id=None, pad_token_id=0,
-                          attention_mask=torch.ones_like(ids))[0, len(prompt):].tolist()
-        assert out.outputs[0].token_ids == ref
+        assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 16)
 
 
 def test_i_quant_weights_come_packed_as_q8_0_of_the_file_values(iq_gguf):
@@ -543,10 +540,7 @@ def test_smollm3_files_rotate_three_layers_of_four(tmp_path):
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
     want = llm.generate(PROMPTS, params, use_tqdm=False)
     for prompt, out in zip(PROMPTS, want):
-        ids = torch.tensor([prompt])
-        ref = hf.generate(ids, max_new_tokens=16, do_sample=False, eos_token_id=None, pad_token_id=0,
-                          attention_mask=torch.ones_like(ids))[0, len(prompt):].tolist()
-        assert out.outputs[0].token_ids == ref
+        assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 16)
     if native.available():
         packed = LLM(str(path), kv_cache_memory=2**22)
         assert packed.engine.model.num_packed()[0] > 0

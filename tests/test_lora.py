@@ -17,7 +17,7 @@ from safetensors.torch import save_file
 from pagellm import LLM, LoRARequest, SamplingParams
 from pagellm.kernels import native
 from pagellm.server.api_server import OpenAIServer
-from tests.helpers import assert_greedy_close, assert_no_leaks, make_tiny_model
+from tests.helpers import assert_greedy_close, assert_no_leaks, hf_greedy, make_tiny_model
 from tests.test_server import running_server, tiny_path, wait_idle  # noqa: F401
 
 PROMPTS = [[5, 17, 33, 4, 90, 12, 7], list(range(10, 51)), [3, 3, 3, 60, 61, 62]]
@@ -48,10 +48,8 @@ def write_adapter(folder, hf, targets, r=4, alpha=8.0, seed=0, rslora=False, **c
     return merged
 
 
-def _greedy(model, prompt, n=16):
-    ids = torch.tensor([prompt])
-    return model.generate(ids, max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0,
-                          attention_mask=torch.ones_like(ids))[0, len(prompt):].tolist()
+def _greedy(model, prompt):
+    return hf_greedy(model, prompt, GREEDY.max_tokens)
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2"])

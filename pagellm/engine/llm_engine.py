@@ -379,6 +379,8 @@ class LLMEngine:
     def _pooled(self, owners: list[tuple[Sequence, int]]) -> dict[int, torch.Tensor]:
         """The last forward's final hidden state of each embedding request's row, by seq_id
         (its owner row: one, as nothing is speculated for it)."""
+        if self.runner.last_hidden is None:  # kept only on steps holding one (the usual: none)
+            return {}
         pooled, offset = {}, 0
         for seq, n in owners:
             if seq.pooling is not None:
