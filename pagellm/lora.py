@@ -177,6 +177,10 @@ def _fit(request: LoRARequest, pairs: dict, model) -> LoRAAdapter:
         if layer >= len(model.layers):
             raise ValueError(f"lora_path: layer {layer} past the model's {len(model.layers)}")
         module_name, part = _FUSED[proj]
+        if module_name in ("gate_up_proj", "down_proj") and not hasattr(
+                model.layers[layer].mlp, module_name):
+            raise ValueError(f"lora_path: layer {layer} {proj}: adapters on a mixture of "
+                             "experts' MLP are not supported (attention projections are)")
         module = getattr(model.layers[layer].self_attn if module_name in ("qkv_proj", "o_proj")
                          else model.layers[layer].mlp, module_name)
         rows = (module.weight.shape[0] if module_name in ("o_proj", "down_proj")
@@ -198,7 +202,8 @@ def attach(model) -> None:
     for i, layer in enumerate(model.layers):
         for parent, name in ((layer.self_attn, "qkv_proj"), (layer.self_attn, "o_proj"),
                              (layer.mlp, "gate_up_proj"), (layer.mlp, "down_proj")):
-            getattr(parent, name).lora_key = (i, name)
+            if hasattr(parent, name):  # (an MoE block's experts take no adapter)
+                getattr(parent, name).lora_key = (i, name)
 
 
 class LoRAStep:

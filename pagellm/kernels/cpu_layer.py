@@ -93,6 +93,8 @@ class FusedDecodeLayer:
         from pagellm.attention.torch_paged import TorchPagedAttention
 
         attn, mlp = layer.self_attn, layer.mlp
+        if not hasattr(mlp, "gate_up_proj"):  # a mixture of experts (models/moe.py): modules
+            return False
         linears = [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
         norms = [n for n in (*_norms(layer), attn.q_norm, attn.k_norm) if n is not None]
         # the C layer attends itself over the CPU backend's head-major pool: only there

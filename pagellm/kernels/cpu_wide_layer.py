@@ -95,6 +95,8 @@ class WideLayer:
         from pagellm.attention.torch_paged import TorchPagedAttention
 
         attn, mlp = layer.self_attn, layer.mlp
+        if not hasattr(mlp, "gate_up_proj"):  # a mixture of experts (models/moe.py): modules
+            return False
         qkv, o, gu, down = attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
         qk_ok = attn.q_norm is None or all(
             n.weight.dtype == torch.float32 and n.weight.is_contiguous()

@@ -54,7 +54,11 @@ _ARCHITECTURES = {"llama": ("LlamaConfig", "LlamaForCausalLM"),
                   "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
                   "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
                   "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
-                  "gemma2": ("Gemma2Config", "Gemma2ForCausalLM")}
+                  "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
+                  "qwen2moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
+                  "qwen3moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM")}
+# a `llama` file with experts is Mixtral's form (llama.cpp reads both as one architecture)
+_LLAMA_MOE = ("MixtralConfig", "MixtralForCausalLM")
 
 # config/tokenizer attribute prefix -> GGUF key `tokenizer.ggml.<name>_token_id`
 _SPECIAL_TOKENS = {"bos": "bos", "eos": "eos", "pad": "padding", "unk": "unknown"}
@@ -79,7 +83,16 @@ _BLOCK_NAMES = {
     "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
     "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
     "post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm",
+    # mixtures of experts (models/moe.py): the router, the shared expert and its gate
+    "ffn_gate_inp": "mlp.gate", "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj", "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
 }
+# an MoE layer's experts: one [experts, rows, cols] tensor a projection (each expert's rows lie
+# together, so each becomes a 2-D tensor of its own over its slice of the bytes), or in older
+# Mixtral files one tensor an expert (blk.N.ffn_gate.E.weight)
+_EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
+_LEGACY_EXPERT = re.compile(r"blk\.(\d+)\.(ffn_gate|ffn_up|ffn_down)\.(\d+)\.weight")
 # Gemma's four norms a layer: its ffn_norm is the one before the MLP (Gemma 2 has no q/k norms)
 _ARCH_BLOCK_NAMES = {"gemma3": {**_BLOCK_NAMES, "ffn_norm": "pre_feedforward_layernorm"}}
 _ARCH_BLOCK_NAMES["gemma2"] = {k: v for k, v in _ARCH_BLOCK_NAMES["gemma3"].items()
@@ -151,8 +164,8 @@ def read_gguf(path: str) -> GGUFFile:
     if arch not in _ARCHITECTURES:
         raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported "
                          f"(supported: {sorted(_ARCHITECTURES)})")
-    tensors = [_plan_tensor(path, metadata, name, shape, t, data_start + off)
-               for name, shape, t, off in raw_tensors]
+    tensors = [planned for name, shape, t, off in raw_tensors
+               for planned in _plan_tensors(path, metadata, name, shape, t, data_start + off)]
     truncated = [t.gguf_name for t in tensors if t.offset + t.nbytes > blob.size]
     if truncated:
         raise ValueError(f"{path} is truncated: tensor data of {truncated[:3]} lies past its end")
@@ -189,6 +202,22 @@ def _read_value(blob: np.ndarray, pos: int, value_type: int):
             found.append(i)
         pos += 8 + length
     return _StringArray(count, found), pos
+
+
+def _plan_tensors(path, metadata, name, shape, ggml_type, offset) -> list[GGUFTensor]:
+    """The file's tensor as the checkpoint's: one, or an MoE layer's [experts, rows, cols]
+    projection as one 2-D tensor an expert (mlp.experts.E.<proj>.weight)."""
+    match = _BLOCK_TENSOR.fullmatch(name)
+    if match is None or match.group(2) not in _EXPERT_NAMES:
+        return [_plan_tensor(path, metadata, name, shape, ggml_type, offset)]
+    if len(shape) != 3:
+        raise ValueError(f"{path}: tensor {name} has shape {shape}; experts' tensors are 3-D")
+    layer, part, kind = match.groups()
+    one = _plan_tensor(path, metadata, f"blk.{layer}.ffn_gate.weight", shape[1:], ggml_type, offset)
+    return [dataclasses.replace(
+        one, gguf_name=name, offset=offset + e * one.nbytes,
+        hf_name=f"model.layers.{layer}.mlp.experts.{e}.{_EXPERT_NAMES[part]}.{kind}")
+        for e in range(shape[0])]
 
 
 def _plan_tensor(path, metadata, name, shape, ggml_type, offset) -> GGUFTensor:
@@ -243,6 +272,11 @@ def _hf_name(path: str, gguf_name: str, arch: str = "llama") -> str:
     base, _, kind = gguf_name.rpartition(".")
     if base in _TOP_LEVEL_NAMES and kind == "weight":
         return f"{_TOP_LEVEL_NAMES[base]}.weight"
+    legacy = _LEGACY_EXPERT.fullmatch(gguf_name)
+    if legacy:
+        layer, part, expert = legacy.groups()
+        proj = _EXPERT_NAMES[part + "_exps"]
+        return f"model.layers.{layer}.mlp.experts.{expert}.{proj}.weight"
     match = _BLOCK_TENSOR.fullmatch(gguf_name)
     names = _ARCH_BLOCK_NAMES.get(arch, _BLOCK_NAMES)
     if match and match.group(2) in names:
@@ -461,6 +495,8 @@ def gguf_config(gguf_file: GGUFFile):
 
     md, arch = gguf_file.metadata, gguf_file.architecture
     config_class_name, hf_architecture = _ARCHITECTURES[arch]
+    if arch == "llama" and md.get("llama.expert_count", 0):
+        config_class_name, hf_architecture = _LLAMA_MOE
 
     def key(name, default=None):
         value = md.get(f"{arch}.{name}", default)
@@ -496,7 +532,10 @@ def gguf_config(gguf_file: GGUFFile):
         kwargs["rope_scaling"] = _yarn(gguf_file.path, md, arch, key)
     if arch in PERMUTED_ARCHITECTURES:  # as transformers does: rope dimension == head_dim for llama only
         kwargs["head_dim"] = key("rope.dimension_count", kwargs["hidden_size"] // num_heads)
-    if arch in ("qwen2", "qwen3", "gemma3", "gemma2"):  # a head's width need not be hidden / heads
+    if md.get(f"{arch}.expert_count", 0):
+        kwargs.update(_moe_kwargs(gguf_file.path, md, arch, key, names))
+    if arch in ("qwen2", "qwen3", "gemma3", "gemma2", "qwen2moe", "qwen3moe"):
+        # a head's width need not be hidden / heads
         kwargs["head_dim"] = key("attention.key_length", kwargs["hidden_size"] // num_heads)
     if arch == "gemma3":
         kwargs.update(_gemma3_kwargs(md, kwargs, key))
@@ -521,6 +560,32 @@ def gguf_config(gguf_file: GGUFFile):
 
 # llama.cpp's pooling types (an embedding model's GGUF states its own)
 _POOLING_TYPES = {0: "none", 1: "mean", 2: "cls", 3: "last", 4: "rank"}
+
+
+def _moe_kwargs(path: str, md: dict, arch: str, key, names: dict) -> dict:
+    """A mixture of experts' settings as llama.cpp reads them (models/moe.py): every layer
+    sparse, softmax routing over the top `expert_used_count`, renormalized over them for
+    Mixtral and Qwen3-MoE, not for Qwen2-MoE, which adds its shared expert. A gating or
+    weighting llama.cpp has for other MoE families is refused, naming the key."""
+    gating = md.get(f"{arch}.expert_gating_func", 1)  # llama.cpp: 1 softmax, 2 sigmoid
+    if gating != 1:
+        raise ValueError(f"{path}: {arch}.expert_gating_func = {gating} is not supported "
+                         "(supported: 1, softmax)")
+    scale = md.get(f"{arch}.expert_weights_scale", 1.0)
+    if float(scale) != 1.0:
+        raise ValueError(f"{path}: {arch}.expert_weights_scale = {scale} is not supported "
+                         "(supported: 1.0)")
+    experts, used = int(key("expert_count")), int(key("expert_used_count"))
+    if arch == "llama":  # Mixtral: the experts are as wide as feed_forward_length says
+        return dict(num_local_experts=experts, num_experts_per_tok=used)
+    out = dict(num_experts=experts, num_experts_per_tok=used, decoder_sparse_step=1,
+               mlp_only_layers=[], moe_intermediate_size=int(key("expert_feed_forward_length")),
+               norm_topk_prob=arch == "qwen3moe")
+    if arch == "qwen2moe":  # (older files state no width: the tensor's rows are it)
+        shared = names.get("model.layers.0.mlp.shared_expert.gate_proj.weight")
+        out["shared_expert_intermediate_size"] = int(md.get(
+            f"{arch}.expert_shared_feed_forward_length", shared.hf_shape[0] if shared else 0))
+    return out
 
 
 def _gemma2_kwargs(md: dict, kwargs: dict, key) -> dict:

