@@ -105,3 +105,42 @@ def assert_greedy_close(ref, got, tol: float) -> None:
             return
         assert abs(a[tok] - b[tok]) < tol, (i, a, b)
     assert list(got.token_ids) == list(ref.token_ids)
+
+
+def fused_layer_diffs(llm, prompts, max_tokens: int = 6) -> tuple[list[float], list[float]]:
+    """Generate greedily with every layer's one-call form (layer.fused) checked against the
+    module path on each step (layer_path_and_module_path): (each call's output difference,
+    and its K/V's, relative to the module path's largest value)."""
+    from pagellm import SamplingParams
+
+    diffs, kv_diffs = [], []
+
+    class Compare:
+        def __init__(self, layer):
+            self.layer, self.fused = layer, layer.fused
+
+        def usable(self, x, md):
+            return self.fused.usable(x, md)
+
+        def __call__(self, positions, x, md):
+            attn = self.layer.self_attn
+            out, ref, kv = layer_path_and_module_path(self.layer, "fused", self.fused, positions,
+                                                      x, md)
+            diffs.append(((out - ref).abs().max() / ref.abs().max()).item())
+            slots = md.slot_mapping.long()
+            for got, cache in zip(kv, (attn.k_cache, attn.v_cache)):
+                want = cache.flatten(0, 1)[slots].float()
+                kv_diffs.append(((got.flatten(0, 1)[slots].float() - want).abs().max()
+                                 / want.abs().max()).item())
+            return out
+
+    layers = llm.engine.model.layers
+    for layer in layers:
+        layer.fused = Compare(layer)
+    try:
+        llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
+                     use_tqdm=False)
+    finally:
+        for layer in layers:
+            layer.fused = layer.fused.fused
+    return diffs, kv_diffs

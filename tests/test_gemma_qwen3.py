@@ -16,7 +16,7 @@ from pagellm import LLM, SamplingParams
 from pagellm.kernels import native
 from pagellm.models.gemma import Gemma3ForCausalLM
 from tests.gguf_files import finish, gguf_writer, random_blocks
-from tests.helpers import assert_greedy_close, layer_path_and_module_path
+from tests.helpers import assert_greedy_close, fused_layer_diffs
 from tests.test_gguf_models import _hf_logits, _prefill_logits
 
 WINDOW = 8
@@ -298,31 +298,7 @@ def test_the_fused_layer_equals_the_module_path(tiny_gguf, monkeypatch):
     llm = LLM(path, kv_cache_memory=2**22, block_size=4)
     layers = llm.engine.model.layers
     assert all(layer.fused is not None for layer in layers)
-    diffs, kv_diffs = [], []
-
-    class Compare:
-        def __init__(self, layer):
-            self.layer, self.fused = layer, layer.fused
-
-        def usable(self, x, md):
-            return self.fused.usable(x, md)
-
-        def __call__(self, positions, x, md):
-            attn = self.layer.self_attn
-            out, ref, kv = layer_path_and_module_path(self.layer, "fused", self.fused, positions,
-                                                      x, md)
-            diffs.append(((out - ref).abs().max() / ref.abs().max()).item())
-            slots = md.slot_mapping.long()
-            for got, cache in zip(kv, (attn.k_cache, attn.v_cache)):
-                want = cache.flatten(0, 1)[slots].float()
-                kv_diffs.append(((got.flatten(0, 1)[slots].float() - want).abs().max()
-                                 / want.abs().max()).item())
-            return out
-
-    for layer in layers:
-        layer.fused = Compare(layer)
-    llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
-                 use_tqdm=False)
+    diffs, kv_diffs = fused_layer_diffs(llm, PROMPTS)
     assert len(diffs) >= 5 * len(layers) and max(diffs) < 1e-4, diffs
     assert max(kv_diffs) < 1e-2, kv_diffs  # bf16 pool: one rounding step at most
 

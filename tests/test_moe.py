@@ -17,7 +17,7 @@ from pagellm.kernels import native
 from pagellm.lora import LoRARequest
 from pagellm.models.moe import SparseMoE
 from tests.gguf_files import finish, gguf_writer, llama_cpp_permute, random_blocks
-from tests.helpers import assert_greedy_close, hf_greedy
+from tests.helpers import assert_greedy_close, fused_layer_diffs, hf_greedy
 from tests.test_gguf_models import _hf_logits, _prefill_logits
 
 PROMPTS = [[5, 17, 33, 4, 90, 12, 7], list(range(10, 51)), [3, 3, 3, 60, 61, 62, 9, 9, 70, 71, 72, 3]]
@@ -285,6 +285,60 @@ def test_packed_default_path_is_close(tiny_gguf):
     want = LLM(path, dtype="float32", kv_cache_memory=2**22).generate(PROMPTS, params, use_tqdm=False)
     for ref, got in zip(want, packed.generate(PROMPTS, params, use_tqdm=False)):
         assert_greedy_close(ref.outputs[0], got.outputs[0], 0.2)
+
+
+@pytest.mark.skipif(not native.available(), reason="no C compiler on this machine")
+def test_experts_keep_the_files_blocks_alone(tmp_path):
+    """dtype auto: each expert holds the file's blocks and nothing else (no dense or many-row
+    copy: its packed bytes are the file's), and a product of more rows than its kernel takes
+    runs in slices of rows, each row with the bits a one-row product gives it. A prompt long
+    enough that experts get more rows than that matches float32's tokens."""
+    from pagellm.models.gguf_loader import read_gguf
+
+    path = tmp_path / "mixtral.gguf"
+    write_gguf(path, "mixtral")
+    file_bytes = sum(t.nbytes for t in read_gguf(str(path)).tensors if ".experts." in t.hf_name)
+    llm = LLM(str(path), kv_cache_memory=2**22)
+    experts = [m for layer in llm.engine.model.layers for e in layer.mlp.experts
+               for m in (e.gate_up_proj, e.down_proj)]
+    assert all(m.weight.device.type == "meta" and m.wide is None for m in experts)
+    assert sum(m.packed.nbytes for m in experts) == file_bytes
+    proj = experts[0]
+    x = torch.randn(3 * proj.packed.max_rows, proj.in_features, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(proj(x), torch.cat([proj(row) for row in x.split(1)]))
+    long_prompt = [(7 * i + 3) % 250 + 3 for i in range(150)]  # ~75 rows an expert
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
+    want = LLM(str(path), dtype="float32", kv_cache_memory=2**22).generate([long_prompt], params,
+                                                                            use_tqdm=False)
+    got = llm.generate([long_prompt], params, use_tqdm=False)
+    assert_greedy_close(want[0].outputs[0], got[0].outputs[0], 0.2)
+
+
+@pytest.mark.skipif(not native.available(), reason="no C compiler on this machine")
+def test_native_experts_and_the_fused_attention_equal_the_module_path(tiny_gguf, monkeypatch):
+    """dtype auto: each block's routed experts run in one native call (moe_experts), at any
+    number of rows, and each layer's attention in the one-call layer, which stops before the
+    MLP. The experts' sum equals the module path's (each expert's rows gathered, multiplied,
+    added back in PyTorch) within float32 rounding; every layer of every decode step equals
+    the module path from the same input and cache (int16 panels: 1e-4 of the largest, as a
+    dense layer's)."""
+    monkeypatch.setenv("PAGELLM_PANELS_INT8", "0")
+    path, _ = tiny_gguf
+    llm = LLM(path, kv_cache_memory=2**22, block_size=4)
+    layers = llm.engine.model.layers
+    assert all(layer.fused is not None and layer.mlp.native is not None for layer in layers)
+    g = torch.Generator().manual_seed(0)
+    for moe in (layer.mlp for layer in layers):
+        for rows in (1, 3, 100):
+            x = torch.randn(rows, moe.gate.shape[1], generator=g)
+            got = moe(x)
+            monkeypatch.setattr(moe, "native", None)
+            want = moe(x)
+            monkeypatch.undo()
+            torch.testing.assert_close(got, want, atol=1e-5 * want.abs().max(), rtol=0)
+    diffs, kv_diffs = fused_layer_diffs(llm, PROMPTS)
+    assert len(diffs) >= 5 * len(layers) and max(diffs) < 1e-4, diffs
+    assert max(kv_diffs) < 1e-2, kv_diffs
 
 
 def test_other_gating_is_refused(tmp_path):

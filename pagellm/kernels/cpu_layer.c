@@ -158,6 +158,8 @@ typedef struct {
     int64_t gelu;  /* 1: gelu(g) * u (tanh form); 0: silu(g) * u */
     int64_t window;  /* a sliding window (paged_attention_window); 0: none */
     double softcap;  /* attention scores' soft-capping (Gemma 2); 0: none */
+    float *normed_out;  /* non-NULL: stop after the attention (x += attention) and write
+                           norm(x) [T, D] here: a mixture of experts' MLP (moe_experts) follows */
 } layer_ext_t;
 
 /* projs: qkv, o, gate|up, down; ext: NULL for the Llama form */
@@ -200,7 +202,8 @@ int decode_layer_ext(float *x, int64_t T, int64_t D, float eps, const float *nor
                                (float)ext->softcap)) goto done;
     if (project(&projs[1], a, T, nq, d, D, tmp, threads)) goto done;
     if (ext->attn_out_norm) rms_norm(d, NULL, NULL, ext->attn_out_norm, d, T, D, eps);
-    rms_norm(x, d, x, norm_post, h, T, D, eps);  /* x += attention; h = norm(x) */
+    rms_norm(x, d, x, norm_post, ext->normed_out ? ext->normed_out : h, T, D, eps);  /* x += attention; h = norm(x) */
+    if (ext->normed_out) { rc = 0; goto done; }
     if (project(&projs[2], h, T, D, y, 2 * I, tmp, threads)) goto done;
     for (int64_t t = 0; t < T; t++)
         (ext->gelu ? gelu_mul : silu_mul)(y + t * 2 * I, y + t * 2 * I + I, a + t * I, I);
@@ -210,6 +213,52 @@ int decode_layer_ext(float *x, int64_t T, int64_t D, float eps, const float *nor
     rc = 0;
 done:
     free(h); free(y); free(q); free(a); free(d); free(tmp);
+    return rc;
+}
+
+/* A mixture of experts' products for one step (models/moe.py): each pair p sends row
+ * rows[p] of x [T, D] to expert experts[p] with weight weights[p]:
+ *     out[rows[p]] += weights[p] * down_e(act(gate_e(x_row)) * up_e(x_row))
+ * projs: two an expert (gate | up, then down), widths[e] its I. Each expert's rows are
+ * gathered and multiplied as one batch, experts in index order (as transformers adds them);
+ * an expert no pair names is never read. Returns 0, -1 out of memory, -2 a bad index. */
+int moe_experts(const float *x, int64_t T, int64_t D, const proj_t *projs, const int64_t *widths,
+                int64_t E, const int64_t *rows, const int64_t *experts, const float *weights,
+                int64_t P, float *out, int gelu, int threads) {
+    int64_t I = 0;
+    for (int64_t e = 0; e < E; e++) I = widths[e] > I ? widths[e] : I;
+    for (int64_t p = 0; p < P; p++)
+        if (experts[p] < 0 || experts[p] >= E || rows[p] < 0 || rows[p] >= T) return -2;
+    const int64_t width = 2 * I > D ? 2 * I : D;
+    int64_t *start = calloc(E + 1, sizeof(int64_t)), *order = malloc(sizeof(int64_t) * (P ? P : 1));
+    float *xs = malloc(sizeof(float) * (P ? P : 1) * D), *y = malloc(sizeof(float) * (P ? P : 1) * 2 * I);
+    float *a = malloc(sizeof(float) * (P ? P : 1) * I), *d = malloc(sizeof(float) * (P ? P : 1) * D);
+    float *tmp = malloc(sizeof(float) * (P ? P : 1) * width);
+    int rc = -1;
+    if (!start || !order || !xs || !y || !a || !d || !tmp) goto done;
+    for (int64_t p = 0; p < P; p++) start[experts[p] + 1]++;  /* counting sort by expert */
+    for (int64_t e = 0; e < E; e++) start[e + 1] += start[e];
+    for (int64_t p = 0, *next = start; p < P; p++) order[next[experts[p]]++] = p;
+    for (int64_t e = E; e > 0; e--) start[e] = start[e - 1];  /* (the fill moved each start) */
+    start[0] = 0;
+    for (int64_t e = 0; e < E; e++) {
+        const int64_t n = start[e + 1] - start[e], ie = widths[e];
+        if (n == 0) continue;
+        const int64_t *pairs = order + start[e];
+        for (int64_t i = 0; i < n; i++) memcpy(xs + i * D, x + rows[pairs[i]] * D, sizeof(float) * D);
+        if (project(&projs[2 * e], xs, n, D, y, 2 * ie, tmp, threads)) goto done;
+        for (int64_t i = 0; i < n; i++)
+            (gelu ? gelu_mul : silu_mul)(y + i * 2 * ie, y + i * 2 * ie + ie, a + i * ie, ie);
+        if (project(&projs[2 * e + 1], a, n, ie, d, D, tmp, threads)) goto done;
+        for (int64_t i = 0; i < n; i++) {
+            float *o = out + rows[pairs[i]] * D;
+            const float w = weights[pairs[i]], *di = d + i * D;
+            for (int64_t j = 0; j < D; j++) o[j] += w * di[j];
+        }
+    }
+    rc = 0;
+done:
+    free(start); free(order); free(xs); free(y); free(a); free(d); free(tmp);
     return rc;
 }
 

@@ -25,7 +25,8 @@ class _Projection(ctypes.Structure):  # cpu_layer.c proj_t
 class _Ext(ctypes.Structure):  # cpu_layer.c layer_ext_t
     _fields_ = [("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p),
                 ("attn_out_norm", ctypes.c_void_p), ("mlp_out_norm", ctypes.c_void_p),
-                ("gelu", ctypes.c_int64), ("window", ctypes.c_int64), ("softcap", ctypes.c_double)]
+                ("gelu", ctypes.c_int64), ("window", ctypes.c_int64), ("softcap", ctypes.c_double),
+                ("normed_out", ctypes.c_void_p)]
 
 
 def _norms(layer) -> tuple:
@@ -69,8 +70,13 @@ class FusedDecodeLayer:
         self.eps = layer.input_layernorm.eps
         self.heads, self.kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
         self.scale = attn.scale
-        self.intermediate = mlp.down_proj.weight.shape[1]
-        linears = [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
+        # a mixture of experts (models/moe.py): the call stops after the attention, and the
+        # block's own native call (moe.NativeExperts) multiplies the experts
+        self.experts = getattr(mlp, "native", None)
+        self.intermediate = 0 if self.experts is not None else mlp.down_proj.weight.shape[1]
+        linears = [attn.qkv_proj, attn.o_proj]
+        if self.experts is None:
+            linears += [mlp.gate_up_proj, mlp.down_proj]
         self._projs = (_Projection * 4)()
         for proj, m in zip(self._projs, linears):
             parts = _parts(m.packed)
@@ -93,9 +99,11 @@ class FusedDecodeLayer:
         from pagellm.attention.torch_paged import TorchPagedAttention
 
         attn, mlp = layer.self_attn, layer.mlp
-        if not hasattr(mlp, "gate_up_proj"):  # a mixture of experts (models/moe.py): modules
+        linears = [attn.qkv_proj, attn.o_proj]
+        if hasattr(mlp, "gate_up_proj"):
+            linears += [mlp.gate_up_proj, mlp.down_proj]
+        elif getattr(mlp, "native", None) is None:  # a mixture of experts without its native form
             return False
-        linears = [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
         norms = [n for n in (*_norms(layer), attn.q_norm, attn.k_norm) if n is not None]
         # the C layer attends itself over the CPU backend's head-major pool: only there
         return (native.available() and parallel.tp_size() == 1
@@ -118,6 +126,10 @@ class FusedDecodeLayer:
         attn = self.layer.self_attn
         kvh, nb, bs, _ = attn.k_cache.permute(2, 0, 1, 3).shape
         seqs = md.cache["fused_seqs"]
+        h = None
+        if self.experts is not None:  # norm(x + attention) comes out for the experts
+            h = torch.empty_like(x)
+            self._ext.normed_out = h.data_ptr()
         rc = native.library().decode_layer_ext(
             x.data_ptr(), x.shape[0], x.shape[1], self.eps, *self._norms, ctypes.addressof(self._projs),
             self.intermediate, self.heads, self.kv_heads, self.head_dim,
@@ -129,6 +141,8 @@ class FusedDecodeLayer:
             ctypes.addressof(self._ext))
         if rc != 0:
             raise MemoryError("decode_layer: out of memory for its buffers")
+        if self.experts is not None:
+            return x + self.layer.mlp(h)
         return x
 
 

@@ -49,6 +49,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if packed is not None and quant.few_rows(x.numel() // x.shape[-1], packed.max_rows):
         y = packed(x).to(x.dtype)
         return y if bias is None else y + bias
+    if packed is not None and wide is None and weight.device.type == "meta":  # packed_only
+        rows = x.reshape(-1, x.shape[-1])
+        y = torch.cat([packed(r) for r in rows.split(packed.max_rows - 1)]).to(x.dtype)
+        y = y.reshape(*x.shape[:-1], y.shape[-1])
+        return y if bias is None else y + bias
     if wide is not None:
         y = wide(x).to(x.dtype)
         return y if bias is None else y + bias
@@ -153,6 +158,11 @@ class _Packed:
     int8 = None  # int8.NativeInt8: the same weights for many-row products (USE_INT8)
     q32 = None  # q32.Q32Linear: 32-value blocks for many-row products (bf16 units + VNNI)
     onednn = None  # onednn.OneDNNLinear: the dense bf16 weight, prepacked (prepack_bf16)
+    # Keep the packed form alone: no many-row form and no dense copy; products of more rows
+    # than its kernel takes run in slices of rows. A mixture of experts' experts
+    # (models/moe.py): each sees a few rows a step, and a second form of every expert would
+    # take 2-3x the file's memory (a 30B model's 17 GB file: ~50 GB).
+    packed_only = False
 
     @property
     def wide(self):
@@ -185,7 +195,7 @@ class _Packed:
             waiting.clear()
             return
         parts[shard] = part
-        if _integer_form(part):
+        if self.packed_only or _integer_form(part):
             waiting.append(write_dense)
         else:
             write_dense()
@@ -193,11 +203,14 @@ class _Packed:
             del self._packed_parts, self._dense_writes
             ordered = [parts[i] for i in range(self.num_parts)]
             self.packed = quant.pack_parts(ordered)
-            if USE_INT8 and self.packed is not None:
+            if self.packed_only and self.packed is not None:
+                pass  # the packed form alone, for products of any number of rows
+            elif USE_INT8 and self.packed is not None:
                 self.int8 = int8.NativeInt8.from_blocks(ordered)
             elif self.packed is not None and _use_q32():
                 self.q32 = q32.Q32Linear.from_parts(ordered)
-            if self.int8 is not None or self.q32 is not None:
+            if (self.int8 is not None or self.q32 is not None
+                    or (self.packed_only and self.packed is not None)):
                 self.weight = nn.Parameter(torch.empty(self.weight.shape, device="meta"),
                                            requires_grad=False)
             else:

@@ -172,7 +172,12 @@ class LlamaForCausalLM(nn.Module):
     def enable_fused_decode(self) -> int:
         """Steps in the packed kernel's few-row regime (up to 40 rows) run each layer as one
         native call where the layer allows it (packed Q4 projections without biases, float32
-        activations, one process). Returns the number of layers that do."""
+        activations, one process). Returns the number of layers that do. A mixture of experts'
+        layers run their attention so, and their experts in one native call of their own
+        (moe.NativeExperts), at any number of rows."""
+        for layer in self.layers:
+            if isinstance(layer.mlp, SparseMoE):
+                layer.mlp.enable_native()
         return self._give_layers("fused", FusedDecodeLayer)
 
     def enable_wide_layers(self) -> int:

@@ -115,6 +115,9 @@ class SparseMoE(nn.Module):
         self.reduce = parallel.tp_size() > 1
         for mlp in [*self.experts, *([self.shared_expert] if shared else [])]:
             mlp.down_proj.reduce = False
+        for mlp in self.experts:  # the file's blocks alone (linear._Packed.packed_only);
+            # the shared expert sees every row and keeps its many-row form
+            mlp.gate_up_proj.packed_only = mlp.down_proj.packed_only = True
 
     def routing(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [rows, k] in x's dtype, experts [rows, k] int64): each row's top k experts
@@ -126,8 +129,22 @@ class SparseMoE(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights.to(x.dtype), experts
 
+    native = None  # a NativeExperts once enable_native() found the experts' forms fit it
+
+    def enable_native(self) -> bool:
+        """Multiply the routed experts in one native call a step (NativeExperts) where their
+        packed forms allow it; returns whether they do."""
+        self.native = NativeExperts(self) if NativeExperts.supports(self) else None
+        return self.native is not None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, experts = self.routing(x)
+        if self.native is not None and x.dtype == torch.float32 and x.is_contiguous():
+            out = self.native(x, weights, experts)
+            if self.shared_expert is not None:
+                gate = torch.sigmoid(self.shared_expert_gate(x)).to(x.dtype)
+                out += gate * self.shared_expert(x)
+            return out
         out = torch.zeros_like(x)
         flat = experts.reshape(-1)  # [rows * k]: slot s is row s // k's choice s % k
         order = flat.argsort(stable=True)
@@ -149,3 +166,52 @@ class SparseMoE(nn.Module):
     def loaded(self) -> bool:
         return self.gate.weight is not None and (
             self.shared_expert_gate is None or self.shared_expert_gate.weight is not None)
+
+
+class NativeExperts:
+    """A block's routed experts as kernels/cpu_layer.c's moe_experts takes them: each
+    expert's packed gate | up and down forms, multiplied for a whole step in one call (each
+    expert's rows gathered into one batch, the weighted outputs added back in C). At batch 1
+    the module path's ~15 PyTorch ops an expert (gathers, slices, the gating, the weighted
+    add) cost as much as the experts' products. One process, float32 activations."""
+
+    def __init__(self, moe: SparseMoE):
+        from pagellm.kernels import cpu_layer
+
+        self.projs = (cpu_layer._Projection * (2 * moe.num_experts))()
+        for i, mlp in enumerate(moe.experts):
+            for j, m in enumerate((mlp.gate_up_proj, mlp.down_proj)):
+                proj, parts = self.projs[2 * i + j], cpu_layer._parts(m.packed)
+                proj.nparts = len(parts)
+                for k, part in enumerate(parts):
+                    proj.parts[k] = part
+        self.widths = torch.tensor([mlp.down_proj.weight.shape[1] for mlp in moe.experts])
+        self.num_experts = moe.num_experts
+
+    @staticmethod
+    def supports(moe: SparseMoE) -> bool:
+        from pagellm.kernels import cpu_layer, native
+
+        linears = [m for mlp in moe.experts for m in (mlp.gate_up_proj, mlp.down_proj)]
+        return (native.available() and parallel.tp_size() == 1
+                and all(m.packed is not None and m.bias is None
+                        and cpu_layer._parts(m.packed) is not None for m in linears))
+
+    def __call__(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """x [T, D] float32, weights [T, k], experts [T, k] -> the weighted sum [T, D]."""
+        import ctypes
+
+        from pagellm.kernels import native
+
+        rows, k = experts.shape
+        pairs = torch.arange(rows).repeat_interleave(k)
+        experts = experts.reshape(-1).contiguous()
+        weights = weights.reshape(-1).float().contiguous()
+        out = torch.zeros_like(x)
+        rc = native.library().moe_experts(
+            x.data_ptr(), rows, x.shape[1], ctypes.addressof(self.projs), self.widths.data_ptr(),
+            self.num_experts, pairs.data_ptr(), experts.data_ptr(), weights.data_ptr(),
+            pairs.numel(), out.data_ptr(), 0, torch.get_num_threads())
+        if rc != 0:
+            raise (MemoryError if rc == -1 else ValueError)(f"moe_experts failed ({rc})")
+        return out
