@@ -196,3 +196,25 @@ def test_accuracy(tmp_path):
         assert r["tokens"] == 2 * 47 and r["perplexity"] > 1
     # the smaller pools move the log-probabilities, a little
     assert 0 < rows["int8"]["mean_abs_logprob_diff"] < 0.1
+
+
+def test_synthetic_gguf_writes_a_moe_file_both_tokenizer_and_experts_load(tmp_path):
+    """The random-weight writer's file (--smoke: 2 layers, 4 experts, the default model's
+    vocabulary) loads as a Qwen3-MoE with its tokenizer, every expert packed, and generates
+    from a text prompt."""
+    from pagellm import LLM, SamplingParams
+    from pagellm.benchmarks import synthetic_gguf
+    from pagellm.models.moe import SparseMoE
+
+    out = tmp_path / "moe.gguf"
+    assert synthetic_gguf.run(["--smoke", "--out", str(out)]) == 0
+    llm = LLM(str(out), kv_cache_memory=2**24)
+    config = llm.engine.hf_config
+    assert (config.model_type, config.num_experts, config.num_experts_per_tok) == ("qwen3_moe", 4, 2)
+    model = llm.engine.model
+    assert all(isinstance(layer.mlp, SparseMoE) for layer in model.layers)
+    n_packed, total = model.num_packed()
+    assert n_packed == total
+    text = llm.generate(["Hello"], SamplingParams(max_tokens=4, ignore_eos=True, temperature=0),
+                        use_tqdm=False)[0]
+    assert len(text.outputs[0].token_ids) == 4
