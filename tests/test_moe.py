@@ -341,6 +341,32 @@ def test_native_experts_and_the_fused_attention_equal_the_module_path(tiny_gguf,
     assert max(kv_diffs) < 1e-2, kv_diffs
 
 
+@pytest.mark.skipif(not native.available(), reason="no C compiler on this machine")
+@pytest.mark.parametrize("renormalize", [False, True])
+def test_the_native_routing_is_the_top_k_by_softmax(renormalize):
+    """moe_route: each row's k highest scores in descending order (a tie: the lower index
+    first), and their softmax probabilities (over all experts, or renormalized over the k)
+    as torch computes them."""
+    lib = native.library()
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(50, 16, generator=g) * 3
+    logits[0, 3] = logits[0, 9] = logits[0].max() + 1  # a tie for the top
+    k = 4
+    experts, rows = torch.empty(50, k, dtype=torch.int64), torch.empty(50, k, dtype=torch.int64)
+    weights = torch.empty(50, k)
+    assert lib.moe_route(logits.data_ptr(), 50, 16, k, int(renormalize), experts.data_ptr(),
+                         weights.data_ptr(), rows.data_ptr()) == 0
+    probs = logits.softmax(-1)
+    want_w, want_e = probs.topk(k, dim=-1)
+    if renormalize:
+        want_w = want_w / want_w.sum(-1, keepdim=True)
+    assert experts[0, :2].tolist() == [3, 9]
+    assert torch.equal(experts[1:], want_e[1:]) and torch.equal(rows, torch.arange(50)[:, None].expand(50, k))
+    torch.testing.assert_close(weights, want_w, rtol=1e-5, atol=1e-7)
+    assert lib.moe_route(logits.data_ptr(), 50, 16, 17, 0, experts.data_ptr(),
+                         weights.data_ptr(), rows.data_ptr()) == -2
+
+
 def test_other_gating_is_refused(tmp_path):
     """A file routing by another function (llama.cpp's sigmoid gating) is refused, named."""
     path = tmp_path / "sigmoid.gguf"

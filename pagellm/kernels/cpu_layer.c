@@ -229,6 +229,7 @@ int moe_experts(const float *x, int64_t T, int64_t D, const proj_t *projs, const
     for (int64_t e = 0; e < E; e++) I = widths[e] > I ? widths[e] : I;
     for (int64_t p = 0; p < P; p++)
         if (experts[p] < 0 || experts[p] >= E || rows[p] < 0 || rows[p] >= T) return -2;
+    if (P == 0) return 0;
     const int64_t width = 2 * I > D ? 2 * I : D;
     int64_t *start = calloc(E + 1, sizeof(int64_t)), *order = malloc(sizeof(int64_t) * (P ? P : 1));
     float *xs = malloc(sizeof(float) * (P ? P : 1) * D), *y = malloc(sizeof(float) * (P ? P : 1) * 2 * I);
@@ -260,6 +261,37 @@ int moe_experts(const float *x, int64_t T, int64_t D, const proj_t *projs, const
 done:
     free(start); free(order); free(xs); free(y); free(a); free(d); free(tmp);
     return rc;
+}
+
+/* A router's choice for each of T rows (models/moe.py SparseMoE.routing): the k largest of
+ * its E scores (ties: the lower index), in descending order, into experts [T, k], and their
+ * softmax probabilities over all E (renorm: over the k) into weights [T, k]; rows [T, k] gets
+ * each pair's row, as moe_experts takes them. Returns -2 for k outside 1..E. */
+int moe_route(const float *logits, int64_t T, int64_t E, int64_t k, int renorm,
+              int64_t *experts, float *weights, int64_t *rows) {
+    if (k < 1 || k > E) return -2;
+    for (int64_t t = 0; t < T; t++) {
+        const float *l = logits + t * E;
+        int64_t *ex = experts + t * k;
+        float *w = weights + t * k;
+        for (int64_t j = 0; j < k; j++) {  /* k passes: k is small (2-8) */
+            int64_t best = -1;
+            for (int64_t e = 0; e < E; e++) {
+                int taken = 0;
+                for (int64_t i = 0; i < j; i++) taken |= ex[i] == e;
+                if (!taken && (best < 0 || l[e] > l[best])) best = e;
+            }
+            ex[j] = best;
+            rows[t * k + j] = t;
+        }
+        const float top = l[ex[0]];
+        float total = 0.f, chosen = 0.f;
+        for (int64_t e = 0; e < E; e++) total += expf(l[e] - top);
+        for (int64_t j = 0; j < k; j++) chosen += (w[j] = expf(l[ex[j]] - top));
+        const float norm = renorm ? chosen : total;
+        for (int64_t j = 0; j < k; j++) w[j] /= norm;
+    }
+    return 0;
 }
 
 /* decode_layer_ext of the Llama form */

@@ -71,6 +71,7 @@ SIGNATURES = {
                           _P, _P, _I64, _I64, _P, _P, _I64, _P, _P, _P, _I64, _F32, _I32, _I32,
                           _P], ctypes.c_int),
     "moe_experts": ([_P, _I64, _I64, _P, _P, _I64, _P, _P, _P, _I64, _P, _I32, _I32], ctypes.c_int),
+    "moe_route": ([_P, _I64, _I64, _I64, _I32, _P, _P, _P], ctypes.c_int),
 }
 
 

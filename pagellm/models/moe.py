@@ -138,13 +138,13 @@ class SparseMoE(nn.Module):
         return self.native is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, experts = self.routing(x)
         if self.native is not None and x.dtype == torch.float32 and x.is_contiguous():
-            out = self.native(x, weights, experts)
+            out = self.native(x, self.gate(x), self.top_k, self.renormalize)
             if self.shared_expert is not None:
                 gate = torch.sigmoid(self.shared_expert_gate(x)).to(x.dtype)
                 out += gate * self.shared_expert(x)
             return out
+        weights, experts = self.routing(x)
         out = torch.zeros_like(x)
         flat = experts.reshape(-1)  # [rows * k]: slot s is row s // k's choice s % k
         order = flat.argsort(stable=True)
@@ -197,21 +197,27 @@ class NativeExperts:
                 and all(m.packed is not None and m.bias is None
                         and cpu_layer._parts(m.packed) is not None for m in linears))
 
-    def __call__(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        """x [T, D] float32, weights [T, k], experts [T, k] -> the weighted sum [T, D]."""
+    def __call__(self, x: torch.Tensor, logits: torch.Tensor, k: int, renormalize: bool) -> torch.Tensor:
+        """x [T, D] float32 and the router's logits [T, E] float32 -> the routed experts'
+        weighted sum [T, D]: SparseMoE.routing's choice (moe_route: the top k by score, their
+        softmax probabilities) and the products (moe_experts), two native calls in all."""
         import ctypes
 
         from pagellm.kernels import native
 
-        rows, k = experts.shape
-        pairs = torch.arange(rows).repeat_interleave(k)
-        experts = experts.reshape(-1).contiguous()
-        weights = weights.reshape(-1).float().contiguous()
+        lib, rows = native.library(), x.shape[0]
+        experts = torch.empty(rows, k, dtype=torch.int64)
+        pairs = torch.empty(rows, k, dtype=torch.int64)
+        weights = torch.empty(rows, k, dtype=torch.float32)
+        logits = logits.contiguous()
+        rc = lib.moe_route(logits.data_ptr(), rows, self.num_experts, k, int(renormalize),
+                           experts.data_ptr(), weights.data_ptr(), pairs.data_ptr())
         out = torch.zeros_like(x)
-        rc = native.library().moe_experts(
-            x.data_ptr(), rows, x.shape[1], ctypes.addressof(self.projs), self.widths.data_ptr(),
-            self.num_experts, pairs.data_ptr(), experts.data_ptr(), weights.data_ptr(),
-            pairs.numel(), out.data_ptr(), 0, torch.get_num_threads())
+        if rc == 0:
+            rc = lib.moe_experts(
+                x.data_ptr(), rows, x.shape[1], ctypes.addressof(self.projs),
+                self.widths.data_ptr(), self.num_experts, pairs.data_ptr(), experts.data_ptr(),
+                weights.data_ptr(), rows * k, out.data_ptr(), 0, torch.get_num_threads())
         if rc != 0:
             raise (MemoryError if rc == -1 else ValueError)(f"moe_experts failed ({rc})")
         return out
