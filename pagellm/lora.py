@@ -133,7 +133,8 @@ def _read_gguf(path: str, model) -> dict:
                          f"{meta('general.type')!r}, adapter.type {meta('adapter.type')!r})")
     arch = meta("general.architecture")
     base = getattr(model.config, "model_type", None)
-    if arch != {"gemma3_text": "gemma3", "mistral": "llama"}.get(base, base):
+    if arch != {"gemma3_text": "gemma3", "mistral": "llama", "mixtral": "llama",
+                "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe"}.get(base, base):
         raise ValueError(f"lora_path: the adapter is for architecture {arch!r}, the model is "
                          f"{base!r}")
     alpha = meta("adapter.lora.alpha")

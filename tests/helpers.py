@@ -134,7 +134,7 @@ def fused_layer_diffs(llm, prompts, max_tokens: int = 6) -> tuple[list[float], l
                                  / want.abs().max()).item())
             return out
 
-    layers = llm.engine.model.layers
+    layers = [layer for layer in llm.engine.model.layers if layer.fused is not None]
     for layer in layers:
         layer.fused = Compare(layer)
     try:

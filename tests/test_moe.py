@@ -6,6 +6,8 @@ cached prefixes and speculative verification, the packed bfloat16 path within it
 tolerance, tensor parallelism, and what is refused."""
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -182,7 +184,7 @@ def _experts_state(model) -> dict[str, torch.Tensor]:
     return out
 
 
-def write_gguf(path, arch: str, gating: int | None = None):
+def write_gguf(path, arch: str, gating: int | None = None, widths: bool = True):
     """A random MoE model of `arch` in blocks (qwen3moe, qwen2moe: one [experts, rows, cols]
     tensor a projection; mixtral as a `llama` file of one tensor an expert, q/k rows in
     llama.cpp's order); returns transformers' model holding exactly the values the file means."""
@@ -194,9 +196,9 @@ def write_gguf(path, arch: str, gating: int | None = None):
     writer.add_value_length(head_dim)
     writer.add_expert_count(getattr(config, "num_experts", None) or config.num_local_experts)
     writer.add_expert_used_count(config.num_experts_per_tok)
-    if arch != "mixtral":
+    if arch != "mixtral" and widths:  # (older files state no widths)
         writer.add_expert_feed_forward_length(config.moe_intermediate_size)
-    if arch == "qwen2_moe":
+    if arch == "qwen2_moe" and widths:
         writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
     if gating is not None:
         writer.add_uint32(f"{_GGUF_ARCH[arch]}.expert_gating_func", gating)
@@ -367,6 +369,41 @@ def test_the_native_routing_is_the_top_k_by_softmax(renormalize):
                          weights.data_ptr(), rows.data_ptr()) == -2
 
 
+def test_a_file_stating_no_expert_widths_takes_them_from_its_tensors(tmp_path):
+    """qwen2moe files converted before the width keys existed: the experts' and the shared
+    expert's rows are their widths, as llama.cpp reads them."""
+    path = tmp_path / "old.gguf"
+    hf = write_gguf(path, "qwen2_moe", widths=False)
+    llm = LLM(str(path), dtype="float32", kv_cache_memory=2**22)
+    config = llm.engine.hf_config
+    assert (config.moe_intermediate_size, config.shared_expert_intermediate_size) == (
+        hf.config.moe_intermediate_size, hf.config.shared_expert_intermediate_size)
+    _assert_matches(llm, hf, PROMPTS[:1])
+
+
+def test_a_router_or_expert_the_config_does_not_have_is_refused(tmp_path):
+    """A transposed router (as many values, the wrong shape) and an expert past the config's
+    count are refused at load, naming the tensor, not read as something else."""
+    from safetensors.torch import load_file, save_file
+
+    model = _random_model(_config("mixtral"))
+    model.save_pretrained(tmp_path)
+    file = tmp_path / "model.safetensors"
+    state = load_file(str(file))
+    name = "model.layers.0.block_sparse_moe.gate.weight"
+    good = state[name]
+    state[name] = good.t().contiguous()
+    save_file(state, str(file), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"layers\.0\.mlp\.gate\.weight: weight: shape \(64, 4\)"):
+        LLM(str(tmp_path), dtype="float32", kv_cache_memory=2**22)
+    state[name] = good
+    state["model.layers.1.block_sparse_moe.experts.4.w1.weight"] = state[
+        "model.layers.1.block_sparse_moe.experts.0.w1.weight"].clone()
+    save_file(state, str(file), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="layer 1 has 4 experts"):
+        LLM(str(tmp_path), dtype="float32", kv_cache_memory=2**22)
+
+
 def test_other_gating_is_refused(tmp_path):
     """A file routing by another function (llama.cpp's sigmoid gating) is refused, named."""
     path = tmp_path / "sigmoid.gguf"
@@ -375,28 +412,34 @@ def test_other_gating_is_refused(tmp_path):
         LLM(str(path), kv_cache_memory=2**22)
 
 
-def test_an_adapter_on_the_experts_is_refused_and_attention_adapters_run(tmp_path):
-    """LoRA on an MoE layer's MLP is refused, naming the layer; one on the attention runs."""
+def test_attention_adapters_run_and_one_on_the_experts_is_refused(tmp_path):
+    """LoRA on an MoE model's attention, as a PEFT folder and as llama.cpp's GGUF form (a
+    Mixtral file is a `llama` one: lora_b of q/k permuted), gives transformers' tokens with the
+    adapter merged; an adapter on the experts' MLP is refused, naming the layer."""
     from safetensors.torch import save_file
-    import json
 
-    model = _random_model(_config("qwen3_moe"))
-    model.save_pretrained(tmp_path / "base")
+    from tests.test_lora import _gguf_adapter, write_adapter
+
+    hf = _random_model(_config("mixtral"))
+    hf.save_pretrained(tmp_path / "base")
+    merged = write_adapter(tmp_path / "attn", hf, ("q_proj", "k_proj", "v_proj", "o_proj"))
+    _gguf_adapter(tmp_path / "attn.gguf", tmp_path / "attn", "llama", hf.config)
     llm = LLM(str(tmp_path / "base"), dtype="float32", kv_cache_memory=2**22)
-    for target, rows, cols in (("mlp.gate_proj", 32, 64), ("self_attn.q_proj", 128, 64)):
-        folder = tmp_path / target
-        folder.mkdir()
-        (folder / "adapter_config.json").write_text(json.dumps(
-            {"peft_type": "LORA", "r": 2, "lora_alpha": 4, "target_modules": [target.split(".")[1]]}))
-        g = torch.Generator().manual_seed(3)
-        save_file({f"base_model.model.model.layers.0.{target}.lora_A.weight": torch.randn(2, cols, generator=g),
-                   f"base_model.model.model.layers.0.{target}.lora_B.weight": torch.randn(rows, 2, generator=g)},
-                  str(folder / "adapter_model.safetensors"))
-    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
+    for i, path in enumerate(("attn", "attn.gguf")):
+        out = llm.generate([PROMPTS[0]], params, use_tqdm=False,
+                           lora_request=LoRARequest(path, i + 1, str(tmp_path / path)))
+        assert out[0].outputs[0].token_ids == hf_greedy(merged, PROMPTS[0], NEW)
+    base = hf_greedy(hf, PROMPTS[0], NEW)
+    assert base != hf_greedy(merged, PROMPTS[0], NEW)  # the adapter changes the tokens
+    assert llm.generate([PROMPTS[0]], params, use_tqdm=False)[0].outputs[0].token_ids == base
+    folder = tmp_path / "mlp"
+    folder.mkdir()
+    (folder / "adapter_config.json").write_text(json.dumps(
+        {"peft_type": "LORA", "r": 2, "lora_alpha": 4, "target_modules": ["gate_proj"]}))
+    save_file({"base_model.model.model.layers.0.mlp.gate_proj.lora_A.weight": torch.zeros(2, 64),
+               "base_model.model.model.layers.0.mlp.gate_proj.lora_B.weight": torch.zeros(96, 2)},
+              str(folder / "adapter_model.safetensors"))
     with pytest.raises(ValueError, match="layer 0 gate_proj: adapters on a mixture of experts"):
-        llm.generate([PROMPTS[0]], params, lora_request=LoRARequest("mlp", 1, str(tmp_path / "mlp.gate_proj")),
+        llm.generate([PROMPTS[0]], params, lora_request=LoRARequest("mlp", 3, str(folder)),
                      use_tqdm=False)
-    base = llm.generate([PROMPTS[0]], params, use_tqdm=False)[0].outputs[0].token_ids
-    adapted = llm.generate([PROMPTS[0]], params, use_tqdm=False,
-                           lora_request=LoRARequest("q", 2, str(tmp_path / "self_attn.q_proj")))
-    assert adapted[0].outputs[0].token_ids != base

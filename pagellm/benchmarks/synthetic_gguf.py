@@ -42,13 +42,18 @@ def parse_args(argv):
     p.add_argument("--experts", type=int, default=64, help="0: a dense model")
     p.add_argument("--experts-used", type=int, default=8)
     p.add_argument("--expert-ff", type=int, default=768)
-    p.add_argument("--shared-ff", type=int, default=0, help="qwen2moe: the shared expert's width")
+    p.add_argument("--shared-ff", type=int, default=None,
+                   help="qwen2moe: the shared expert's width (default: 4 x --expert-ff, as Qwen1.5-MoE)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--smoke", action="store_true", help="a tiny file, in seconds")
     args = p.parse_args(argv)
     if args.smoke:
         args.layers, args.hidden, args.heads, args.kv_heads, args.head_dim = 2, 256, 4, 2, 64
         args.ff, args.experts, args.experts_used, args.expert_ff = 512, 4, 2, 256
+    if args.shared_ff is None:
+        args.shared_ff = 4 * args.expert_ff if args.arch == "qwen2moe" else 0
+    if args.arch == "qwen2moe" and args.shared_ff <= 0:
+        raise ValueError("--shared-ff: a qwen2moe file has a shared expert (llama.cpp needs it)")
     return args
 
 

@@ -231,13 +231,17 @@ int moe_experts(const float *x, int64_t T, int64_t D, const proj_t *projs, const
         if (experts[p] < 0 || experts[p] >= E || rows[p] < 0 || rows[p] >= T) return -2;
     if (P == 0) return 0;
     const int64_t width = 2 * I > D ? 2 * I : D;
-    int64_t *start = calloc(E + 1, sizeof(int64_t)), *order = malloc(sizeof(int64_t) * (P ? P : 1));
-    float *xs = malloc(sizeof(float) * (P ? P : 1) * D), *y = malloc(sizeof(float) * (P ? P : 1) * 2 * I);
-    float *a = malloc(sizeof(float) * (P ? P : 1) * I), *d = malloc(sizeof(float) * (P ? P : 1) * D);
-    float *tmp = malloc(sizeof(float) * (P ? P : 1) * width);
+    int64_t *start = calloc(E + 1, sizeof(int64_t)), *order = malloc(sizeof(int64_t) * P);
+    float *xs = NULL, *y = NULL, *a = NULL, *d = NULL, *tmp = NULL;
     int rc = -1;
-    if (!start || !order || !xs || !y || !a || !d || !tmp) goto done;
+    if (!start || !order) goto done;
     for (int64_t p = 0; p < P; p++) start[experts[p] + 1]++;  /* counting sort by expert */
+    int64_t most = 0;  /* the scratch holds one expert's rows at a time */
+    for (int64_t e = 1; e <= E; e++) most = start[e] > most ? start[e] : most;
+    xs = malloc(sizeof(float) * most * D); y = malloc(sizeof(float) * most * 2 * I);
+    a = malloc(sizeof(float) * most * I); d = malloc(sizeof(float) * most * D);
+    tmp = malloc(sizeof(float) * most * width);
+    if (!xs || !y || !a || !d || !tmp) goto done;
     for (int64_t e = 0; e < E; e++) start[e + 1] += start[e];
     for (int64_t p = 0, *next = start; p < P; p++) order[next[experts[p]]++] = p;
     for (int64_t e = E; e > 0; e--) start[e] = start[e - 1];  /* (the fill moved each start) */

@@ -213,6 +213,7 @@ def _plan_tensors(path, metadata, name, shape, ggml_type, offset) -> list[GGUFTe
     if len(shape) != 3:
         raise ValueError(f"{path}: tensor {name} has shape {shape}; experts' tensors are 3-D")
     layer, part, kind = match.groups()
+    _check_type(path, name, ggml_type)
     one = _plan_tensor(path, metadata, f"blk.{layer}.ffn_gate.weight", shape[1:], ggml_type, offset)
     return [dataclasses.replace(
         one, gguf_name=name, offset=offset + e * one.nbytes,
@@ -220,11 +221,15 @@ def _plan_tensors(path, metadata, name, shape, ggml_type, offset) -> list[GGUFTe
         for e in range(shape[0])]
 
 
-def _plan_tensor(path, metadata, name, shape, ggml_type, offset) -> GGUFTensor:
+def _check_type(path, name, ggml_type) -> None:
     if ggml_type not in _FLOAT_TYPES and ggml_type not in _BLOCK_TYPES:
         type_name = _Q(ggml_type).name if ggml_type in _Q._value2member_map_ else str(ggml_type)
         supported = sorted(t.name for t in (*_FLOAT_TYPES, *_BLOCK_TYPES))
         raise ValueError(f"{path}: tensor {name} has ggml type {type_name}; supported: {supported}")
+
+
+def _plan_tensor(path, metadata, name, shape, ggml_type, offset) -> GGUFTensor:
+    _check_type(path, name, ggml_type)
     arch, rope_heads = metadata["general.architecture"], None
     hf_name = _hf_name(path, name, arch)
     # llama.cpp's convert_hf_to_gguf.py permutes q/k rows (weights and biases) for the llama
@@ -578,13 +583,17 @@ def _moe_kwargs(path: str, md: dict, arch: str, key, names: dict) -> dict:
     experts, used = int(key("expert_count")), int(key("expert_used_count"))
     if arch == "llama":  # Mixtral: the experts are as wide as feed_forward_length says
         return dict(num_local_experts=experts, num_experts_per_tok=used)
+    # (older files state no widths, or 0: the tensors' rows are them, as llama.cpp reads them)
+    routed = names.get("model.layers.0.mlp.experts.0.gate_proj.weight")
+    shared = names.get("model.layers.0.mlp.shared_expert.gate_proj.weight")
     out = dict(num_experts=experts, num_experts_per_tok=used, decoder_sparse_step=1,
-               mlp_only_layers=[], moe_intermediate_size=int(key("expert_feed_forward_length")),
-               norm_topk_prob=arch == "qwen3moe")
-    if arch == "qwen2moe":  # (older files state no width: the tensor's rows are it)
-        shared = names.get("model.layers.0.mlp.shared_expert.gate_proj.weight")
-        out["shared_expert_intermediate_size"] = int(md.get(
-            f"{arch}.expert_shared_feed_forward_length", shared.hf_shape[0] if shared else 0))
+               mlp_only_layers=[], norm_topk_prob=arch == "qwen3moe",
+               moe_intermediate_size=int(md.get(f"{arch}.expert_feed_forward_length", 0)
+                                         or (routed.hf_shape[0] if routed else 0)))
+    if arch == "qwen2moe":
+        out["shared_expert_intermediate_size"] = int(
+            md.get(f"{arch}.expert_shared_feed_forward_length", 0)
+            or (shared.hf_shape[0] if shared else 0))
     return out
 
 

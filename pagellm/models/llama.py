@@ -402,6 +402,11 @@ class LlamaForCausalLM(nn.Module):
             parts = name.split(".")
             if parts[0] == "layers" and int(parts[1]) >= len(self.layers):
                 continue  # a draft built from the first layers of a deeper checkpoint
+            if "experts" in parts[:-2]:  # an MoE layer's expert: one the config has
+                layer, at = self.layers[int(parts[1])], parts.index("experts")
+                n = len(getattr(layer.mlp, "experts", ()))
+                if not (parts[at + 1].isdigit() and int(parts[at + 1]) < n):
+                    raise ValueError(f"weight {name}: layer {parts[1]} has {n} experts")
             if len(parts) >= 4 and parts[-2] in self._FUSED:
                 fused, shard = self._FUSED[parts[-2]]
                 module = self.get_submodule(".".join(parts[:-2] + [fused]))
@@ -428,7 +433,7 @@ class LlamaForCausalLM(nn.Module):
                 params[name].data.copy_(tensor)
                 loaded.add(name)
         missing = set(params) - loaded
-        missing |= {f"layers.{i}.mlp.gate.weight" for i, layer in enumerate(self.layers)
-                    if isinstance(layer.mlp, SparseMoE) and not layer.mlp.loaded()}
+        missing |= {f"layers.{i}.mlp.{name}.weight" for i, layer in enumerate(self.layers)
+                    if isinstance(layer.mlp, SparseMoE) for name in layer.mlp.missing()}
         if missing:
             raise ValueError(f"checkpoint is missing weights: {sorted(missing)[:5]}")

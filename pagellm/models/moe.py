@@ -67,8 +67,8 @@ class Router(nn.Module):
     def load(self, name: str, tensor: torch.Tensor, shard: int = 0) -> None:
         if name != "weight":
             raise ValueError(f"the router has no {name}")
-        if isinstance(tensor, torch.Tensor) and tensor.numel() == self.shape[0] * self.shape[1]:
-            tensor = tensor.reshape(self.shape)  # a GGUF shared-expert gate may be 1-D
+        if tensor.dim() == 1 and self.shape[0] == 1:  # a GGUF shared-expert gate may be 1-D
+            tensor = tensor.reshape(self.shape)
         if tuple(tensor.shape) != self.shape:
             raise ValueError(f"weight: shape {tuple(tensor.shape)} does not match the "
                              f"config's {self.shape}")
@@ -163,9 +163,10 @@ class SparseMoE(nn.Module):
             out += gate * self.shared_expert(x)
         return parallel.all_reduce(out) if self.reduce else out
 
-    def loaded(self) -> bool:
-        return self.gate.weight is not None and (
-            self.shared_expert_gate is None or self.shared_expert_gate.weight is not None)
+    def missing(self) -> list[str]:
+        """The names of this block's routers the checkpoint has not given (relative to it)."""
+        return [name for name in ("gate", "shared_expert_gate")
+                if getattr(self, name) is not None and getattr(self, name).weight is None]
 
 
 class NativeExperts:
