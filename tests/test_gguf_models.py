@@ -299,8 +299,12 @@ def test_i_quant_weights_come_packed_as_q8_0_of_the_file_values(iq_gguf):
     comes as Q8_0 blocks holding gguf's Q8_0 quantization of the file's values (rows in
     transformers' order: llama's q/k permuted back), each within 1/254 of its block's
     largest (and the f16 scale's rounding: 2^-11 of 127 steps, or below 2^-14 half the
-    subnormal spacing 2^-24 of each); the other types come as before."""
+    subnormal spacing 2^-24 of each); the other types come as before. IQ4_NL / IQ4_XS
+    projections come in their own blocks where the panel kernels are built (the file's
+    values exactly); their embedding and head still as Q8_0."""
     from gguf import quants
+
+    from pagellm.layers import panels
 
     path, _ = iq_gguf
     files = load_model_files(path, load_tokenizer=False)
@@ -312,11 +316,12 @@ def test_i_quant_weights_come_packed_as_q8_0_of_the_file_values(iq_gguf):
                 for i, layer in enumerate(_REQUANTIZED_LAYER_TYPES) for p, t in layer.items()},
              **_REQUANTIZED_TOP_TYPES}
     for name, t in types.items():
-        got = packed[name]
-        if t == Q.Q4_K:
-            assert isinstance(got, quant.GGUFBlocks) and got.ggml_type == Q.Q4_K, name
+        got, values = packed[name], file_values[name]
+        if t == Q.Q4_K or (t in panels.LEVEL_FORMAT_OF and panels.available()
+                           and name.startswith("model.layers.")):
+            assert isinstance(got, quant.GGUFBlocks) and got.ggml_type == t, name
+            assert torch.equal(got.dequantize(), values), name
             continue
-        values = file_values[name]
         want = torch.from_numpy(quants.dequantize(quants.quantize(values.numpy(), Q.Q8_0), Q.Q8_0))
         if name == "lm_head.weight":  # the head's Q8_0 form: int8 codes and float32 scales
             assert isinstance(got, quant.Int8Blocks), name

@@ -1,7 +1,7 @@
 """Panels of 16 outputs (pagellm/layers/panels.py, kernels/cpu_panels.c; AVX-512 BW + VNNI):
 each GGUF type's blocks decode to exactly the file's values (gguf's reference dequantizer),
 the products match float64 products with those values within the activations' rounding bound
-(int16; K-quants' default forms Q4_K8 and Q6_K8, int8) on every row count the engine sends (1..40: passes of
+(int16; K-quants' default forms Q4_K8 and Q6_K8 and the i-quants' IQ4_NL8 / IQ4_XS8, int8) on every row count the engine sends (1..40: passes of
 up to 6 rows), partial panels, one and two threads give the same bits, a NaN stays in its row,
 and the packed forms and the fused decode layer take panels where the kernel is built."""
 from __future__ import annotations
@@ -17,14 +17,15 @@ from pagellm.layers import panels, quant
 from tests.gguf_files import random_blocks
 from tests.helpers import outputs_on_one_and_two_threads
 
-TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, "Q4_K int8", "Q6_K int8"]
+TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, "Q4_K int8", "Q6_K int8", Q.IQ4_NL, Q.IQ4_XS]
+LEVELS = (Q.IQ4_NL, Q.IQ4_XS)  # 4-bit codes indexing 16 levels; int8 activations only
 INT8 = {"Q4_K int8": Q.Q4_K, "Q6_K int8": Q.Q6_K}
 needs_kernel = pytest.mark.skipif(not panels.available(),
                                   reason="panel kernels need AVX-512 BW and VNNI")
 
 
 def _shape(t):  # K a multiple of the type's unit; 37 outputs: two panels and a partial third
-    return 37, (512 if t in (Q.Q4_K, Q.Q6_K) else 160)
+    return 37, (512 if t in (Q.Q4_K, Q.Q6_K, Q.IQ4_XS) else 160)
 
 
 @pytest.fixture(params=TYPES, ids=lambda t: getattr(t, "name", t))
@@ -43,7 +44,7 @@ def test_blocks_decode_to_the_files_values(qtype):
     fmt, u, params = panels.decode(b.raw.numpy(), qtype, k)
     ref = dequantize(b.raw.numpy(), qtype).astype(np.float32)
     packed = panels.pack(fmt, u, **params)
-    unit = 256 if qtype in (Q.Q4_K, Q.Q6_K) else 32
+    unit = 256 if qtype in (Q.Q4_K, Q.Q6_K, Q.IQ4_XS) else 32
     assert packed.shape[:2] == (3, k // unit)
     # as many bytes as the file's blocks, or within 20% (Q4_0 / Q5_0 also store their min)
     assert b.raw.numel() * 3 * 16 / n <= packed.numel() <= b.raw.numel() * 3 * 16 / n * 1.2
@@ -62,6 +63,10 @@ def _read_back(buf: np.ndarray, fmt: int, n: int, k: int) -> np.ndarray:
             kfmt = fmt in (panels.Q4_K, panels.Q4_K8, panels.Q6_K8)
             blocks = [(ub, unit)] if not kfmt else [
                 (ub[256 + 256 * i:], unit * 8 + i) for i in range(8)]
+            if fmt == panels.IQ4_XS8:  # d, the blocks' int8 scales [block][o]; 8 blocks of codes
+                d = ub[0:32].view(np.float16).astype(np.float32)
+                isc = ub[32:160].view(np.int8).reshape(8, 16)
+                blocks = [(ub[160 + 256 * i:], unit * 8 + i) for i in range(8)]
             if fmt == panels.Q6_K8:  # d, the int8 scales [group][o]; blocks of 384 bytes
                 d = ub[0:32].view(np.float16).astype(np.float32)
                 isc = ub[32:288].view(np.int8).reshape(16, 16)
@@ -82,6 +87,16 @@ def _read_back(buf: np.ndarray, fmt: int, n: int, k: int) -> np.ndarray:
                                     sc = d[o] * np.float32(isc[2 * i + half, o])
                                     w[pi * 16 + o, 32 * g + 16 * half + 4 * a + j] = (
                                         sc * np.float32(q - 32))
+                        continue
+                    if fmt in (panels.IQ4_NL8, panels.IQ4_XS8):  # gguf's order: d * (ls - 32)
+                        sc = (b[256:288].view(np.float16)[o].astype(np.float32)
+                              if fmt == panels.IQ4_NL8 else d[o] * np.float32(isc[i, o]))
+                        for a in range(4):
+                            for j in range(4):
+                                v = int(b[64 * a + 4 * o + j])
+                                for half, q in ((0, v & 15), (1, v >> 4)):
+                                    w[pi * 16 + o, 32 * g + 16 * half + 4 * a + j] = (
+                                        sc * np.float32(panels.IQ4_LEVELS[q]))
                         continue
                     if fmt == panels.Q4_F32:
                         sc, mn = b[256:320].view(np.float32)[o], b[320:384].view(np.float32)[o]
@@ -147,8 +162,8 @@ def test_products_match_the_files_values_on_every_row_count(qtype):
     n, k = _shape(qtype)
     b = random_blocks(qtype, n, k, seed=4, amplitude=0.2)
     packed = quant.NativePanels(b)
-    int8 = packed.fmt in (panels.Q4_K8, panels.Q6_K8)
-    assert int8 == (qtype in INT8.values() and panels.int8_activations())
+    int8 = packed.fmt in panels.INT8_FORMATS
+    assert int8 == ((qtype in INT8.values() and panels.int8_activations()) or qtype in LEVELS)
     w = torch.from_numpy(dequantize(b.raw.numpy(), qtype).astype(np.float64))
     g = torch.Generator().manual_seed(4)
     for rows in [*range(1, 14), 18, 24, 33, 40]:

@@ -36,6 +36,15 @@
  *                  register h, byte 4o + j holds from bit 0 two bits each of register 2h's
  *                  low-nibble code, its high-nibble code, register 2h + 1's low, its high):
  *                  w = d * sc * (q - 32), q = low | high << 4; the file's size      = 3360
+ *   PF_IQ4_NL8 (6): codes 256 as PF_Q4_K8's, scales fp16 [16]                          = 288
+ *   PF_IQ4_XS8 (7): per 256 inputs d [16] fp16 (32), the 8 blocks' signed 6-bit scales
+ *                  ls - 32 as int8 [8][16] (128), then 8 blocks of codes as PF_Q4_K8's
+ *                  (256 each): scale = d * (ls - 32)                                 = 2208
+ *                  (the file's 136 bytes an output per 256 inputs: 138)
+ *                  The i-quants' 4-bit codes index a table of 16 signed levels
+ *                  (kvalues_iq4nl); the kernel looks each up (vpshufb) as the level + 128,
+ *                  an unsigned byte for vpdpbusd, and takes 128 * sum(xq) back off through
+ *                  the min term: w = scale * (level + 128) - 128 * scale, exactly the file's.
  * (Q6_K takes panels with int8 activations only: with int16 ones, its 2-bit planes made it
  * 0.8-0.9x cpu_gguf_avx512.c's rows at 1-5 rows.)
  * Panels are consecutive, each its blocks in order: a thread streams its panels' bytes.
@@ -64,7 +73,8 @@
 #include <stdlib.h>
 #include "quant_rows.h"
 
-enum { PF_Q4_F32 = 0, PF_Q4_F16 = 1, PF_Q5_F16 = 2, PF_Q4_K = 3, PF_Q4_K8 = 4, PF_Q6_K8 = 5 };
+enum { PF_Q4_F32 = 0, PF_Q4_F16 = 1, PF_Q5_F16 = 2, PF_Q4_K = 3, PF_Q4_K8 = 4, PF_Q6_K8 = 5,
+       PF_IQ4_NL8 = 6, PF_IQ4_XS8 = 7 };
 #define P_OUT 16
 #define P_TILE 6  /* rows a pass over a panel's codes takes */
 #ifndef P_PF
@@ -75,10 +85,14 @@ enum { PF_Q4_F32 = 0, PF_Q4_F16 = 1, PF_Q5_F16 = 2, PF_Q4_K = 3, PF_Q4_K8 = 4, P
 static inline int64_t unit_bytes(int fmt) {
     switch (fmt) {
     case PF_Q4_F32: return 384; case PF_Q4_F16: return 320; case PF_Q5_F16: return 384;
-    case PF_Q4_K: case PF_Q4_K8: return 2304; case PF_Q6_K8: return 3360; default: return 0;
+    case PF_Q4_K: case PF_Q4_K8: return 2304; case PF_Q6_K8: return 3360;
+    case PF_IQ4_NL8: return 288; case PF_IQ4_XS8: return 2208; default: return 0;
     }
 }
-static inline int64_t unit_inputs(int fmt) { return fmt >= PF_Q4_K ? 256 : 32; }
+static inline int64_t unit_inputs(int fmt) {
+    return fmt >= PF_Q4_K && fmt != PF_IQ4_NL8 ? 256 : 32;
+}
+static inline int is_iq4(int fmt) { return fmt == PF_IQ4_NL8 || fmt == PF_IQ4_XS8; }
 static inline int is_k(int fmt) { return fmt == PF_Q4_K || fmt == PF_Q4_K8; }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
@@ -146,13 +160,37 @@ static inline __attribute__((always_inline)) void block_sums8(
     }
 }
 
+/* block_sums8 for the i-quants: each 4-bit code looked up in `levels` (the 16 levels + 128,
+ * in every 128-bit lane) before its product */
+static inline __attribute__((always_inline)) void block_sums8_levels(
+        int RB, const uint8_t *codes, const int8_t *xq, int64_t K, __m512i levels,
+        __m512i *sa, __m512i *sb) {
+    const __m512i nib = _mm512_set1_epi8(0x0F);
+    for (int r = 0; r < RB; r++) sa[r] = sb[r] = _mm512_setzero_si512();
+    for (int a = 0; a < 4; a++) {
+        const __m512i v = _mm512_loadu_si512(codes + 64 * a);
+        const __m512i lo = _mm512_shuffle_epi8(levels, _mm512_and_si512(v, nib));
+        const __m512i up = _mm512_shuffle_epi8(levels, _mm512_and_si512(_mm512_srli_epi16(v, 4), nib));
+        for (int r = 0; r < RB; r++) {
+            const int8_t *xr = xq + r * K + 4 * a;
+            sa[r] = _mm512_dpbusd_epi32(sa[r], lo, quad(xr));
+            sb[r] = _mm512_dpbusd_epi32(sb[r], up, quad(xr + 16));
+        }
+    }
+}
+
+/* kvalues_iq4nl + 128 (ggml-common.h's i-quant levels), as unsigned bytes */
+static const uint8_t IQ4_LEVELS[16] = {1, 24, 45, 63, 79, 93, 106, 118,
+                                       129, 141, 153, 166, 181, 197, 217, 241};
+
 /* Rows [0, RB) of x (row stride K; dx, xs per 32 inputs, row stride G) over one panel; y row
  * stride N, the first `cols` outputs written. */
 static inline __attribute__((always_inline)) void panel_tile(
         int FMT, int RB, const void *xq, const float *dx, const float *xs, int64_t K,
         const uint8_t *panel, float *y, int64_t N, int cols) {
     const int64_t G = K / GROUP, U = K / unit_inputs(FMT), UB = unit_bytes(FMT);
-    const int inner = is_k(FMT) ? 8 : 1;
+    const int inner = (int)(unit_inputs(FMT) / GROUP);
+    const __m512i levels = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)IQ4_LEVELS));
     __m512 acc[P_TILE];
     for (int r = 0; r < RB; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t u = 0; u < U; u++) {
@@ -160,6 +198,7 @@ static inline __attribute__((always_inline)) void panel_tile(
         for (int l = 0; l < UB; l += 64) _mm_prefetch((const char *)ub + P_PF + l, _MM_HINT_T1);
         __m512 d = _mm512_setzero_ps(), dmin = _mm512_setzero_ps();
         __m512i sc03 = _mm512_setzero_si512(), sc47 = sc03, m03 = sc03, m47 = sc03;
+        if (FMT == PF_IQ4_XS8) d = f16x16(ub);
         if (is_k(FMT)) {
             d = f16x16(ub);
             dmin = f16x16(ub + 32);
@@ -178,10 +217,13 @@ static inline __attribute__((always_inline)) void panel_tile(
         }
         for (int i = 0; i < inner; i++) {
             const int64_t g = u * inner + i;
-            const uint8_t *b = is_k(FMT) ? ub + 256 + 256 * i : ub;
+            const uint8_t *b = is_k(FMT) ? ub + 256 + 256 * i
+                             : FMT == PF_IQ4_XS8 ? ub + 160 + 256 * i : ub;
             __m512i sa[P_TILE], sb[P_TILE];
             if (FMT == PF_Q4_K8)
                 block_sums8(RB, b, (const int8_t *)xq + g * GROUP, K, sa, sb);
+            else if (is_iq4(FMT))
+                block_sums8_levels(RB, b, (const int8_t *)xq + g * GROUP, K, levels, sa, sb);
             else
                 block_sums(FMT, RB, b, b + 256, (const int16_t *)xq + g * GROUP, K, sa, sb);
             __m512 sc, mn;
@@ -194,6 +236,10 @@ static inline __attribute__((always_inline)) void panel_tile(
             } else if (FMT == PF_Q5_F16) {
                 sc = f16x16(b + 320);
                 mn = f16x16(b + 352);
+            } else if (is_iq4(FMT)) {  /* the levels' +128 comes back off as a min term */
+                sc = FMT == PF_IQ4_NL8 ? f16x16(b + 256) : _mm512_mul_ps(d, _mm512_cvtepi32_ps(
+                    _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(ub + 32 + 16 * i)))));
+                mn = _mm512_mul_ps(sc, _mm512_set1_ps(-128.f));
             } else {  /* Q4_K, Q4_K8: byte i % 4 of each output's word */
                 const __m512i byte = _mm512_set1_epi32(0xFF);
                 const int sh = 8 * (i & 3);
@@ -249,6 +295,8 @@ PANEL_PRODUCT(product_q4_f16, PF_Q4_F16, int16_t)
 PANEL_PRODUCT(product_q5_f16, PF_Q5_F16, int16_t)
 PANEL_PRODUCT(product_q4_k, PF_Q4_K, int16_t)
 PANEL_PRODUCT(product_q4_k8, PF_Q4_K8, int8_t)
+PANEL_PRODUCT(product_iq4_nl8, PF_IQ4_NL8, int8_t)
+PANEL_PRODUCT(product_iq4_xs8, PF_IQ4_XS8, int8_t)
 
 /* x [R, K] float32 -> xq [R, K] int8 (x ~ dx * xq per 32 values, rounded to nearest even),
  * dx and xs = dx * sum(xq) [R, K / 32], and o16 [R, K / 16] = 32 * sum(xq) of each 16 values
@@ -366,7 +414,7 @@ static void product_q6_k8(const int8_t *xq, const float *dx, const int32_t *o16,
  * -> y [R, N] float32. Returns 0, -1 when out of memory, -2 for an unknown format or K. */
 int panel_linear(const float *x, int64_t R, int64_t K, const uint8_t *panels, int fmt, int64_t N,
                  float *y, int threads) {
-    if (fmt < PF_Q4_F32 || fmt > PF_Q6_K8 || K % unit_inputs(fmt)) return -2;
+    if (fmt < PF_Q4_F32 || fmt > PF_IQ4_XS8 || K % unit_inputs(fmt)) return -2;
     if (R == 0) return 0;
     const int64_t G = K / GROUP;
     if (fmt >= PF_Q4_K8) {  /* int8 activations */
@@ -376,6 +424,8 @@ int panel_linear(const float *x, int64_t R, int64_t K, const uint8_t *panels, in
         if (!xq || !dx || !xs || !o16) { free(xq); free(dx); free(xs); free(o16); return -1; }
         quantize_rows8(x, R, K, xq, dx, xs, o16);
         if (fmt == PF_Q4_K8) product_q4_k8(xq, dx, xs, R, K, panels, N, y, threads);
+        else if (fmt == PF_IQ4_NL8) product_iq4_nl8(xq, dx, xs, R, K, panels, N, y, threads);
+        else if (fmt == PF_IQ4_XS8) product_iq4_xs8(xq, dx, xs, R, K, panels, N, y, threads);
         else product_q6_k8(xq, dx, o16, R, K, panels, N, y, threads);
         free(xq); free(dx); free(xs); free(o16);
         return 0;

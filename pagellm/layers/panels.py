@@ -10,6 +10,8 @@ layout and why.
     Q4_K   (3)          Q4_K                         0.5625 (0.5625)
     Q4_K8  (4)          Q4_K, for int8 activations   0.5625 (0.5625)
     Q6_K8  (5)          Q6_K, for int8 activations   0.8203 (0.8203)
+    IQ4_NL8 (6)         IQ4_NL, int8 activations     0.5625 (0.5625)
+    IQ4_XS8 (7)         IQ4_XS, int8 activations     0.5391 (0.5313)
 
 Q4_K takes Q4_K8 and Q6_K takes Q6_K8 (int8 activations: about half the instructions of int16
 ones, so that a 2-5-row verification step costs little more than one row) unless
@@ -27,10 +29,16 @@ from gguf import GGMLQuantizationType as T
 from pagellm.kernels import native
 
 OUT = 16  # outputs a panel
-Q4_F32, Q4_F16, Q5_F16, Q4_K, Q4_K8, Q6_K8 = range(6)
+Q4_F32, Q4_F16, Q5_F16, Q4_K, Q4_K8, Q6_K8, IQ4_NL8, IQ4_XS8 = range(8)
 FORMAT_OF = {T.Q4_0: Q4_F16, T.Q4_1: Q4_F16, T.Q5_0: Q5_F16, T.Q5_1: Q5_F16, T.Q4_K: Q4_K}
 INT8_FORMAT_OF = {T.Q4_K: Q4_K8, T.Q6_K: Q6_K8}
-INT8_FORMATS = frozenset(INT8_FORMAT_OF.values())  # formats with int8 activations
+# the 4-bit i-quants: codes indexing a table of 16 levels (looked up in the kernel), int8
+# activations only; no other native kernel takes them (elsewhere they are requantized to Q8_0)
+LEVEL_FORMAT_OF = {T.IQ4_NL: IQ4_NL8, T.IQ4_XS: IQ4_XS8}
+INT8_FORMATS = frozenset({*INT8_FORMAT_OF.values(), *LEVEL_FORMAT_OF.values()})  # int8 activations
+# ggml's kvalues_iq4nl: the value of each 4-bit code of IQ4_NL / IQ4_XS (times the block's scale)
+IQ4_LEVELS = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113],
+                      dtype=np.int8)
 
 
 def available() -> bool:
@@ -48,6 +56,8 @@ def int8_activations() -> bool:
 
 def format_of(ggml_type: T) -> int | None:
     """The panel format weights of this type load into now, or None (they keep their rows)."""
+    if ggml_type in LEVEL_FORMAT_OF:
+        return LEVEL_FORMAT_OF[ggml_type]
     if int8_activations() and ggml_type in INT8_FORMAT_OF:
         return INT8_FORMAT_OF[ggml_type]
     return FORMAT_OF.get(ggml_type)
@@ -116,11 +126,17 @@ def pack(fmt: int, u: np.ndarray, **params: np.ndarray) -> torch.Tensor:
     [P, K / unit, unit bytes]:
       Q4_F32: scale, low float32 [N, K / 32]; Q4_F16 / Q5_F16: the same as float16;
       Q4_K, Q4_K8: d, dmin float16 [N, K / 256], scales12 uint8 [N, K / 256, 12] (the file's
-      bytes); Q6_K8: d float16 [N, K / 256], isc int8 [N, K / 256, 16] (u: the 6-bit codes).
+      bytes); Q6_K8: d float16 [N, K / 256], isc int8 [N, K / 256, 16] (u: the 6-bit codes);
+      IQ4_NL8: scale float16 [N, K / 32]; IQ4_XS8: d float16 [N, K / 256], isc int8
+      [N, K / 256, 8] (u: the 4-bit codes, indices of IQ4_LEVELS).
 """
     n, k = u.shape
     p, g = -(-n // OUT), k // 32
-    codes = _quads(u, p) if fmt in (Q4_K8, Q6_K8) else _nibbles(u, p)  # [P, G, 256]
+    codes = (_quads(u, p) if fmt in (Q4_K8, Q6_K8, IQ4_NL8, IQ4_XS8)
+             else _nibbles(u, p))  # [P, G, 256]
+    if fmt == IQ4_NL8:
+        return torch.from_numpy(np.ascontiguousarray(
+            np.concatenate([codes, _per_block(params["scale"], p)], axis=2)))
     if fmt in (Q4_F32, Q4_F16, Q5_F16):
         parts = [codes]
         if fmt == Q5_F16:  # fifth bits: per group a mask for each half, bit 2o + t
@@ -135,6 +151,11 @@ def pack(fmt: int, u: np.ndarray, **params: np.ndarray) -> torch.Tensor:
         head = np.concatenate([_per_block(params["d"], p),
                                np.ascontiguousarray(isc).view(np.uint8).reshape(p, s, 256)], axis=2)
         blocks = np.concatenate([codes, _high_pairs(u, p)], axis=2)  # [P, G, 384]
+    elif fmt == IQ4_XS8:
+        isc = _pad(params["isc"], p).reshape(p, OUT, s, 8).transpose(0, 2, 3, 1)  # [P, S, 8, o]
+        head = np.concatenate([_per_block(params["d"], p),
+                               np.ascontiguousarray(isc).view(np.uint8).reshape(p, s, 128)], axis=2)
+        blocks = codes  # [P, G, 256]
     elif fmt in (Q4_K, Q4_K8):
         blocks = codes  # [P, G, 256]
         words = _pad(params["scales12"], p).reshape(p, OUT, s, 3, 4).transpose(0, 2, 3, 1, 4)
@@ -205,6 +226,8 @@ def decode(raw: np.ndarray, ggml_type: T, k: int) -> tuple[int, np.ndarray, dict
                 raise ValueError("no exact panel form: a Q5 block's min is past fp16's range")
             return Q4_F32, u, {"scale": d, "low": m}
         return fmt, u, {"scale": d16, "low": m16}
+    if fmt in (IQ4_NL8, IQ4_XS8):
+        return fmt, *_iq4(np.ascontiguousarray(raw), ggml_type, n, k)
     if ggml_type == T.Q4_K:
         b = np.ascontiguousarray(raw).reshape(-1, 144)  # [N * S, 144]
         u = q32.k_codes(b, ggml_type).reshape(n, k)
@@ -212,3 +235,23 @@ def decode(raw: np.ndarray, ggml_type: T, k: int) -> tuple[int, np.ndarray, dict
         return fmt, u, {"d": _f16(b, 0).reshape(n, -1), "dmin": _f16(b, 2).reshape(n, -1),
                         "scales12": np.ascontiguousarray(b[:, 4:16]).reshape(n, -1, 12)}
     raise ValueError(f"no panel format for {ggml_type.name}")
+
+
+def _iq4(raw: np.ndarray, ggml_type: T, n: int, k: int) -> tuple[np.ndarray, dict]:
+    """IQ4_NL / IQ4_XS rows -> (codes [N, K], pack's parameters). IQ4_NL: per 32 values an
+    fp16 scale and 16 bytes (byte j: value j in its low nibble, j + 16 in its high one);
+    IQ4_XS: per 256 an fp16 d, the 8 blocks' 6-bit scales ls (low 4 bits from 4 bytes, high 2
+    from a uint16), each block's scale d * (ls - 32), and 8 such 16-byte code blocks."""
+    if ggml_type == T.IQ4_NL:
+        b = raw.reshape(-1, 18)
+        q = b[:, 2:]
+        u = np.concatenate([q & 15, q >> 4], axis=1).reshape(n, k)
+        return u, {"scale": _f16(b, 0).reshape(n, -1)}
+    b = raw.reshape(-1, 136)
+    high = b[:, 2:4].copy().view(np.uint16)[:, 0].astype(np.int32)
+    low = b[:, 4:8].astype(np.int32)
+    ib = np.arange(8)
+    ls = ((low[:, ib // 2] >> (4 * (ib % 2))) & 15) | (((high[:, None] >> (2 * ib)) & 3) << 4)
+    q = b[:, 8:].reshape(-1, 8, 16)
+    u = np.concatenate([q & 15, q >> 4], axis=2).reshape(n, k)
+    return u, {"d": _f16(b, 0).reshape(n, -1), "isc": (ls - 32).astype(np.int8).reshape(n, -1, 8)}

@@ -410,6 +410,12 @@ def pack_parts(parts: list[Int4Blocks | GGUFBlocks]):
             forms.append(pack(blocks))
         else:
             blocks = GGUFBlocks(torch.cat([p.raw for p in run]), run[0].ggml_type, run[0].cols)
+            if blocks.ggml_type in panels.LEVEL_FORMAT_OF:  # 4-bit i-quants: panels or nothing
+                form = NativePanels.of(blocks)
+                if form is None:
+                    return None
+                forms.append(form)
+                continue
             if not gguf_packable(blocks):
                 return None
             forms.append(NativePanels.of(blocks) or NativeGGUF(blocks))

@@ -23,6 +23,7 @@ from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quant_shape_to_byte_shape
 from gguf.quants import quantize as gguf_quantize
 
+from pagellm.layers import panels
 from pagellm.layers.quant import (GGUF_PACKED_TYPES, GGUFBlocks, Int4Blocks, Int8Blocks,
                                   packable_types)
 
@@ -350,7 +351,9 @@ def iter_gguf_weights(gguf_file: GGUFFile, keep_packed: bool = False, keep_head:
             requantized = True
         linear = keep_packed and _LINEAR.fullmatch(tensor.hf_name)
         embedding = keep_embedding and not is_head and tensor.hf_name == "model.embed_tokens.weight"
-        if tensor.ggml_type in REQUANTIZED_TYPES and (linear or embedding or (keep_head and is_head)):
+        levels = bool(linear) and requantize is None and _level_panels(tensor)
+        if tensor.ggml_type in REQUANTIZED_TYPES and not levels and (
+                linear or embedding or (keep_head and is_head)):
             into = requantize if requantize is not None and (linear or is_head) else _Q.Q8_0
             source, tensor = _requantize(blob, tensor, into)
             requantized = True
@@ -360,10 +363,19 @@ def iter_gguf_weights(gguf_file: GGUFFile, keep_packed: bool = False, keep_head:
             yield tensor.hf_name, _load_int4(source, tensor)
         elif keep_head and is_head and tensor.ggml_type == _Q.Q8_0:
             yield tensor.hf_name, _load_int8(source, tensor)
+        elif levels:  # IQ4_NL / IQ4_XS projections: their own panels (layers/panels.py)
+            yield tensor.hf_name, _load_blocks(source, tensor)
         elif (linear or (keep_head and is_head) or embedding) and tensor.ggml_type in GGUF_PACKED_TYPES:
             yield tensor.hf_name, _load_blocks(source, tensor)
         else:
             yield tensor.hf_name, _load_tensor(source, tensor)
+
+
+def _level_panels(tensor: GGUFTensor) -> bool:
+    """Whether this IQ4_NL / IQ4_XS projection stays in its 4-bit codes (panels with the
+    levels looked up in the kernel: AVX-512 BW + VNNI) instead of being requantized."""
+    return (tensor.ggml_type in panels.LEVEL_FORMAT_OF and panels.available()
+            and tensor.hf_shape[1] % GGML_QUANT_SIZES[tensor.ggml_type][0] == 0)
 
 
 # Bits a weight of each packed type (block bytes * 8 / block values).
