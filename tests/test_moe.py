@@ -184,10 +184,13 @@ def _experts_state(model) -> dict[str, torch.Tensor]:
     return out
 
 
-def write_gguf(path, arch: str, gating: int | None = None, widths: bool = True):
+def write_gguf(path, arch: str, gating: int | None = None, widths: bool = True,
+               expert_types: dict | None = None):
     """A random MoE model of `arch` in blocks (qwen3moe, qwen2moe: one [experts, rows, cols]
     tensor a projection; mixtral as a `llama` file of one tensor an expert, q/k rows in
-    llama.cpp's order); returns transformers' model holding exactly the values the file means."""
+    llama.cpp's order); returns transformers' model holding exactly the values the file means.
+    expert_types: the experts' block type of each projection (default: _TYPES')."""
+    expert_types = {**_TYPES, **(expert_types or {})}
     config = _config(arch, **_GGUF_SIZES, **({"mlp_only_layers": []} if arch == "qwen2_moe" else {}))
     model = _random_model(config)
     writer = gguf_writer(path, config, _GGUF_ARCH[arch], eos_token_id=2)
@@ -238,15 +241,16 @@ def write_gguf(path, arch: str, gating: int | None = None, widths: bool = True):
         n = 1 + max(e for e, _ in experts)
         values = {}
         for proj, gguf_part in (("gate_proj", "ffn_gate"), ("up_proj", "ffn_up"), ("down_proj", "ffn_down")):
-            made = [blocks(_TYPES[proj], experts[(e, proj)]) for e in range(n)]
+            made = [blocks(expert_types[proj], experts[(e, proj)]) for e in range(n)]
             values[proj] = torch.stack([v for _, v in made])
             if arch == "mixtral":  # an older Mixtral file: one tensor an expert
                 for e, (b, _) in enumerate(made):
                     writer.add_tensor(f"blk.{layer}.{gguf_part}.{e}.weight",
-                                      np.ascontiguousarray(b.raw.numpy()), raw_dtype=_TYPES[proj])
+                                      np.ascontiguousarray(b.raw.numpy()), raw_dtype=expert_types[proj])
             else:
                 raw = np.stack([b.raw.numpy() for b, _ in made])  # [experts, rows, row bytes]
-                writer.add_tensor(f"blk.{layer}.{gguf_part}_exps.weight", raw, raw_dtype=_TYPES[proj])
+                writer.add_tensor(f"blk.{layer}.{gguf_part}_exps.weight", raw,
+                                  raw_dtype=expert_types[proj])
         prefix = f"model.layers.{layer}.mlp.experts."
         state[prefix + "gate_up_proj"] = torch.cat([values["gate_proj"], values["up_proj"]], dim=1)
         state[prefix + "down_proj"] = values["down_proj"]
@@ -402,6 +406,32 @@ def test_a_router_or_expert_the_config_does_not_have_is_refused(tmp_path):
     save_file(state, str(file), metadata={"format": "pt"})
     with pytest.raises(ValueError, match="layer 1 has 4 experts"):
         LLM(str(tmp_path), dtype="float32", kv_cache_memory=2**22)
+
+
+@pytest.mark.skipif(not native.available(), reason="no C compiler on this machine")
+def test_i_quant_experts_keep_their_codes(tmp_path):
+    """Experts in IQ4_XS / IQ4_NL (i-quant MoE files) keep the file's 4-bit codes where the
+    panel kernels are built (the panels: within 2% of the file's bytes), match transformers in
+    float32, and the packed path stays within its tolerance."""
+    from pagellm.layers import panels
+    from pagellm.models.gguf_loader import read_gguf
+
+    path = tmp_path / "iq4.gguf"
+    hf = write_gguf(path, "qwen3_moe", expert_types={"gate_proj": Q.IQ4_XS, "up_proj": Q.IQ4_XS,
+                                                     "down_proj": Q.IQ4_NL})
+    _assert_matches(LLM(str(path), dtype="float32", kv_cache_memory=2**22), hf, PROMPTS[:1])
+    llm = LLM(str(path), kv_cache_memory=2**22)
+    experts = [m for layer in llm.engine.model.layers for e in layer.mlp.experts
+               for m in (e.gate_up_proj, e.down_proj)]
+    file_bytes = sum(t.nbytes for t in read_gguf(str(path)).tensors if ".experts." in t.hf_name)
+    if panels.available():
+        assert {m.packed.fmt for m in experts} == {panels.IQ4_XS8, panels.IQ4_NL8}
+        assert sum(m.packed.nbytes for m in experts) <= 1.02 * file_bytes
+    params = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True, logprobs=2)
+    want = LLM(str(path), dtype="float32", kv_cache_memory=2**22).generate(PROMPTS, params,
+                                                                            use_tqdm=False)
+    for ref, got in zip(want, llm.generate(PROMPTS, params, use_tqdm=False)):
+        assert_greedy_close(ref.outputs[0], got.outputs[0], 0.2)
 
 
 def test_other_gating_is_refused(tmp_path):
