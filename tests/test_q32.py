@@ -22,7 +22,7 @@ K_QUANTS = (Q.Q4_K, Q.Q5_K)  # 32-value sub-blocks of 256-value super-blocks
 
 def _cols(qtype, blocks: int) -> int:
     """A row of `blocks` 32-value blocks, rounded up to whole super-blocks for K-quants."""
-    return -(-blocks * 32 // 256) * 256 if qtype in K_QUANTS else blocks * 32
+    return -(-blocks * 32 // 256) * 256 if qtype in (*K_QUANTS, Q.IQ4_XS) else blocks * 32
 
 
 def _bound(x: torch.Tensor, product: q32.Q32Linear) -> torch.Tensor:

@@ -26,7 +26,9 @@ PANEL = 32  # outputs a panel of codes holds
 BLOCK = 32  # inputs per block (d, m)
 # K-quants: each 32-value sub-block of a Q4_K / Q5_K super-block is w_j = (d sc) u_j - dmin mn
 # with 6-bit integers sc, mn: the same form, exactly (f16 times a 6-bit integer fits float32)
-Q32_TYPES = frozenset({T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K})
+# The 4-bit i-quants too: w = d * level(q) with 16 signed int8 levels is d * (level + 128) - 128 d,
+# an unsigned byte code (not two a byte) and a min term, exactly
+Q32_TYPES = frozenset({T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.IQ4_NL, T.IQ4_XS})
 
 
 def available() -> bool:
@@ -80,6 +82,14 @@ def _decode(raw: np.ndarray, ggml_type: T, cols: int):
     b = np.ascontiguousarray(raw).reshape(-1, nbytes)  # [N * K / block, bytes]
     if ggml_type in (T.Q4_K, T.Q5_K):
         u, d, m = _decode_k(b, ggml_type)
+    elif ggml_type in (T.IQ4_NL, T.IQ4_XS):
+        from pagellm.layers import panels  # the codes, the levels and each 32's scale
+
+        q, params = panels._iq4(b, ggml_type, n, cols)  # q [N, K]
+        d = (params["scale"].astype(np.float32) if ggml_type == T.IQ4_NL else  # gguf's d * (ls - 32)
+             params["d"].astype(np.float32)[..., None] * params["isc"].astype(np.float32))
+        u = (panels.IQ4_LEVELS[q].astype(np.int16) + 128).astype(np.uint8)
+        m = -128 * d
     elif ggml_type == T.Q8_0:
         d = _f16(b, 0)
         u = (b[:, 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
