@@ -335,7 +335,8 @@ def test_i_quant_weights_come_packed_as_q8_0_of_the_file_values(iq_gguf):
 
 @pytest.mark.skipif(not native.available(), reason="no C compiler on this machine")
 def test_the_packed_path_runs_i_quants_as_q8_0(iq_gguf):
-    """dtype auto: every projection and the head stay packed (Q8_0), and the logits are about
+    """dtype auto: every projection and the head stay packed (Q8_0; IQ4_NL / IQ4_XS
+    projections in their own panels where the kernels are built), and the logits are about
     as close to transformers' as the model dequantized to bfloat16 (Q8_0's rounding, 1/254 of
     a block's largest, is bf16's 2^-9 of each weight in size)."""
     path, hf = iq_gguf

@@ -37,7 +37,8 @@ _FLOAT_TYPES = {_Q.F32: (np.float32, torch.float32), _Q.F16: (np.float16, torch.
 # (REQUANTIZED_TYPES: the low-bit K-quants, the i-quants of IQ* files, ternary TQ*) are read by
 # gguf's dequantizer and, where a file's weights stay packed, quantized again to Q8_0 at load:
 # the native kernels' type that holds their values most closely (rounding each to 1/254 of its
-# 32-value block's largest), at half of bf16's memory. Others are refused, not mis-read.
+# 32-value block's largest), at half of bf16's memory. (IQ4_NL / IQ4_XS projections keep their
+# codes where the panel kernels are built: _level_panels.) Others are refused, not mis-read.
 _FAST_BLOCK_TYPES = {_Q.Q8_0, _Q.Q4_0, _Q.Q4_1}
 REQUANTIZED_TYPES = frozenset({
     _Q.Q2_K, _Q.Q3_K, _Q.IQ1_S, _Q.IQ1_M, _Q.IQ2_XXS, _Q.IQ2_XS, _Q.IQ2_S, _Q.IQ3_XXS, _Q.IQ3_S,
