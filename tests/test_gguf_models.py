@@ -333,6 +333,26 @@ def test_i_quant_weights_come_packed_as_q8_0_of_the_file_values(iq_gguf):
         assert bool((err <= amax / 254 * (1 + 127 / 1024) + 127 * 2**-25).all()), name
 
 
+def test_i_quant_codes_stay_for_a_draft_and_not_where_tp_cuts_their_blocks(iq_gguf, monkeypatch):
+    """A draft requantized to Q4_1 (5 bits) keeps IQ4_NL / IQ4_XS projections in their own
+    codes (4.5 / 4.25 bits, exact); with tensor parallelism IQ4_XS (256-value blocks a
+    row-parallel split may cut) goes to Q8_0 as before, IQ4_NL (32) keeps its codes."""
+    from pagellm import parallel
+    from pagellm.layers import panels
+
+    if not panels.available():
+        pytest.skip("the i-quant panels need AVX-512 BW and VNNI")
+    path, _ = iq_gguf
+    files = load_model_files(path, load_tokenizer=False)
+    names = {"model.layers.0.self_attn.q_proj.weight": Q.IQ4_XS,
+             "model.layers.0.self_attn.v_proj.weight": Q.IQ4_NL}
+    draft = dict(files.weights(keep_packed=True, requantize=Q.Q4_1))
+    assert {draft[n].ggml_type for n in names} == {Q.IQ4_XS, Q.IQ4_NL}
+    monkeypatch.setattr(parallel, "tp_size", lambda: 2)
+    tp = dict(files.weights(keep_packed=True))
+    assert [tp[n].ggml_type for n in names] == [Q.Q8_0, Q.IQ4_NL]
+
+
 @pytest.mark.skipif(not native.available(), reason="no C compiler on this machine")
 def test_the_packed_path_runs_i_quants_as_q8_0(iq_gguf):
     """dtype auto: every projection and the head stay packed (Q8_0; IQ4_NL / IQ4_XS

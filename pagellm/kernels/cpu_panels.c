@@ -63,7 +63,8 @@
  * then sum_j w_j e_j with e_j the roundings, and a K-quant's w = d sc u - dmin m is centred
  * where its code part d sc u is not (with x's exact sum the error is sum_j d sc u_j e_j, ~1.9x
  * larger for codes spread over 0..15).
- * A lane's sum: 32 products of q <= 15 and |xq| <= 127, exact in float32.
+ * A lane's sum: 32 products of q <= 15 and |xq| <= 127, exact in float32 (the i-quants' looked-up
+ * codes: level + 128 <= 241, 32 * 241 * 127 < 2^24, exact too).
  * PF_Q6_K8: the same registers with two more bits a code (q <= 63); each 16-input group's
  * sum (the file's scales are per 16) less 32 * sum(xq) is exact (|.| <= 16 * 32 * 127), then
  * scaled by d * sc in float32.

@@ -50,7 +50,8 @@ def available() -> bool:
 
 
 def int8_activations() -> bool:
-    """Whether K-quant weights loaded now take Q4_K8 / Q6_K8 (PAGELLM_PANELS_INT8, default on)."""
+    """Whether K-quant weights loaded now take Q4_K8 / Q6_K8 (PAGELLM_PANELS_INT8, default on;
+    the i-quants' formats have int8 activations only, whatever it says)."""
     return os.environ.get("PAGELLM_PANELS_INT8", "1") != "0"
 
 

@@ -300,7 +300,7 @@ class NativeGGUF:
 
 
 class NativePanels:
-    """A GGUF projection (Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q4_K / Q6_K) in panels of 16 outputs for
+    """A GGUF projection (Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q4_K / Q6_K / IQ4_NL / IQ4_XS) in panels of 16 outputs for
     kernels/cpu_panels.c, on CPUs with AVX-512 BW and VNNI: the file's values, the file's bytes
     (Q4_0 / Q5_0: +11% / +9%, their min stored), 1.0-2x the speed of the row kernels from 1 to
     40 rows (1.0-1.1x: the 1.5B's Q4_K at one row). It replaces NativeGGUF there; an LM head
@@ -359,7 +359,11 @@ def head_form(w: GGUFBlocks) -> NativePanels | NativeGGUF:
     limit and gathered ids (first_rows, rows; a Q6_K head in Q6_K8: at 1-5 rows 6.1-7.2 ms
     against the rows' 6.8-11.7 for Qwen2.5-1.5B's 151,936 x 1,536), else the file's rows."""
     form = NativePanels.of(w)
-    return form if form is not None and form.fmt in panels.GATHERABLE else NativeGGUF(w)
+    if form is not None and form.fmt in panels.GATHERABLE:
+        return form
+    if w.ggml_type not in GGUF_PACKED_TYPES:  # (the loader gives i-quant heads as Q8_0)
+        raise ValueError(f"no packed LM head form for {w.ggml_type.name}")
+    return NativeGGUF(w)
 
 
 class PackedParts:

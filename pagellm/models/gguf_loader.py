@@ -352,7 +352,7 @@ def iter_gguf_weights(gguf_file: GGUFFile, keep_packed: bool = False, keep_head:
             requantized = True
         linear = keep_packed and _LINEAR.fullmatch(tensor.hf_name)
         embedding = keep_embedding and not is_head and tensor.hf_name == "model.embed_tokens.weight"
-        levels = bool(linear) and requantize is None and _level_panels(tensor)
+        levels = bool(linear) and _level_panels(tensor, requantize)
         if tensor.ggml_type in REQUANTIZED_TYPES and not levels and (
                 linear or embedding or (keep_head and is_head)):
             into = requantize if requantize is not None and (linear or is_head) else _Q.Q8_0
@@ -372,11 +372,22 @@ def iter_gguf_weights(gguf_file: GGUFFile, keep_packed: bool = False, keep_head:
             yield tensor.hf_name, _load_tensor(source, tensor)
 
 
-def _level_panels(tensor: GGUFTensor) -> bool:
+def _level_panels(tensor: GGUFTensor, requantize: GGMLQuantizationType | None = None) -> bool:
     """Whether this IQ4_NL / IQ4_XS projection stays in its 4-bit codes (panels with the
-    levels looked up in the kernel: AVX-512 BW + VNNI) instead of being requantized."""
-    return (tensor.ggml_type in panels.LEVEL_FORMAT_OF and panels.available()
-            and tensor.hf_shape[1] % GGML_QUANT_SIZES[tensor.ggml_type][0] == 0)
+    levels looked up in the kernel: AVX-512 BW + VNNI) instead of being requantized: also for
+    a draft requantized to a type of as many bits or more (its codes are smaller and exact),
+    not where tensor parallelism would cut IQ4_XS's 256-value blocks (a row-parallel half of
+    8,960 inputs: 4,480, no whole blocks; such a part would go dense, Q8_0 cuts at 32)."""
+    from pagellm import parallel
+
+    t = tensor.ggml_type
+    if t not in panels.LEVEL_FORMAT_OF or not panels.available():
+        return False
+    values, nbytes = GGML_QUANT_SIZES[t]
+    if requantize is not None and nbytes * 8 / values > _BITS[requantize]:
+        return False
+    return (tensor.hf_shape[1] % values == 0
+            and (parallel.tp_size() == 1 or values == 32))
 
 
 # Bits a weight of each packed type (block bytes * 8 / block values).
