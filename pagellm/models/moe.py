@@ -98,10 +98,9 @@ class SparseMoE(nn.Module):
         if not 1 <= self.top_k <= self.num_experts:
             raise ValueError(f"num_experts_per_tok is {self.top_k}; must be between 1 and the "
                              f"{self.num_experts} experts")
+        # (Mixtral's config has no norm_topk_prob: its family's default, True)
         self.renormalize = bool(getattr(config, "norm_topk_prob",
                                         MOE_MODEL_TYPES[config.model_type]))
-        if config.model_type == "mixtral":
-            self.renormalize = True
         # Mixtral's experts are as wide as a dense layer; Qwen's have their own width
         width = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
         bias = bool(getattr(config, "mlp_bias", False))
@@ -140,10 +139,16 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.native is not None and x.dtype == torch.float32 and x.is_contiguous():
             out = self.native(x, self.gate(x), self.top_k, self.renormalize)
-            if self.shared_expert is not None:
-                gate = torch.sigmoid(self.shared_expert_gate(x)).to(x.dtype)
-                out += gate * self.shared_expert(x)
-            return out
+        else:
+            out = self._routed(x)
+        if self.shared_expert is not None:
+            gate = torch.sigmoid(self.shared_expert_gate(x)).to(x.dtype)
+            out += gate * self.shared_expert(x)
+        return parallel.all_reduce(out) if self.reduce else out
+
+    def _routed(self, x: torch.Tensor) -> torch.Tensor:
+        """The routed experts' weighted sum as modules: each expert's rows gathered,
+        multiplied, added back."""
         weights, experts = self.routing(x)
         out = torch.zeros_like(x)
         flat = experts.reshape(-1)  # [rows * k]: slot s is row s // k's choice s % k
@@ -158,10 +163,7 @@ class SparseMoE(nn.Module):
             rows = slots // self.top_k
             y = self.experts[e](x.index_select(0, rows))
             out.index_add_(0, rows, y * weights.reshape(-1, 1).index_select(0, slots))
-        if self.shared_expert is not None:
-            gate = torch.sigmoid(self.shared_expert_gate(x)).to(x.dtype)
-            out += gate * self.shared_expert(x)
-        return parallel.all_reduce(out) if self.reduce else out
+        return out
 
     def missing(self) -> list[str]:
         """The names of this block's routers the checkpoint has not given (relative to it)."""
