@@ -26,13 +26,14 @@ def _cols(qtype, blocks: int) -> int:
 
 
 def _bound(x: torch.Tensor, product: q32.Q32Linear) -> torch.Tensor:
-    """Half a step of each activation block times the sum of the block's |w_j| (the min term
-    m * sx multiplies the rounded activations too: K-quant mins are as large as the codes'
-    part), and float32's rounding."""
-    n, k = product.out_features, product.in_features
+    """Half a step of each activation block (the product's: 32 values, or its requantized
+    block) times the sum of the block's |w_j| (the min term m * sx multiplies the rounded
+    activations too: K-quant mins are as large as the codes' part), and float32's
+    rounding."""
+    n, k, b = product.out_features, product.in_features, product.block
     w = product.dequantize().double()
-    weight = w.abs().view(n, k // 32, 32).sum(-1)  # [N, K / 32]
-    step = x.double().abs().view(x.shape[0], k // 32, 32).amax(-1) / 127  # [R, K / 32]
+    weight = w.abs().view(n, k // b, b).sum(-1)  # [N, K / b]
+    step = x.double().abs().view(x.shape[0], k // b, b).amax(-1) / 127  # [R, K / b]
     return 0.5 * step @ weight.t() + 2e-6 * (x.double().abs() @ w.abs().t()) + 1e-9
 
 
@@ -203,9 +204,10 @@ def test_a_projection_with_a_q32_form_keeps_no_dense_weight():
         layer.load("weight", part, shard)
     assert layer.weight.device.type == "meta" and layer.q32 is not None
     assert layer.bf16_wide is layer.q32 and layer.wide is layer.q32
+    assert layer.q32.block == 256  # requantized: 256 inputs a scale
     dense = torch.cat([p.dequantize() for p in parts])
     x = torch.randn(50, 256).to(torch.bfloat16).float()
-    _check(layer(x).to(torch.bfloat16), x, layer.q32, dense)  # 50 rows: q32
+    _check(layer(x).to(torch.bfloat16), x, layer.q32, layer.q32.dequantize())  # 50 rows: q32
     ref = x[:2].double() @ dense.double().t()
     few = layer(x[:2]).double()  # packed int16 kernel: float32-close
     assert (few - ref).abs().max() <= 1e-4 * ref.abs().max()
@@ -275,9 +277,138 @@ def test_the_gated_products_quantized_output_is_its_output_quantized():
         for threads in (1, 2):
             aq.fill_(99), adx.fill_(-1.0), asx.fill_(-1.0)  # nothing left from the last run
             assert native.library().q32_linear_gated_q(
-                xq.data_ptr(), dx.data_ptr(), sx.data_ptr(), rows, 96, product.codes.data_ptr(),
-                product.d.data_ptr(), product.m.data_ptr(), product.zeros_ptr(),
-                int(product.nibbles), 128,
-                aq.data_ptr(), adx.data_ptr(), asx.data_ptr(), threads) == 0
+                xq.data_ptr(), dx.data_ptr(), sx.data_ptr(), rows, 96, 32,
+                product.codes.data_ptr(), product.d.data_ptr(), product.m.data_ptr(),
+                product.zeros_ptr(), int(product.nibbles), 128,
+                aq.data_ptr(), adx.data_ptr(), asx.data_ptr(), 32, threads) == 0
+            assert torch.equal(aq, want[0]) and _same(adx, want[1]) and _same(asx, want[2])
+        assert torch.isnan(adx[-1]).all()
+
+
+# Requantized blocks: the file's values as int8 codes with one scale per 64-256 inputs
+WIDE = (64, 128, 192, 256)
+
+
+def test_the_requantized_block_is_the_longest_that_divides_the_inputs(monkeypatch):
+    assert [q32.wide_block(k) for k in (576, 1536, 896, 8960, 320, 96)] == [
+        192, 256, 128, 256, 64, None]
+    parts = [random_blocks(Q.Q4_1, 32, 576, seed=1), random_blocks(Q.Q8_0, 32, 576, seed=2)]
+    assert q32.Q32Linear.from_parts(parts).block == 192
+    assert q32.Q32Linear.from_parts([random_blocks(Q.Q4_1, 32, 96, seed=3)]).block == 32
+    monkeypatch.setenv("PAGELLM_Q32_EXACT", "1")
+    exact = q32.Q32Linear.from_parts(parts)
+    assert exact.block == 32 and torch.equal(exact.dequantize(), torch.cat(
+        [p.dequantize() for p in parts]))
+    with pytest.raises(ValueError, match="block"):
+        q32.Q32Linear(parts, block=96)
+    with pytest.raises(ValueError, match="block"):
+        q32.Q32Linear(parts, block=256)  # 576 is not a multiple of 256
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("block", WIDE)
+def test_requantized_codes_hold_each_weight_within_half_a_step(qtype, block):
+    """Each weight moves by at most half its block's step max|w| / 127 (the nearest code),
+    the codes are bytes (no nibbles) around a folded zero of 128, and a block of zeros
+    stays zeros."""
+    k = 768
+    blocks = random_blocks(qtype, 40, k, seed=int(qtype) + block)
+    w = blocks.dequantize().double()
+    product = q32.Q32Linear([blocks], block=block)
+    assert product.block == block and not product.nibbles
+    assert product.d.shape == (2, k // block, 32)
+    assert product.zeros is not None and bool((product.zeros == 128).all())
+    got = product.dequantize().double()
+    step = w.abs().view(40, k // block, block).amax(-1, keepdim=True) / 127
+    err = (got - w).view(40, k // block, block).abs()
+    assert bool((err <= step * (0.5 + 1e-4)).all())  # and d's float32 rounding times 127
+    assert float(err.max()) > 0  # requantized, not the file's codes
+    codes = product.unpacked_codes().permute(0, 2, 1, 3).reshape(64, k)[:40]  # real outputs
+    assert int(codes.min()) >= 1 and int(codes.max()) <= 255  # |c| <= 127
+
+    zero = quant.Int4Blocks(torch.full((32, k), 8, dtype=torch.uint8),
+                            torch.ones(32, k // 32), torch.zeros(32, k // 32))  # w = 0 exactly
+    z = q32.Q32Linear([zero], block=block)
+    assert bool((z.d == 0).all()) and bool((z.dequantize() == 0).all())
+    assert bool((z(torch.randn(3, k)) == 0).all())
+
+
+@pytest.mark.parametrize("block", WIDE)
+def test_requantized_products_of_every_tile_shape_are_within_the_int8_bound(block):
+    """The products against the requantized weights (activations rounded per the same
+    block) on fused parts of several types, one and two threads the same."""
+    k = 768
+    parts = [random_blocks(Q.Q4_1, 40, k, seed=1), random_blocks(Q.Q4_K, 24, k, seed=2),
+             random_blocks(Q.Q8_0, 13, k, seed=3)]  # a partial last panel
+    product = q32.Q32Linear(parts, block=block)
+    w = product.dequantize()
+    g = torch.Generator().manual_seed(block)
+    for rows in [1, 2, 5, 6, 7, 13, 197]:
+        x = torch.randn(rows, k, generator=g) * 3
+        x[0, :block] *= 40  # one block far larger than the rest
+        xb = x.to(torch.bfloat16)
+        one, two = outputs_on_one_and_two_threads(product, xb)
+        assert torch.equal(one, two)
+        _check(one, xb.float(), product, w)
+        assert torch.equal(product(x), one)  # float32 inputs are rounded to bf16 first
+        # the file's own weights, within the requantization's half step too
+        ref = xb.double() @ torch.cat([p.dequantize() for p in parts]).double().t()
+        moved = xb.double().abs() @ (w.double() - ref.new_tensor(
+            torch.cat([p.dequantize() for p in parts]).numpy())).abs().t()
+        assert bool(((one.double() - ref).abs() <= _bound(xb.float(), product) + moved
+                     + ref.abs() * 2 ** -8).all())
+
+
+@pytest.mark.parametrize("block", WIDE)
+def test_quantizing_in_longer_blocks(block):
+    """One scale per block values of a row: max|x| / 127, codes the nearest integers, sums of
+    the rounded values; float32 rows as their bf16 rounding; a NaN or infinity makes its block
+    NaN."""
+    g = torch.Generator().manual_seed(block)
+    x = torch.randn(9, 768, generator=g) * 5
+    x[2, block + 3] = float("nan")
+    x[4, 0] = float("inf")
+    xq, dx, sx = q32.quantize(x.to(torch.bfloat16), block)
+    assert dx.shape == sx.shape == (9, 768 // block)
+    for got in outputs_on_one_and_two_threads(lambda t: q32.quantize(t, block), x):
+        assert torch.equal(got[0], xq) and _same(got[1], dx) and _same(got[2], sx)
+    xb = x.to(torch.bfloat16).double().view(9, -1, block)
+    want_dx = xb.abs().amax(-1) / 127
+    ok = torch.isfinite(want_dx)
+    assert torch.isnan(dx[2, 1]) and torch.isnan(dx[4, 0]) and int(ok.sum()) == dx.numel() - 2
+    assert torch.allclose(dx.double()[ok], want_dx[ok], rtol=1e-6)
+    mx = xb.float().abs().amax(-1, keepdim=True)
+    inv = torch.full_like(mx, 127) / mx  # the kernel's float32 arithmetic (127 / t: a reciprocal)
+    codes = torch.round(xb.float() * inv)
+    assert torch.equal(xq.view(9, -1, block)[ok], codes[ok].to(torch.int8))
+    assert torch.allclose(sx.double()[ok], (dx.double()[..., None] * xq.view(9, -1, block)
+                                            .double()).sum(-1)[ok], rtol=1e-5)
+
+
+@pytest.mark.parametrize("block", (64, 192))
+def test_the_gated_product_quantized_in_longer_blocks_is_its_output_quantized(block):
+    """q32_linear_gated_q whose next product takes longer blocks (spanning several panels):
+    the codes and scales q32_quantize gives from the gated product's bf16 output, on rows past
+    one chunk of 192, one and two threads."""
+    from pagellm.kernels import native
+
+    parts = [random_blocks(Q.Q4_1, 192, 384, seed=7), random_blocks(Q.Q8_0, 192, 384, seed=8)]
+    product = q32.Q32Linear(parts, block=128)
+    assert product.gates
+    g = torch.Generator().manual_seed(9)
+    for rows in [1, 7, 197]:
+        x = (torch.randn(rows, 384, generator=g) * 4).to(torch.bfloat16)
+        x[-1, 3] = float("nan")
+        want = q32.quantize(product.gated(x), block)
+        xq, dx, sx = q32.quantize(x, 128)
+        aq = torch.empty(rows, 192, dtype=torch.int8)
+        adx, asx = torch.empty(rows, 192 // block), torch.empty(rows, 192 // block)
+        for threads in (1, 2):
+            aq.fill_(99), adx.fill_(-1.0), asx.fill_(-1.0)
+            assert native.library().q32_linear_gated_q(
+                xq.data_ptr(), dx.data_ptr(), sx.data_ptr(), rows, 384, 128,
+                product.codes.data_ptr(), product.d.data_ptr(), product.m.data_ptr(),
+                product.zeros_ptr(), int(product.nibbles), 384,
+                aq.data_ptr(), adx.data_ptr(), asx.data_ptr(), block, threads) == 0
             assert torch.equal(aq, want[0]) and _same(adx, want[1]) and _same(asx, want[2])
         assert torch.isnan(adx[-1]).all()

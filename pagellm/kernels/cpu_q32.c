@@ -38,6 +38,7 @@
 
 #define Q32_TILE_R 6
 #define Q32_ROWS 192  /* rows whose activations (192 x K bytes) stay in L2 over every panel */
+#define Q32_MAX_BLOCK 256  /* the longest block of inputs one scale covers */
 
 int q32_available(void) { return 1; }
 
@@ -74,6 +75,38 @@ static inline void quantize32(__m512 v0, __m512 v1, int8_t *xq, float *dx, float
     *sx = mx / 127.f * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
 }
 
+/* One block of B activations (a multiple of 32, at most Q32_MAX_BLOCK; v: float32 values,
+ * already bf16-rounded) -> its B int8 codes at xq, *dx and *sx: quantize32's arithmetic over
+ * a longer block (B = 32 gives quantize32's codes and scales bit for bit). */
+static inline void quantize_block(const float *v, int64_t B, int8_t *xq, float *dx, float *sx) {
+    if (B == 32) {
+        quantize32(_mm512_loadu_ps(v), _mm512_loadu_ps(v + 16), xq, dx, sx);
+        return;
+    }
+    __m512 mx = _mm512_setzero_ps();
+    __mmask16 bad = 0;
+    for (int64_t i = 0; i < B; i += 16) {
+        const __m512 x = _mm512_loadu_ps(v + i);
+        mx = _mm512_max_ps(mx, _mm512_abs_ps(x));
+        bad |= _mm512_cmp_ps_mask(_mm512_sub_ps(x, x), _mm512_setzero_ps(), _CMP_NEQ_UQ);
+    }
+    if (bad) {
+        memset(xq, 0, (size_t)B);
+        *dx = *sx = NAN;
+        return;
+    }
+    const float m = _mm512_reduce_max_ps(mx);
+    const __m512 inv = _mm512_set1_ps(m > 0.f ? 127.f / m : 0.f);
+    __m512i sum = _mm512_setzero_si512();
+    for (int64_t i = 0; i < B; i += 16) {
+        const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(v + i), inv));
+        _mm_storeu_si128((__m128i *)(xq + i), _mm512_cvtsepi32_epi8(q));
+        sum = _mm512_add_epi32(sum, q);
+    }
+    *dx = m / 127.f;
+    *sx = m / 127.f * (float)_mm512_reduce_add_epi32(sum);
+}
+
 /* 16 float32 -> their bf16 roundings, widened back (what `.to(bfloat16)` then a bf16 load
  * give: any NaN becomes 0x7fc0, as PyTorch's conversion makes it; to_bf16x16 alone could carry
  * a NaN with a full payload over into zero) */
@@ -84,44 +117,60 @@ static inline __m512 bf16_rounded(__m512 v) {
                               _mm512_castsi512_ps(_mm512_set1_epi32(0x7fc00000)));
 }
 
-/* One row of K bf16 values -> xq [K] int8, dx and sx [K / 32] */
-void q32_quantize_row(const uint16_t *x, int64_t K, int8_t *xq, float *dx, float *sx) {
-    for (int64_t g = 0; g < K / 32; g++)
-        quantize32(load_bf16x16(x + g * 32), load_bf16x16(x + g * 32 + 16), xq + g * 32,
-                   dx + g, sx + g);
+/* One row of K bf16 values -> xq [K] int8, dx and sx [K / B] (B: the block length, a
+ * multiple of 32 dividing K) */
+void q32_quantize_row(const uint16_t *x, int64_t K, int64_t B, int8_t *xq, float *dx,
+                      float *sx) {
+    float v[Q32_MAX_BLOCK];
+    for (int64_t g = 0; g < K / B; g++) {
+        if (B == 32) {
+            quantize32(load_bf16x16(x + g * 32), load_bf16x16(x + g * 32 + 16), xq + g * 32,
+                       dx + g, sx + g);
+            continue;
+        }
+        for (int64_t i = 0; i < B; i += 16) _mm512_storeu_ps(v + i, load_bf16x16(x + g * B + i));
+        quantize_block(v, B, xq + g * B, dx + g, sx + g);
+    }
 }
 
-/* x [R, K] bf16 -> xq [R, K] int8, dx and sx [R, K / 32] */
-void q32_quantize(const uint16_t *x, int64_t R, int64_t K, int8_t *xq, float *dx, float *sx,
-                  int threads) {
-    const int64_t G = K / 32;
+/* x [R, K] bf16 -> xq [R, K] int8, dx and sx [R, K / B] */
+void q32_quantize(const uint16_t *x, int64_t R, int64_t K, int64_t B, int8_t *xq, float *dx,
+                  float *sx, int threads) {
+    const int64_t G = K / B;
     #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && R >= 16)
     for (int64_t r = 0; r < R; r++)
-        q32_quantize_row(x + r * K, K, xq + r * K, dx + r * G, sx + r * G);
+        q32_quantize_row(x + r * K, K, B, xq + r * K, dx + r * G, sx + r * G);
 }
 
 /* x [R, K] float32 -> the same as q32_quantize of x rounded to bf16 first (no bf16 copy) */
-void q32_quantize_f32(const float *x, int64_t R, int64_t K, int8_t *xq, float *dx, float *sx,
-                      int threads) {
-    const int64_t G = K / 32;
+void q32_quantize_f32(const float *x, int64_t R, int64_t K, int64_t B, int8_t *xq, float *dx,
+                      float *sx, int threads) {
+    const int64_t G = K / B;
     #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && R >= 16)
-    for (int64_t r = 0; r < R; r++)
+    for (int64_t r = 0; r < R; r++) {
+        float v[Q32_MAX_BLOCK];
         for (int64_t g = 0; g < G; g++) {
-            const float *v = x + r * K + g * 32;
-            quantize32(bf16_rounded(_mm512_loadu_ps(v)), bf16_rounded(_mm512_loadu_ps(v + 16)),
-                       xq + r * K + g * 32, dx + r * G + g, sx + r * G + g);
+            const float *src = x + r * K + g * B;
+            for (int64_t i = 0; i < B; i += 16)
+                _mm512_storeu_ps(v + i, bf16_rounded(_mm512_loadu_ps(src + i)));
+            quantize_block(v, B, xq + r * K + g * B, dx + r * G + g, sx + r * G + g);
         }
+    }
 }
 
 /* Rows [0, RB) x the panel's 32 outputs (RB, FOLD, NIB literals after inlining) into y (row
  * stride ldy; the first `cols` of the 32 columns are written); meanwhile npf cache lines from
- * pf (the next panel's codes) go into L1. FOLD: the panel's m is -z d, each block's sum
- * starts from -z xs (the rows' block sums of xq) and m is not read; NIB: codes in nibbles. */
+ * pf (the next panel's codes) go into L1. B: inputs per scale (32, or a longer block of
+ * requantized codes, q32.Q32Linear.block): each block's integer sums gather B / 32 runs of
+ * block_products before the float work, which is then paid once per B inputs. FOLD: the
+ * panel's m is -z d, each block's sum starts from -z xs (the rows' block sums of xq) and m
+ * is not read; NIB: codes in nibbles. */
 static inline __attribute__((always_inline)) void tile(
-        int RB, int FOLD, int NIB, const int8_t *xq, const float *dx, const float *sx,
-        const int32_t *xs, int32_t z, int64_t K, const uint8_t *c, const float *d,
-        const float *m, uint16_t *y, int64_t ldy, int cols, const char *pf, int64_t npf) {
-    const int64_t G = K / 32;
+        int RB, int FOLD, int NIB, int64_t B, const int8_t *xq, const float *dx,
+        const float *sx, const int32_t *xs, int32_t z, int64_t K, const uint8_t *c,
+        const float *d, const float *m, uint16_t *y, int64_t ldy, int cols, const char *pf,
+        int64_t npf) {
+    const int64_t G32 = K / 32, G = K / B, J = B / 32;
     __m512 acc[Q32_TILE_R][2];
     for (int r = 0; r < RB; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
     for (int64_t g = 0; g < G; g++) {
@@ -129,7 +178,8 @@ static inline __attribute__((always_inline)) void tile(
         for (int r = 0; r < RB; r++)  /* FOLD: m = -z d, its term in the integer sum */
             s[r][0] = s[r][1] = FOLD ? _mm512_set1_epi32(-z * xs[r * G + g])
                                      : _mm512_setzero_si512();
-        block_products(RB, 1, NIB, xq, K, g, G, c + g * 32 * (NIB ? 16 : 32), s, pf, npf);
+        for (int64_t j = g * J; j < (g + 1) * J; j++)
+            block_products(RB, 1, NIB, xq, K, j, G32, c + j * 32 * (NIB ? 16 : 32), s, pf, npf);
         const __m512 d0 = _mm512_loadu_ps(d + g * 32), d1 = _mm512_loadu_ps(d + g * 32 + 16);
         for (int r = 0; r < RB; r++) {
             const __m512 a = _mm512_set1_ps(dx[r * G + g]);
@@ -159,17 +209,17 @@ static inline __attribute__((always_inline)) void tile(
 /* tile() for a panel whose zero z (0: its float min term) and code width (nib: 4-bit codes
  * two a byte) are known only at run time */
 static inline __attribute__((always_inline)) void tile_z(
-        int RB, int32_t z, int nib, const int8_t *xq, const float *dx, const float *sx,
-        const int32_t *xs, int64_t K, const uint8_t *c, const float *d, const float *m,
-        uint16_t *y, int64_t ldy, int cols, const char *pf, int64_t npf) {
+        int RB, int32_t z, int nib, int64_t B, const int8_t *xq, const float *dx,
+        const float *sx, const int32_t *xs, int64_t K, const uint8_t *c, const float *d,
+        const float *m, uint16_t *y, int64_t ldy, int cols, const char *pf, int64_t npf) {
     if (nib && z)
-        tile(RB, 1, 1, xq, dx, sx, xs, z, K, c, d, m, y, ldy, cols, pf, npf);
+        tile(RB, 1, 1, B, xq, dx, sx, xs, z, K, c, d, m, y, ldy, cols, pf, npf);
     else if (nib)
-        tile(RB, 0, 1, xq, dx, sx, xs, 0, K, c, d, m, y, ldy, cols, pf, npf);
+        tile(RB, 0, 1, B, xq, dx, sx, xs, 0, K, c, d, m, y, ldy, cols, pf, npf);
     else if (z)
-        tile(RB, 1, 0, xq, dx, sx, xs, z, K, c, d, m, y, ldy, cols, pf, npf);
+        tile(RB, 1, 0, B, xq, dx, sx, xs, z, K, c, d, m, y, ldy, cols, pf, npf);
     else
-        tile(RB, 0, 0, xq, dx, sx, xs, 0, K, c, d, m, y, ldy, cols, pf, npf);
+        tile(RB, 0, 0, B, xq, dx, sx, xs, 0, K, c, d, m, y, ldy, cols, pf, npf);
 }
 
 /* Each tile of a panel sends its share of the next panel's codes into L1, a few lines a
@@ -181,44 +231,47 @@ static inline __attribute__((always_inline)) void tile_z(
 #define Q32_TILE(RB) do { \
         int64_t pf; \
         const int64_t npf = next_panel_share(pb, Q32_TILE_R, r1 - r0, r - r0, p + 1 >= P, &pf); \
-        tile_z(RB, z, nibbles, xq + r * K, dx + r * G, sx + r * G, xs + r * G, K, cp, dp, mp, \
-               y + r * N + p * 32, N, cols, (const char *)cp + pb + pf * 64, npf); \
+        tile_z(RB, z, nibbles, B, xq + r * K, dx + r * G, sx + r * G, xs + r * G, K, cp, dp, \
+               mp, y + r * N + p * 32, N, cols, (const char *)cp + pb + pf * 64, npf); \
     } while (0)
 
-/* xs [R, K / 32]: each block's sum of xq (for panels whose min term folds), or NULL where
+/* xs [R, K / B]: each block's sum of xq (for panels whose min term folds), or NULL where
  * no panel folds (zeros NULL, or all 0). Returns 0, or -1 when out of memory. */
-static int block_sums(const int8_t *xq, int64_t R, int64_t K, int64_t P, const int32_t *zeros,
-                      int32_t **xs, int threads) {
+static int block_sums(const int8_t *xq, int64_t R, int64_t K, int64_t B, int64_t P,
+                      const int32_t *zeros, int32_t **xs, int threads) {
     *xs = NULL;
     int any = 0;
     for (int64_t p = 0; zeros && p < P && !any; p++) any = zeros[p] != 0;
     if (!any) return 0;
-    const int64_t G = K / 32;
+    const int64_t G = K / B;
     int32_t *out = malloc(sizeof(int32_t) * (R * G > 0 ? R * G : 1));
     if (!out) return -1;
     const __m256i flip = _mm256_set1_epi8((char)0x80);
     #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && R >= 64)
-    for (int64_t i = 0; i < R * G; i++) {  /* sum of (x + 128) by sad against 0, less 32 * 128 */
-        const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + i * 32));
-        const __m256i v = _mm256_xor_si256(x, flip);
-        const __m256i t = _mm256_sad_epu8(v, _mm256_setzero_si256());
-        out[i] = (int32_t)(_mm256_extract_epi64(t, 0) + _mm256_extract_epi64(t, 1) +
-                           _mm256_extract_epi64(t, 2) + _mm256_extract_epi64(t, 3)) - 32 * 128;
+    for (int64_t i = 0; i < R * G; i++) {  /* sum of (x + 128) by sad against 0, less B * 128 */
+        int64_t t = 0;
+        for (int64_t j = 0; j < B; j += 32) {
+            const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + i * B + j));
+            const __m256i u = _mm256_sad_epu8(_mm256_xor_si256(x, flip), _mm256_setzero_si256());
+            t += _mm256_extract_epi64(u, 0) + _mm256_extract_epi64(u, 1) +
+                 _mm256_extract_epi64(u, 2) + _mm256_extract_epi64(u, 3);
+        }
+        out[i] = (int32_t)(t - B * 128);
     }
     *xs = out;
     return 0;
 }
 
-/* xq, dx, sx (q32_quantize) of R rows; codes, d, m of N outputs in panels (N rounded up to
- * 32 in the panels; nibbles: every code 4-bit, two a byte), zeros [P] (z where every m of
- * panel p is -z d, else 0; or NULL) -> y [R, N] bf16. K a multiple of 32. Returns 0, or -1
- * when out of memory. */
+/* xq, dx, sx (q32_quantize with block B) of R rows; codes, d, m of N outputs in panels (N
+ * rounded up to 32 in the panels; d, m one per B inputs; nibbles: every code 4-bit, two a
+ * byte), zeros [P] (z where every m of panel p is -z d, else 0; or NULL) -> y [R, N] bf16.
+ * K a multiple of B, B of 32. Returns 0, or -1 when out of memory. */
 int q32_linear(const int8_t *xq, const float *dx, const float *sx, int64_t R, int64_t K,
-               const uint8_t *c, const float *d, const float *m, const int32_t *zeros,
-               int nibbles, int64_t N, uint16_t *y, int threads) {
-    const int64_t P = (N + 31) / 32, G = K / 32, pb = (nibbles ? 16 : 32) * K;
+               int64_t B, const uint8_t *c, const float *d, const float *m,
+               const int32_t *zeros, int nibbles, int64_t N, uint16_t *y, int threads) {
+    const int64_t P = (N + 31) / 32, G = K / B, pb = (nibbles ? 16 : 32) * K;
     int32_t *xs;
-    if (block_sums(xq, R, K, P, zeros, &xs, threads)) return -1;
+    if (block_sums(xq, R, K, B, P, zeros, &xs, threads)) return -1;
     for (int64_t r0 = 0; r0 < R; r0 += Q32_ROWS) {
         const int64_t r1 = r0 + Q32_ROWS < R ? r0 + Q32_ROWS : R;
         #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
@@ -252,11 +305,11 @@ int q32_linear(const int8_t *xq, const float *dx, const float *sx, int64_t R, in
 #define Q32_GATED_TILE(RB) do { \
         int64_t pf; \
         const int64_t npf = next_panel_share(pb, Q32_TILE_R, r1 - r0, r - r0, p + 1 >= P, &pf); \
-        tile_z(RB, zg, nibbles, xq + r * K, dx + r * G, sx + r * G, xs + r * G, K, cg, dg, mg, \
-               gbuf, 32, 32, (const char *)cg + pb + pf * 64, npf); \
-        tile_z(RB, zu, nibbles, xq + r * K, dx + r * G, sx + r * G, xs + r * G, K, cu, du, mu, \
-               ubuf, 32, 32, (const char *)cu + pb + pf * 64, npf); \
-        gate_rows(RB, gbuf, ubuf, r, p, I, a, aq, adx, asx); } while (0)
+        tile_z(RB, zg, nibbles, B, xq + r * K, dx + r * G, sx + r * G, xs + r * G, K, cg, dg, \
+               mg, gbuf, 32, 32, (const char *)cg + pb + pf * 64, npf); \
+        tile_z(RB, zu, nibbles, B, xq + r * K, dx + r * G, sx + r * G, xs + r * G, K, cu, du, \
+               mu, ubuf, 32, 32, (const char *)cu + pb + pf * 64, npf); \
+        gate_rows(RB, gbuf, ubuf, r, p, I, ga, gq, adx, asx); } while (0)
 
 /* Rows r0 .. r0 + rb of panel p: a = silu(g) * u rounded to bf16 into a [R, I] when given;
  * with aq, each row's 32 values (one block of the next product's inputs) quantized as
@@ -277,13 +330,24 @@ static inline void gate_rows(int rb, const uint16_t *g, const uint16_t *u, int64
     }
 }
 
+/* Bq: the block of the next product's activations (aq). At 32 a panel's 32 gated values of
+ * a row are one such block, quantized in the tile; a longer block spans several panels, so
+ * the gated values go to a bf16 buffer and each chunk of rows is quantized once all its
+ * panels are done, while it is still in cache. */
 static int gated(const int8_t *xq, const float *dx, const float *sx, int64_t R, int64_t K,
-                 const uint8_t *c, const float *d, const float *m, const int32_t *zeros,
-                 int nibbles, int64_t N, uint16_t *a, int8_t *aq, float *adx, float *asx,
-                 int threads) {
-    const int64_t I = N / 2, P = I / 32, G = K / 32, pb = (nibbles ? 16 : 32) * K;
+                 int64_t B, const uint8_t *c, const float *d, const float *m,
+                 const int32_t *zeros, int nibbles, int64_t N, uint16_t *a, int8_t *aq,
+                 float *adx, float *asx, int64_t Bq, int threads) {
+    const int64_t I = N / 2, P = I / 32, G = K / B, pb = (nibbles ? 16 : 32) * K;
+    const int later = aq && Bq != 32;  /* quantized after each chunk of rows */
+    uint16_t *ga = a;
+    if (later && !ga && !(ga = malloc(sizeof(uint16_t) * (R * I > 0 ? R * I : 1)))) return -1;
+    int8_t *gq = later ? NULL : aq;
     int32_t *xs;
-    if (block_sums(xq, R, K, 2 * P, zeros, &xs, threads)) return -1;
+    if (block_sums(xq, R, K, B, 2 * P, zeros, &xs, threads)) {
+        if (ga != a) free(ga);
+        return -1;
+    }
     for (int64_t r0 = 0; r0 < R; r0 += Q32_ROWS) {
         const int64_t r1 = r0 + Q32_ROWS < R ? r0 + Q32_ROWS : R;
         #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
@@ -304,66 +368,75 @@ static int gated(const int8_t *xq, const float *dx, const float *sx, int64_t R, 
             default: break;
             }
         }
+        if (later)
+            q32_quantize(ga + r0 * I, r1 - r0, I, Bq, aq + r0 * I, adx + r0 * (I / Bq),
+                         asx + r0 * (I / Bq), threads);
     }
     free(xs);
+    if (ga != a) free(ga);
     return 0;
 }
 
 /* Returns 0, or -1 when out of memory (as q32_linear_gated_q). */
 int q32_linear_gated(const int8_t *xq, const float *dx, const float *sx, int64_t R, int64_t K,
-                     const uint8_t *c, const float *d, const float *m, const int32_t *zeros,
-                     int nibbles, int64_t N, uint16_t *a, int threads) {
-    return gated(xq, dx, sx, R, K, c, d, m, zeros, nibbles, N, a, NULL, NULL, NULL, threads);
+                     int64_t B, const uint8_t *c, const float *d, const float *m,
+                     const int32_t *zeros, int nibbles, int64_t N, uint16_t *a, int threads) {
+    return gated(xq, dx, sx, R, K, B, c, d, m, zeros, nibbles, N, a, NULL, NULL, NULL, 32,
+                 threads);
 }
 
-/* The gated product's output as the next product's int8 activations only: aq [R, N / 2],
- * adx and asx [R, N / 64], the values q32_linear_gated then q32_quantize give. */
+/* The gated product's output as the next product's int8 activations only (blocks of Bq):
+ * aq [R, N / 2], adx and asx [R, N / 2 / Bq], the values q32_linear_gated then q32_quantize
+ * give. */
 int q32_linear_gated_q(const int8_t *xq, const float *dx, const float *sx, int64_t R,
-                       int64_t K, const uint8_t *c, const float *d, const float *m,
+                       int64_t K, int64_t B, const uint8_t *c, const float *d, const float *m,
                        const int32_t *zeros, int nibbles, int64_t N, int8_t *aq, float *adx,
-                       float *asx, int threads) {
-    return gated(xq, dx, sx, R, K, c, d, m, zeros, nibbles, N, NULL, aq, adx, asx, threads);
+                       float *asx, int64_t Bq, int threads) {
+    return gated(xq, dx, sx, R, K, B, c, d, m, zeros, nibbles, N, NULL, aq, adx, asx, Bq,
+                 threads);
 }
 #else
 /* Without AVX-512 VNNI these products are not offered (layers/q32.py asks first). */
 int q32_available(void) { return 0; }
 
-void q32_quantize(const uint16_t *x, int64_t R, int64_t K, int8_t *xq, float *dx, float *sx,
-                  int threads) {
-    (void)x; (void)R; (void)K; (void)xq; (void)dx; (void)sx; (void)threads;
+void q32_quantize(const uint16_t *x, int64_t R, int64_t K, int64_t B, int8_t *xq, float *dx,
+                  float *sx, int threads) {
+    (void)x; (void)R; (void)K; (void)B; (void)xq; (void)dx; (void)sx; (void)threads;
 }
 
-void q32_quantize_row(const uint16_t *x, int64_t K, int8_t *xq, float *dx, float *sx) {
-    (void)x; (void)K; (void)xq; (void)dx; (void)sx;
+void q32_quantize_row(const uint16_t *x, int64_t K, int64_t B, int8_t *xq, float *dx,
+                      float *sx) {
+    (void)x; (void)K; (void)B; (void)xq; (void)dx; (void)sx;
 }
 
-void q32_quantize_f32(const float *x, int64_t R, int64_t K, int8_t *xq, float *dx, float *sx,
-                      int threads) {
-    (void)x; (void)R; (void)K; (void)xq; (void)dx; (void)sx; (void)threads;
+void q32_quantize_f32(const float *x, int64_t R, int64_t K, int64_t B, int8_t *xq, float *dx,
+                      float *sx, int threads) {
+    (void)x; (void)R; (void)K; (void)B; (void)xq; (void)dx; (void)sx; (void)threads;
 }
 
 int q32_linear_gated_q(const int8_t *xq, const float *dx, const float *sx, int64_t R,
-                       int64_t K, const uint8_t *c, const float *d, const float *m,
+                       int64_t K, int64_t B, const uint8_t *c, const float *d, const float *m,
                        const int32_t *zeros, int nibbles, int64_t N, int8_t *aq, float *adx,
-                       float *asx, int threads) {
-    (void)xq; (void)dx; (void)sx; (void)R; (void)K; (void)c; (void)d; (void)m; (void)zeros;
-    (void)nibbles; (void)N; (void)aq; (void)adx; (void)asx; (void)threads;
+                       float *asx, int64_t Bq, int threads) {
+    (void)xq; (void)dx; (void)sx; (void)R; (void)K; (void)B; (void)c; (void)d; (void)m;
+    (void)zeros; (void)nibbles; (void)N; (void)aq; (void)adx; (void)asx; (void)Bq;
+    (void)threads;
     return -1;
 }
 
 int q32_linear(const int8_t *xq, const float *dx, const float *sx, int64_t R, int64_t K,
-               const uint8_t *c, const float *d, const float *m, const int32_t *zeros,
-               int nibbles, int64_t N, uint16_t *y, int threads) {
-    (void)xq; (void)dx; (void)sx; (void)R; (void)K; (void)c; (void)d; (void)m; (void)zeros;
-    (void)nibbles; (void)N; (void)y; (void)threads;
+               int64_t B, const uint8_t *c, const float *d, const float *m,
+               const int32_t *zeros, int nibbles, int64_t N, uint16_t *y, int threads) {
+    (void)xq; (void)dx; (void)sx; (void)R; (void)K; (void)B; (void)c; (void)d; (void)m;
+    (void)zeros; (void)nibbles; (void)N; (void)y; (void)threads;
     return -1;
 }
 
 int q32_linear_gated(const int8_t *xq, const float *dx, const float *sx, int64_t R, int64_t K,
-                     const uint8_t *c, const float *d, const float *m, const int32_t *zeros,
-                     int nibbles, int64_t N, uint16_t *y, int threads) {
-    (void)xq; (void)dx; (void)sx; (void)R; (void)K; (void)c; (void)d; (void)m; (void)zeros;
-    (void)nibbles; (void)N; (void)y; (void)threads;
+                     int64_t B, const uint8_t *c, const float *d, const float *m,
+                     const int32_t *zeros, int nibbles, int64_t N, uint16_t *y, int threads) {
+    (void)xq; (void)dx; (void)sx; (void)R; (void)K; (void)B; (void)c; (void)d; (void)m;
+    (void)zeros; (void)nibbles; (void)N; (void)y; (void)threads;
     return -1;
 }
 #endif

@@ -9,6 +9,18 @@ the multiply-adds of a bf16 product's vdpbf16ps. Measured on an AVX-512 Zen 5 co
 oneDNN's bf16 product of the same weights (the default model's shapes, 16 to 2,048 rows):
 1.15-1.9x the speed, with a relative error of ~5.6e-3 against ~2.4e-3 for bf16 activations.
 The codes take 1 byte a weight plus 8 bytes of d, m per 32 (the dense bf16 copy: 2 bytes).
+
+Requantized blocks (the default where a projection's inputs divide into 64 or more): the float
+work of each block (a convert, the two scales' product and one or two FMAs per 16 outputs and
+row) runs on the pipes the products need and caps a 32-value tile at ~73% of vpdpbusd's peak.
+So the file's values are requantized to int8 codes with one scale per `block` inputs (256, 192,
+128 or 64: the longest that divides K; symmetric, d = max|w| / 127, the codes rounded to
+nearest even, stored + 128 with the zero folded into the integer sum) and the activations
+are rounded per the same block (llama.cpp's Q8_K takes 256 values a scale for every K-quant
+product). A weight moves by at most d / 2 = max|w| / 254 of its block, a sixteenth of a Q4
+file's own step; the tile does its float work once per block: 1.2-1.3x the products' speed on
+two Zen 4 cores at the default model's shapes. Every code is a byte (no nibbles), so a 4-bit
+file's many-row form takes twice the bytes; PAGELLM_Q32_EXACT=1 keeps the file's blocks.
 """
 from __future__ import annotations
 
@@ -23,7 +35,8 @@ from pagellm.kernels import native
 from pagellm.layers import quant
 
 PANEL = 32  # outputs a panel of codes holds
-BLOCK = 32  # inputs per block (d, m)
+BLOCK = 32  # inputs per block (d, m) of the file's own codes
+WIDE_BLOCKS = (256, 192, 128, 64)  # requantized blocks, longest first (kernels: <= 256)
 # K-quants: each 32-value sub-block of a Q4_K / Q5_K super-block is w_j = (d sc) u_j - dmin mn
 # with 6-bit integers sc, mn: the same form, exactly (f16 times a 6-bit integer fits float32)
 # The 4-bit i-quants too: w = d * level(q) with 16 signed int8 levels is d * (level + 128) - 128 d,
@@ -37,6 +50,30 @@ def available() -> bool:
     lib = native.library()
     return (os.environ.get("PAGELLM_Q32", "1") != "0" and lib is not None
             and native.cpu_has_bf16_units() and bool(lib.q32_available()))
+
+
+def exact_only() -> bool:
+    """PAGELLM_Q32_EXACT=1: keep the file's 32-value blocks (no requantized form)."""
+    return os.environ.get("PAGELLM_Q32_EXACT", "0") == "1"
+
+
+def wide_block(k: int) -> int | None:
+    """The requantized block for K inputs: the longest of WIDE_BLOCKS dividing K, or None."""
+    return next((b for b in WIDE_BLOCKS if k % b == 0), None)
+
+
+def requantize(u: torch.Tensor, d: torch.Tensor, m: torch.Tensor, block: int):
+    """u [N, K] uint8, d, m [N, K / 32] (w = d u + m per 32) -> the same weights as int8 codes
+    with one scale per `block` inputs: (u' = c + 128, d' = max|w| / 127, m' = -128 d'), c the
+    nearest integer (ties to even) to w / d' (|c| <= 127); a block of zeros gets d' = 0."""
+    n, k = u.shape
+    w = (u.view(n, k // BLOCK, BLOCK).float() * d[..., None] + m[..., None]).view(n, k // block,
+                                                                                 block)
+    dw = w.abs().amax(dim=-1) / 127
+    c = torch.where(dw[..., None] > 0, w / dw.clamp_min(torch.finfo(torch.float32).tiny)[..., None],
+                    torch.zeros(()))
+    u2 = (torch.round(c).clamp(-127, 127) + 128).to(torch.uint8).view(n, k)
+    return u2, dw, -128 * dw
 
 
 def unsigned_blocks(part) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
@@ -115,7 +152,7 @@ class Q32Linear:
     """y = x W^T for W [N, K] from 32-value blocks (one or more fused parts, in order): bf16
     activations in and out, like OneDNNLinear, which it replaces."""
 
-    def __init__(self, parts: list, pack_nibbles: bool = True):
+    def __init__(self, parts: list, pack_nibbles: bool = True, block: int = BLOCK):
         decoded = [unsigned_blocks(p) for p in parts]
         if any(x is None for x in decoded):
             raise ValueError("q32: every part must be a 32-value block type")
@@ -125,10 +162,16 @@ class Q32Linear:
         n, k = u.shape
         if k % BLOCK:
             raise ValueError(f"q32: inputs ({k}) must be a multiple of {BLOCK}")
+        if block != BLOCK:
+            if block not in WIDE_BLOCKS or k % block:
+                raise ValueError(f"q32: block ({block}) must be 32 or one of {WIDE_BLOCKS} "
+                                 f"dividing the inputs ({k})")
+            u, d, m = requantize(u, d, m, block)
+        self.block = block  # inputs per scale: the file's 32, or a requantized block
         pad = -n % PANEL
         if pad:  # zero outputs past N fill the last panel (never stored)
             u = torch.cat([u, u.new_zeros(pad, k)])
-            d, m = (torch.cat([t, t.new_zeros(pad, k // BLOCK)]) for t in (d, m))
+            d, m = (torch.cat([t, t.new_zeros(pad, k // block)]) for t in (d, m))
         p = (n + pad) // PANEL
         self.out_features, self.in_features = n, k
         # [P, 32, K / 4, 4] -> [P, K / 4, 32, 4]: 4 consecutive inputs of an output per lane
@@ -140,15 +183,19 @@ class Q32Linear:
         if self.nibbles:
             codes = codes[:, :, :PANEL // 2] | (codes[:, :, PANEL // 2:] << 4)
         self.codes = codes.contiguous()
-        self.d = d.view(p, PANEL, k // BLOCK).permute(0, 2, 1).contiguous()
-        self.m = m.view(p, PANEL, k // BLOCK).permute(0, 2, 1).contiguous()
+        self.d = d.view(p, PANEL, k // block).permute(0, 2, 1).contiguous()
+        self.m = m.view(p, PANEL, k // block).permute(0, 2, 1).contiguous()
         self.zeros = folded_zeros(self.d, self.m)
 
     @classmethod
     def from_parts(cls, parts: list) -> Q32Linear | None:
         """The int8 form of these parts, or None if a part is of another type (callers ask
-        available() first)."""
-        return cls(parts) if all(unsigned_blocks_kind(p) for p in parts) else None
+        available() first): requantized to the longest block dividing the inputs where there
+        is one (wide_block) and PAGELLM_Q32_EXACT is not set, else the file's blocks."""
+        if not all(unsigned_blocks_kind(p) for p in parts):
+            return None
+        block = None if exact_only() else wide_block(parts[0].shape[1])
+        return cls(parts, block=block or BLOCK)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] -> [..., N] bf16; x is rounded to bf16 first, as OneDNNLinear does, so
@@ -170,11 +217,11 @@ class Q32Linear:
 
     def _run(self, x: torch.Tensor, width: int, kernel: str) -> torch.Tensor:
         lead, k = x.shape[:-1], self.in_features
-        xq, dx, sx = quantize(x.reshape(-1, k))
+        xq, dx, sx = quantize(x.reshape(-1, k), self.block)
         rows = xq.shape[0]
         y = torch.empty(rows, width, dtype=torch.bfloat16)
         lib, threads = native.library(), torch.get_num_threads()
-        rc = getattr(lib, kernel)(xq.data_ptr(), dx.data_ptr(), sx.data_ptr(), rows, k,
+        rc = getattr(lib, kernel)(xq.data_ptr(), dx.data_ptr(), sx.data_ptr(), rows, k, self.block,
                                   self.codes.data_ptr(), self.d.data_ptr(), self.m.data_ptr(),
                                   self.zeros_ptr(), int(self.nibbles), self.out_features,
                                   y.data_ptr(), threads)
@@ -198,9 +245,10 @@ class Q32Linear:
         p, kq, _, _ = codes.shape
         k = kq * 4
         u = codes.permute(0, 2, 1, 3).reshape(p * PANEL, k).float()
-        d = self.d.permute(0, 2, 1).reshape(p * PANEL, k // BLOCK)
-        m = self.m.permute(0, 2, 1).reshape(p * PANEL, k // BLOCK)
-        w = u.view(-1, k // BLOCK, BLOCK) * d[..., None] + m[..., None]
+        b = self.block
+        d = self.d.permute(0, 2, 1).reshape(p * PANEL, k // b)
+        m = self.m.permute(0, 2, 1).reshape(p * PANEL, k // b)
+        w = u.view(-1, k // b, b) * d[..., None] + m[..., None]
         return w.view(-1, k)[: self.out_features]
 
     @property
@@ -210,7 +258,7 @@ class Q32Linear:
 
 
 def folded_zeros(d: torch.Tensor, m: torch.Tensor) -> torch.Tensor | None:
-    """d, m [P, K / 32, 32] -> [P] int32: z where every m of panel p is -z d (Q4_0: 8, Q5_0:
+    """d, m [P, K / block, 32] -> [P] int32: z where every m of panel p is -z d (Q4_0: 8, Q5_0:
     16, Q8_0: 128: the kernel then adds the min term inside the block's integer sum, one
     multiply-add less per 16 outputs and block), else 0; None where no panel has one."""
     zeros = torch.zeros(d.shape[0], dtype=torch.int32)
@@ -219,19 +267,22 @@ def folded_zeros(d: torch.Tensor, m: torch.Tensor) -> torch.Tensor | None:
     return zeros if bool(zeros.any()) else None
 
 
-def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x [R, K] -> (xq [R, K] int8, dx, sx [R, K / 32] float32): the activations of a q32
+def quantize(x: torch.Tensor, block: int = BLOCK
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [R, K] -> (xq [R, K] int8, dx, sx [R, K / block] float32): the activations of a q32
     product, from x rounded to bf16 (float32 rows are rounded as they are read: no bf16
-    copy)."""
+    copy), one scale per `block` values of a row (the product's Q32Linear.block)."""
     rows, k = x.shape
+    if block not in (BLOCK, *WIDE_BLOCKS) or k % block:
+        raise ValueError(f"q32: block ({block}) must be 32 or one of {WIDE_BLOCKS} dividing {k}")
     if x.dtype != torch.float32:
         x = x.to(torch.bfloat16)
     x = x.contiguous()
     xq = torch.empty(rows, k, dtype=torch.int8)
-    dx = torch.empty(rows, k // BLOCK, dtype=torch.float32)
-    sx = torch.empty(rows, k // BLOCK, dtype=torch.float32)
+    dx = torch.empty(rows, k // block, dtype=torch.float32)
+    sx = torch.empty(rows, k // block, dtype=torch.float32)
     kernel = "q32_quantize_f32" if x.dtype == torch.float32 else "q32_quantize"
-    getattr(native.library(), kernel)(x.data_ptr(), rows, k, xq.data_ptr(), dx.data_ptr(),
+    getattr(native.library(), kernel)(x.data_ptr(), rows, k, block, xq.data_ptr(), dx.data_ptr(),
                                       sx.data_ptr(), torch.get_num_threads())
     return xq, dx, sx
 
