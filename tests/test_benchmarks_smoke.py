@@ -183,13 +183,19 @@ def test_prefill(tmp_path):
 
 
 def test_accuracy(tmp_path):
-    data = run_kind("accuracy", tmp_path, "--peers", "hf")
+    data = run_kind("accuracy", tmp_path, "--peers", "hf,hf-bf16")
     rows = {r["kv_cache_dtype"]: r for r in data["results"]}
-    assert list(rows) == ["float32", "bfloat16", "int8", "hf transformers (float32)"]
+    assert list(rows) == ["float32", "bfloat16", "int8", "hf transformers (float32)",
+                          "hf transformers (bfloat16)"]
     # transformers on the same weights, float32: near pagellm's default configuration (bf16
     # activations where the CPU has bf16 units); wrong log-probabilities would be O(1) off
     hf = rows.pop("hf transformers (float32)")
     assert hf["mean_abs_logprob_diff"] < 1e-2 and hf["top1_agreement"] > 0.97
+    # every row also against transformers in float32: itself at 0, its bf16 run near it
+    assert hf["vs_hf_mean_abs_logprob_diff"] == 0 and hf["vs_hf_top1_agreement"] == 1
+    hf16 = rows.pop("hf transformers (bfloat16)")
+    assert 0 < hf16["vs_hf_mean_abs_logprob_diff"] < 0.1 and hf16["vs_hf_top1_agreement"] > 0.9
+    assert rows["float32"]["vs_hf_mean_abs_logprob_diff"] == hf["mean_abs_logprob_diff"]
     ref = rows["float32"]
     assert ref["mean_abs_logprob_diff"] == 0 and ref["top1_agreement"] == 1
     for r in rows.values():

@@ -204,10 +204,10 @@ def test_a_projection_with_a_q32_form_keeps_no_dense_weight():
         layer.load("weight", part, shard)
     assert layer.weight.device.type == "meta" and layer.q32 is not None
     assert layer.bf16_wide is layer.q32 and layer.wide is layer.q32
-    assert layer.q32.block == 256  # requantized: 256 inputs a scale
+    assert layer.q32.block == 32  # the file's blocks (PAGELLM_Q32_BLOCK unset)
     dense = torch.cat([p.dequantize() for p in parts])
     x = torch.randn(50, 256).to(torch.bfloat16).float()
-    _check(layer(x).to(torch.bfloat16), x, layer.q32, layer.q32.dequantize())  # 50 rows: q32
+    _check(layer(x).to(torch.bfloat16), x, layer.q32, dense)  # 50 rows: q32
     ref = x[:2].double() @ dense.double().t()
     few = layer(x[:2]).double()  # packed int16 kernel: float32-close
     assert (few - ref).abs().max() <= 1e-4 * ref.abs().max()
@@ -289,18 +289,26 @@ def test_the_gated_products_quantized_output_is_its_output_quantized():
 WIDE = (64, 128, 192, 256)
 
 
-def test_the_requantized_block_is_the_longest_that_divides_the_inputs(monkeypatch):
+def test_requantized_blocks_are_opt_in_and_the_longest_that_divides_the_inputs(monkeypatch):
+    parts = [random_blocks(Q.Q4_1, 32, 576, seed=1), random_blocks(Q.Q8_0, 32, 576, seed=2)]
+    exact = q32.Q32Linear.from_parts(parts)  # the default: the file's blocks, exactly
+    assert exact.block == 32 and exact.nibbles is False and torch.equal(
+        exact.dequantize(), torch.cat([p.dequantize() for p in parts]))
+    monkeypatch.setenv("PAGELLM_Q32_BLOCK", "auto")
     assert [q32.wide_block(k) for k in (576, 1536, 896, 8960, 320, 96)] == [
         192, 256, 128, 256, 64, None]
-    parts = [random_blocks(Q.Q4_1, 32, 576, seed=1), random_blocks(Q.Q8_0, 32, 576, seed=2)]
     assert q32.Q32Linear.from_parts(parts).block == 192
     assert q32.Q32Linear.from_parts([random_blocks(Q.Q4_1, 32, 96, seed=3)]).block == 32
-    monkeypatch.setenv("PAGELLM_Q32_EXACT", "1")
-    exact = q32.Q32Linear.from_parts(parts)
-    assert exact.block == 32 and torch.equal(exact.dequantize(), torch.cat(
-        [p.dequantize() for p in parts]))
+    monkeypatch.setenv("PAGELLM_Q32_BLOCK", "64")
+    assert q32.Q32Linear.from_parts(parts).block == 64
+    monkeypatch.setenv("PAGELLM_Q32_BLOCK", "256")
+    assert q32.Q32Linear.from_parts(parts).block == 32  # 576 is no multiple of 256
+    for bad in ("48", "512", "fast"):
+        monkeypatch.setenv("PAGELLM_Q32_BLOCK", bad)
+        with pytest.raises(ValueError, match="PAGELLM_Q32_BLOCK"):
+            q32.Q32Linear.from_parts(parts)
     with pytest.raises(ValueError, match="block"):
-        q32.Q32Linear(parts, block=96)
+        q32.Q32Linear(parts, block=80)
     with pytest.raises(ValueError, match="block"):
         q32.Q32Linear(parts, block=256)  # 576 is not a multiple of 256
 

@@ -36,7 +36,9 @@ def parse_args(argv):
     p.add_argument("--text", default=None,
                    help="a UTF-8 text file (default: README.md and docs/*.md of this checkout)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
-    p.add_argument("--peers", default="", help="'hf': transformers (float32) as a row too")
+    p.add_argument("--peers", default="",
+                   help="'hf': transformers (float32) as a row too; 'hf-bf16': transformers in "
+                        "bfloat16 (where a bf16 engine's numerics sit)")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
                    help="pagellm's model dtype (auto: its default, bf16 where the CPU has bf16 "
                         "units)")
@@ -97,11 +99,12 @@ def score(path: str, kv: str, wins: list[list[int]] | None, args):
     return wins, lps, tops
 
 
-def score_hf(wins: list[list[int]], args):
-    """The same windows through transformers, float32, on the same weights."""
+def score_hf(wins: list[list[int]], args, dtype: str = "float32"):
+    """The same windows through transformers on the same weights, in float32 (the reference)
+    or bfloat16 (weights and activations: what an engine computing in bf16 computes)."""
     spec = (common.ModelSpec(args.smoke_path, args.smoke_path, None) if args.smoke
             else common.ModelSpec.resolve(args.model))
-    model = common.HFRunner(spec, "float32").model
+    model = common.HFRunner(spec, dtype).model
     lps, tops = [], []
     for w in tqdm(wins, desc="hf", leave=False):
         with torch.inference_mode():
@@ -125,11 +128,14 @@ def summarize(ref, got) -> dict:
 def render(rows: list[dict], args) -> str:
     lines = [f"# KV cache dtype and accuracy ({args.windows} windows of {args.window} tokens; "
              f"pagellm dtype {args.dtype}; reference: {rows[0]['kv_cache_dtype']})", ""]
+    vs_hf = "vs_hf_top1_agreement" in rows[0]
     lines.append(common.markdown_table(
         ["KV pool", "tokens", "perplexity", "mean abs logprob diff", "max abs logprob diff",
-         "top-1 agreement"],
+         "top-1 agreement"] + (["vs hf float32: mean abs diff", "top-1"] if vs_hf else []),
         [[r["kv_cache_dtype"], r["tokens"], r["perplexity"], r["mean_abs_logprob_diff"],
-          r["max_abs_logprob_diff"], f"{100 * r['top1_agreement']:.2f}%"] for r in rows]))
+          r["max_abs_logprob_diff"], f"{100 * r['top1_agreement']:.2f}%"]
+         + ([r["vs_hf_mean_abs_logprob_diff"], f"{100 * r['vs_hf_top1_agreement']:.2f}%"]
+            if vs_hf else []) for r in rows]))
     return "\n".join(lines)
 
 
@@ -157,17 +163,26 @@ def main(argv: list[str] | None = None) -> int:
     path = common.smoke_model_dir() if args.smoke else common.ModelSpec.resolve(args.model).path
     args.smoke_path = path if args.smoke else None
     peers = [p for p in args.peers.split(",") if p]
-    if set(peers) - {"hf"}:
-        raise ValueError(f"--peers: only 'hf' here, got {args.peers!r}")
+    if set(peers) - {"hf", "hf-bf16"}:
+        raise ValueError(f"--peers: only 'hf' and 'hf-bf16' here, got {args.peers!r}")
     results, wins = {}, None
     for kv in tqdm(args.kv_dtypes, desc="accuracy", unit="pool"):
         results[kv] = score(path, kv, wins, args)
         wins = results[kv][0]
     ref = results[args.kv_dtypes[0]]
     rows = [{"kv_cache_dtype": kv, **summarize(ref, results[kv])} for kv in args.kv_dtypes]
-    if "hf" in peers:
-        rows.append({"kv_cache_dtype": "hf transformers (float32)",
-                     **summarize(ref, score_hf(wins, args))})
+    scored = [results[kv] for kv in args.kv_dtypes]
+    for peer, dtype in (("hf", "float32"), ("hf-bf16", "bfloat16")):
+        if peer in peers:
+            scored.append(score_hf(wins, args, dtype))
+            rows.append({"kv_cache_dtype": f"hf transformers ({dtype})",
+                         **summarize(ref, scored[-1])})
+    if "hf" in peers:  # every row against the reference implementation as well
+        hf = scored[len(args.kv_dtypes)]
+        for row, got in zip(rows, scored):
+            far = summarize(hf, got)
+            row["vs_hf_mean_abs_logprob_diff"] = far["mean_abs_logprob_diff"]
+            row["vs_hf_top1_agreement"] = far["top1_agreement"]
     files = common.write_results(args.out, "accuracy", {
         "config": {k: v for k, v in vars(args).items()}, "results": rows}, render(rows, args))
     if not args.no_plot:

@@ -10,17 +10,19 @@ oneDNN's bf16 product of the same weights (the default model's shapes, 16 to 2,0
 1.15-1.9x the speed, with a relative error of ~5.6e-3 against ~2.4e-3 for bf16 activations.
 The codes take 1 byte a weight plus 8 bytes of d, m per 32 (the dense bf16 copy: 2 bytes).
 
-Requantized blocks (the default where a projection's inputs divide into 64 or more): the float
-work of each block (a convert, the two scales' product and one or two FMAs per 16 outputs and
-row) runs on the pipes the products need and caps a 32-value tile at ~73% of vpdpbusd's peak.
-So the file's values are requantized to int8 codes with one scale per `block` inputs (256, 192,
-128 or 64: the longest that divides K; symmetric, d = max|w| / 127, the codes rounded to
-nearest even, stored + 128 with the zero folded into the integer sum) and the activations
-are rounded per the same block (llama.cpp's Q8_K takes 256 values a scale for every K-quant
-product). A weight moves by at most d / 2 = max|w| / 254 of its block, a sixteenth of a Q4
-file's own step; the tile does its float work once per block: 1.2-1.3x the products' speed on
-two Zen 4 cores at the default model's shapes. Every code is a byte (no nibbles), so a 4-bit
-file's many-row form takes twice the bytes; PAGELLM_Q32_EXACT=1 keeps the file's blocks.
+Requantized blocks (opt-in: PAGELLM_Q32_BLOCK=auto, or 64-256): the float work of each block
+(a convert, the two scales' product and one or two FMAs per 16 outputs and row) runs on the
+pipes the products need and caps a 32-value tile at ~73% of vpdpbusd's peak. With a block,
+the file's values are requantized to int8 codes with one scale per `block` inputs (auto: 256,
+192, 128 or 64, the longest that divides K; symmetric, d = max|w| / 127, codes rounded to
+nearest even, stored + 128 with the zero folded into the integer sum) and the activations are
+rounded per the same block (as llama.cpp's Q8_K takes 256 values a scale), so the tile does
+its float work once per block: the default model's 64-request run 1.24x (auto) and 1.14x
+(64) on two Zen 4 cores. The cost is accuracy, mostly the activations' coarser steps (one
+outlier sets the step of its whole block): scored on a text, the default model's mean
+|log-probability difference| from float32 transformers goes 0.059 -> 0.084 (64) -> 0.121
+(auto), where transformers in bf16 sits at 0.040. Every code is a byte (no nibbles), so a
+4-bit file's many-row form takes twice the bytes.
 """
 from __future__ import annotations
 
@@ -36,7 +38,8 @@ from pagellm.layers import quant
 
 PANEL = 32  # outputs a panel of codes holds
 BLOCK = 32  # inputs per block (d, m) of the file's own codes
-WIDE_BLOCKS = (256, 192, 128, 64)  # requantized blocks, longest first (kernels: <= 256)
+WIDE_BLOCKS = (256, 192, 128, 64)  # PAGELLM_Q32_BLOCK=auto's requantized blocks, longest first
+MAX_BLOCK = 256  # the kernels' longest block (cpu_q32.c Q32_MAX_BLOCK)
 # K-quants: each 32-value sub-block of a Q4_K / Q5_K super-block is w_j = (d sc) u_j - dmin mn
 # with 6-bit integers sc, mn: the same form, exactly (f16 times a 6-bit integer fits float32)
 # The 4-bit i-quants too: w = d * level(q) with 16 signed int8 levels is d * (level + 128) - 128 d,
@@ -52,14 +55,19 @@ def available() -> bool:
             and native.cpu_has_bf16_units() and bool(lib.q32_available()))
 
 
-def exact_only() -> bool:
-    """PAGELLM_Q32_EXACT=1: keep the file's 32-value blocks (no requantized form)."""
-    return os.environ.get("PAGELLM_Q32_EXACT", "0") == "1"
-
-
 def wide_block(k: int) -> int | None:
-    """The requantized block for K inputs: the longest of WIDE_BLOCKS dividing K, or None."""
-    return next((b for b in WIDE_BLOCKS if k % b == 0), None)
+    """The requantized block for K inputs that PAGELLM_Q32_BLOCK asks for, or None (the
+    file's own 32-value blocks: the default). "auto": the longest of WIDE_BLOCKS dividing K;
+    a number (a multiple of 32, 64 to 256): that block where it divides K."""
+    want = os.environ.get("PAGELLM_Q32_BLOCK", "32").strip().lower()
+    if want in ("", "32", "exact"):
+        return None
+    if want == "auto":
+        return next((b for b in WIDE_BLOCKS if k % b == 0), None)
+    if not want.isdigit() or int(want) % BLOCK or not 64 <= int(want) <= MAX_BLOCK:
+        raise ValueError(f"PAGELLM_Q32_BLOCK: 32, auto, or a multiple of 32 from 64 to "
+                         f"{MAX_BLOCK}; got {want!r}")
+    return int(want) if k % int(want) == 0 else None
 
 
 def requantize(u: torch.Tensor, d: torch.Tensor, m: torch.Tensor, block: int):
@@ -163,9 +171,9 @@ class Q32Linear:
         if k % BLOCK:
             raise ValueError(f"q32: inputs ({k}) must be a multiple of {BLOCK}")
         if block != BLOCK:
-            if block not in WIDE_BLOCKS or k % block:
-                raise ValueError(f"q32: block ({block}) must be 32 or one of {WIDE_BLOCKS} "
-                                 f"dividing the inputs ({k})")
+            if block % BLOCK or not BLOCK < block <= MAX_BLOCK or k % block:
+                raise ValueError(f"q32: block ({block}) must be 32, or a multiple of 32 up to "
+                                 f"{MAX_BLOCK} dividing the inputs ({k})")
             u, d, m = requantize(u, d, m, block)
         self.block = block  # inputs per scale: the file's 32, or a requantized block
         pad = -n % PANEL
@@ -190,11 +198,11 @@ class Q32Linear:
     @classmethod
     def from_parts(cls, parts: list) -> Q32Linear | None:
         """The int8 form of these parts, or None if a part is of another type (callers ask
-        available() first): requantized to the longest block dividing the inputs where there
-        is one (wide_block) and PAGELLM_Q32_EXACT is not set, else the file's blocks."""
+        available() first): requantized where PAGELLM_Q32_BLOCK asks (wide_block), else the
+        file's blocks."""
         if not all(unsigned_blocks_kind(p) for p in parts):
             return None
-        block = None if exact_only() else wide_block(parts[0].shape[1])
+        block = wide_block(parts[0].shape[1])
         return cls(parts, block=block or BLOCK)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -273,8 +281,9 @@ def quantize(x: torch.Tensor, block: int = BLOCK
     product, from x rounded to bf16 (float32 rows are rounded as they are read: no bf16
     copy), one scale per `block` values of a row (the product's Q32Linear.block)."""
     rows, k = x.shape
-    if block not in (BLOCK, *WIDE_BLOCKS) or k % block:
-        raise ValueError(f"q32: block ({block}) must be 32 or one of {WIDE_BLOCKS} dividing {k}")
+    if block % BLOCK or not BLOCK <= block <= MAX_BLOCK or k % block:
+        raise ValueError(f"q32: block ({block}) must be a multiple of 32 up to {MAX_BLOCK} "
+                         f"dividing the inputs ({k})")
     if x.dtype != torch.float32:
         x = x.to(torch.bfloat16)
     x = x.contiguous()
