@@ -50,6 +50,13 @@ gc.freeze()
 
 
 @pytest.fixture(autouse=True)
+def exact_q32_blocks(monkeypatch):
+    """Tests assume the default numerics: the many-row products on the file's own blocks,
+    whatever PAGELLM_Q32_BLOCK the shell has (a test that wants requantized blocks sets it)."""
+    monkeypatch.delenv("PAGELLM_Q32_BLOCK", raising=False)
+
+
+@pytest.fixture(autouse=True)
 def leak_check():
     """After every test, every engine still alive is checked: those the test made and those a
     module- or session-scoped fixture made before it (and that this test used); and every

@@ -373,48 +373,54 @@ def test_quantizing_in_longer_blocks(block):
     the rounded values; float32 rows as their bf16 rounding; a NaN or infinity makes its block
     NaN."""
     g = torch.Generator().manual_seed(block)
-    x = torch.randn(9, 768, generator=g) * 5
+    x = torch.randn(33, 768, generator=g) * 5  # 16+ rows: two threads split them
     x[2, block + 3] = float("nan")
     x[4, 0] = float("inf")
     xq, dx, sx = q32.quantize(x.to(torch.bfloat16), block)
-    assert dx.shape == sx.shape == (9, 768 // block)
+    assert dx.shape == sx.shape == (33, 768 // block)
     for got in outputs_on_one_and_two_threads(lambda t: q32.quantize(t, block), x):
         assert torch.equal(got[0], xq) and _same(got[1], dx) and _same(got[2], sx)
-    xb = x.to(torch.bfloat16).double().view(9, -1, block)
+    xb = x.to(torch.bfloat16).double().view(33, -1, block)
     want_dx = xb.abs().amax(-1) / 127
     ok = torch.isfinite(want_dx)
     assert torch.isnan(dx[2, 1]) and torch.isnan(dx[4, 0]) and int(ok.sum()) == dx.numel() - 2
+    assert torch.isnan(sx[2, 1]) and torch.isnan(sx[4, 0])
+    bad = xq.view(33, -1, block)
+    assert not bad[2, 1].any() and not bad[4, 0].any()  # a bad block's codes are zeros
     assert torch.allclose(dx.double()[ok], want_dx[ok], rtol=1e-6)
     mx = xb.float().abs().amax(-1, keepdim=True)
     inv = torch.full_like(mx, 127) / mx  # the kernel's float32 arithmetic (127 / t: a reciprocal)
     codes = torch.round(xb.float() * inv)
-    assert torch.equal(xq.view(9, -1, block)[ok], codes[ok].to(torch.int8))
-    assert torch.allclose(sx.double()[ok], (dx.double()[..., None] * xq.view(9, -1, block)
+    assert torch.equal(xq.view(33, -1, block)[ok], codes[ok].to(torch.int8))
+    assert torch.allclose(sx.double()[ok], (dx.double()[..., None] * xq.view(33, -1, block)
                                             .double()).sum(-1)[ok], rtol=1e-5)
 
 
+@pytest.mark.parametrize("own", (32, 128))
 @pytest.mark.parametrize("block", (64, 192))
-def test_the_gated_product_quantized_in_longer_blocks_is_its_output_quantized(block):
+def test_the_gated_product_quantized_in_longer_blocks_is_its_output_quantized(block, own):
     """q32_linear_gated_q whose next product takes longer blocks (spanning several panels):
     the codes and scales q32_quantize gives from the gated product's bf16 output, on rows past
-    one chunk of 192, one and two threads."""
+    one chunk of 192, one and two threads; the gated product itself on the file's blocks
+    (own 32: PAGELLM_Q32_BLOCK=192 on a model whose hidden size 384 is no multiple of it)
+    or requantized ones."""
     from pagellm.kernels import native
 
     parts = [random_blocks(Q.Q4_1, 192, 384, seed=7), random_blocks(Q.Q8_0, 192, 384, seed=8)]
-    product = q32.Q32Linear(parts, block=128)
+    product = q32.Q32Linear(parts, block=own)
     assert product.gates
     g = torch.Generator().manual_seed(9)
     for rows in [1, 7, 197]:
         x = (torch.randn(rows, 384, generator=g) * 4).to(torch.bfloat16)
         x[-1, 3] = float("nan")
         want = q32.quantize(product.gated(x), block)
-        xq, dx, sx = q32.quantize(x, 128)
+        xq, dx, sx = q32.quantize(x, own)
         aq = torch.empty(rows, 192, dtype=torch.int8)
         adx, asx = torch.empty(rows, 192 // block), torch.empty(rows, 192 // block)
         for threads in (1, 2):
             aq.fill_(99), adx.fill_(-1.0), asx.fill_(-1.0)
             assert native.library().q32_linear_gated_q(
-                xq.data_ptr(), dx.data_ptr(), sx.data_ptr(), rows, 384, 128,
+                xq.data_ptr(), dx.data_ptr(), sx.data_ptr(), rows, 384, own,
                 product.codes.data_ptr(), product.d.data_ptr(), product.m.data_ptr(),
                 product.zeros_ptr(), int(product.nibbles), 384,
                 aq.data_ptr(), adx.data_ptr(), asx.data_ptr(), block, threads) == 0

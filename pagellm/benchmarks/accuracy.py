@@ -184,7 +184,9 @@ def main(argv: list[str] | None = None) -> int:
             row["vs_hf_mean_abs_logprob_diff"] = far["mean_abs_logprob_diff"]
             row["vs_hf_top1_agreement"] = far["top1_agreement"]
     files = common.write_results(args.out, "accuracy", {
-        "config": {k: v for k, v in vars(args).items()}, "results": rows}, render(rows, args))
+        "config": {**{k: v for k, v in vars(args).items()},  # and the numerics knobs set
+                   "env": {k: v for k, v in os.environ.items() if k.startswith("PAGELLM_")}},
+        "results": rows}, render(rows, args))
     if not args.no_plot:
         plot(rows, os.path.join(args.out, "accuracy.png"))
     return 0 if files else 1

@@ -5,6 +5,9 @@
  * code; Q8_0: the code + 128) and d, m floats (Q4_0: m = -8 d, Q5_0: -16 d, Q8_0: -128 d). The
  * activations are rounded per 32 values of a row to x_j ~ dx * xq_j (xq int8, dx = max|x| /
  * 127, as llama.cpp's Q8_1), so that for one block of a row and an output
+ * (requantized weights, q32.requantize, take blocks of B = 64-256 inputs instead: one d per B
+ * inputs, m = -128 d, and activations rounded per B values; every "32" of a block below is
+ * then B, and the tile gathers B / 32 runs of block_products before its float work)
  *
  *     sum_j w_j x_j ~ d * dx * sum_j u_j xq_j  +  m * sx        sx = dx * sum_j xq_j
  *
@@ -22,7 +25,7 @@
  * Codes are stored in panels of 32 outputs: [N / 32][K / 4][32][4] (each 4-byte lane holds 4
  * consecutive inputs of one output: vpdpbusd's unit; where every code is 4-bit, two a byte,
  * [N / 32][K / 4][16][4], outputs o and o + 16 in a byte's low and high nibble), d and m as
- * [N / 32][K / 32][32]. A tile is 6 rows x 32 outputs: 12 int32 sums for the block and 12
+ * [N / 32][K / B][32] (B = 32 for the file's blocks). A tile is 6 rows x 32 outputs: 12 int32 sums for the block and 12
  * float32 accumulators stay in registers; per 4 inputs it loads 2 code registers (or one of
  * nibbles) and broadcasts 6 activation words for 12 vpdpbusd.
  */
