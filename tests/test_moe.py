@@ -473,3 +473,23 @@ def test_attention_adapters_run_and_one_on_the_experts_is_refused(tmp_path):
     with pytest.raises(ValueError, match="layer 0 gate_proj: adapters on a mixture of experts"):
         llm.generate([PROMPTS[0]], params, lora_request=LoRARequest("mlp", 3, str(folder)),
                      use_tqdm=False)
+
+
+@pytest.mark.skipif(not native.available(), reason="no C compiler on this machine")
+def test_tensor_parallel_packed_experts_from_a_gguf_file(tmp_path):
+    """dtype auto over two gloo ranks: each rank keeps its share of every expert's file blocks
+    (gate|up by outputs, down by whole blocks of inputs: Q8_0 here, as a 256-value K-quant
+    row cut in half would go dense), and the greedy tokens and log-probabilities stay within
+    the packed path's error of float32's in one process."""
+    path = tmp_path / "tiny.gguf"
+    write_gguf(path, "qwen3_moe", expert_types={"down_proj": Q.Q8_0})
+    params = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True, logprobs=2)
+    want = LLM(str(path), dtype="float32", kv_cache_memory=2**22).generate(
+        PROMPTS, params, use_tqdm=False)
+    with LLM(str(path), tensor_parallel_size=2, kv_cache_memory=2**22) as llm:
+        assert llm.engine.dtype == torch.bfloat16
+        n_packed, total = llm.engine.model.num_packed()  # rank 0's share, in this process
+        assert n_packed == total
+        got = llm.generate(PROMPTS, params, use_tqdm=False)
+    for ref, out in zip(want, got):
+        assert_greedy_close(ref.outputs[0], out.outputs[0], 0.2)
