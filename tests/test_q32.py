@@ -350,6 +350,7 @@ def test_requantized_products_of_every_tile_shape_are_within_the_int8_bound(bloc
              random_blocks(Q.Q8_0, 13, k, seed=3)]  # a partial last panel
     product = q32.Q32Linear(parts, block=block)
     w = product.dequantize()
+    exact = torch.cat([p.dequantize() for p in parts]).double()  # the file's own weights
     g = torch.Generator().manual_seed(block)
     for rows in [1, 2, 5, 6, 7, 13, 197]:
         x = torch.randn(rows, k, generator=g) * 3
@@ -359,10 +360,9 @@ def test_requantized_products_of_every_tile_shape_are_within_the_int8_bound(bloc
         assert torch.equal(one, two)
         _check(one, xb.float(), product, w)
         assert torch.equal(product(x), one)  # float32 inputs are rounded to bf16 first
-        # the file's own weights, within the requantization's half step too
-        ref = xb.double() @ torch.cat([p.dequantize() for p in parts]).double().t()
-        moved = xb.double().abs() @ (w.double() - ref.new_tensor(
-            torch.cat([p.dequantize() for p in parts]).numpy())).abs().t()
+        # against the file's weights: the int8 bound plus what requantizing moved them by
+        ref = xb.double() @ exact.t()
+        moved = xb.double().abs() @ (w.double() - exact).abs().t()
         assert bool(((one.double() - ref).abs() <= _bound(xb.float(), product) + moved
                      + ref.abs() * 2 ** -8).all())
 

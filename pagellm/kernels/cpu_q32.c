@@ -25,9 +25,10 @@
  * Codes are stored in panels of 32 outputs: [N / 32][K / 4][32][4] (each 4-byte lane holds 4
  * consecutive inputs of one output: vpdpbusd's unit; where every code is 4-bit, two a byte,
  * [N / 32][K / 4][16][4], outputs o and o + 16 in a byte's low and high nibble), d and m as
- * [N / 32][K / B][32] (B = 32 for the file's blocks). A tile is 6 rows x 32 outputs: 12 int32 sums for the block and 12
- * float32 accumulators stay in registers; per 4 inputs it loads 2 code registers (or one of
- * nibbles) and broadcasts 6 activation words for 12 vpdpbusd.
+ * [N / 32][K / B][32] (B = 32 for the file's blocks). A tile is 6 rows x 32 outputs: 12
+ * int32 sums for the block and 12 float32 accumulators stay in registers; per 4 inputs it
+ * loads 2 code registers (or one of nibbles) and broadcasts 6 activation words for 12
+ * vpdpbusd.
  */
 #include <math.h>
 #include <stdint.h>

@@ -70,6 +70,13 @@ def wide_block(k: int) -> int | None:
     return int(want) if k % int(want) == 0 else None
 
 
+def check_block(block: int, k: int) -> None:
+    """A block the kernels take for K inputs: a multiple of 32, at most MAX_BLOCK, dividing K."""
+    if block % BLOCK or not BLOCK <= block <= MAX_BLOCK or k % block:
+        raise ValueError(f"q32: block ({block}) must be a multiple of 32 up to {MAX_BLOCK} "
+                         f"dividing the inputs ({k})")
+
+
 def requantize(u: torch.Tensor, d: torch.Tensor, m: torch.Tensor, block: int):
     """u [N, K] uint8, d, m [N, K / 32] (w = d u + m per 32) -> the same weights as int8 codes
     with one scale per `block` inputs: (u' = c + 128, d' = max|w| / 127, m' = -128 d'), c the
@@ -78,8 +85,7 @@ def requantize(u: torch.Tensor, d: torch.Tensor, m: torch.Tensor, block: int):
     w = (u.view(n, k // BLOCK, BLOCK).float() * d[..., None] + m[..., None]).view(n, k // block,
                                                                                  block)
     dw = w.abs().amax(dim=-1) / 127
-    c = torch.where(dw[..., None] > 0, w / dw.clamp_min(torch.finfo(torch.float32).tiny)[..., None],
-                    torch.zeros(()))
+    c = w / dw.clamp_min(torch.finfo(torch.float32).tiny)[..., None]  # d' = 0: w = 0, c = 0
     u2 = (torch.round(c).clamp(-127, 127) + 128).to(torch.uint8).view(n, k)
     return u2, dw, -128 * dw
 
@@ -170,10 +176,8 @@ class Q32Linear:
         n, k = u.shape
         if k % BLOCK:
             raise ValueError(f"q32: inputs ({k}) must be a multiple of {BLOCK}")
+        check_block(block, k)
         if block != BLOCK:
-            if block % BLOCK or not BLOCK < block <= MAX_BLOCK or k % block:
-                raise ValueError(f"q32: block ({block}) must be 32, or a multiple of 32 up to "
-                                 f"{MAX_BLOCK} dividing the inputs ({k})")
             u, d, m = requantize(u, d, m, block)
         self.block = block  # inputs per scale: the file's 32, or a requantized block
         pad = -n % PANEL
@@ -281,9 +285,7 @@ def quantize(x: torch.Tensor, block: int = BLOCK
     product, from x rounded to bf16 (float32 rows are rounded as they are read: no bf16
     copy), one scale per `block` values of a row (the product's Q32Linear.block)."""
     rows, k = x.shape
-    if block % BLOCK or not BLOCK <= block <= MAX_BLOCK or k % block:
-        raise ValueError(f"q32: block ({block}) must be a multiple of 32 up to {MAX_BLOCK} "
-                         f"dividing the inputs ({k})")
+    check_block(block, k)
     if x.dtype != torch.float32:
         x = x.to(torch.bfloat16)
     x = x.contiguous()
