@@ -280,7 +280,7 @@ def test_the_gated_products_quantized_output_is_its_output_quantized():
                 xq.data_ptr(), dx.data_ptr(), sx.data_ptr(), rows, 96, 32,
                 product.codes.data_ptr(), product.d.data_ptr(), product.m.data_ptr(),
                 product.zeros_ptr(), int(product.nibbles), 128,
-                aq.data_ptr(), adx.data_ptr(), asx.data_ptr(), 32, threads) == 0
+                aq.data_ptr(), adx.data_ptr(), asx.data_ptr(), 32, None, threads) == 0
             assert torch.equal(aq, want[0]) and _same(adx, want[1]) and _same(asx, want[2])
         assert torch.isnan(adx[-1]).all()
 
@@ -294,15 +294,22 @@ def test_requantized_blocks_are_opt_in_and_the_longest_that_divides_the_inputs(m
     exact = q32.Q32Linear.from_parts(parts)  # the default: the file's blocks, exactly
     assert exact.block == 32 and exact.nibbles is False and torch.equal(
         exact.dequantize(), torch.cat([p.dequantize() for p in parts]))
+    assert exact.pending_block is None
     monkeypatch.setenv("PAGELLM_Q32_BLOCK", "auto")
     assert [q32.wide_block(k) for k in (576, 1536, 896, 8960, 320, 96)] == [
         192, 256, 128, 256, 64, None]
-    assert q32.Q32Linear.from_parts(parts).block == 192
-    assert q32.Q32Linear.from_parts([random_blocks(Q.Q4_1, 32, 96, seed=3)]).block == 32
+    # the file's blocks until the loader requantizes the form (q32_smooth.requantize_model)
+    form = q32.Q32Linear.from_parts(parts)
+    assert form.block == 32 and form.pending_block == 192
+    assert torch.equal(form.dequantize(), exact.dequantize())
+    wide = form.requantized(192)
+    assert wide.block == 192 and wide.pending_block is None and wide.inv is None
+    assert torch.equal(wide.codes, q32.Q32Linear(parts, block=192).codes)
+    assert q32.Q32Linear.from_parts([random_blocks(Q.Q4_1, 32, 96, seed=3)]).pending_block is None
     monkeypatch.setenv("PAGELLM_Q32_BLOCK", "64")
-    assert q32.Q32Linear.from_parts(parts).block == 64
+    assert q32.Q32Linear.from_parts(parts).pending_block == 64
     monkeypatch.setenv("PAGELLM_Q32_BLOCK", "256")
-    assert q32.Q32Linear.from_parts(parts).block == 32  # 576 is no multiple of 256
+    assert q32.Q32Linear.from_parts(parts).pending_block is None  # 576 is no multiple of 256
     for bad in ("48", "512", "fast"):
         monkeypatch.setenv("PAGELLM_Q32_BLOCK", bad)
         with pytest.raises(ValueError, match="PAGELLM_Q32_BLOCK"):
@@ -423,6 +430,6 @@ def test_the_gated_product_quantized_in_longer_blocks_is_its_output_quantized(bl
                 xq.data_ptr(), dx.data_ptr(), sx.data_ptr(), rows, 384, own,
                 product.codes.data_ptr(), product.d.data_ptr(), product.m.data_ptr(),
                 product.zeros_ptr(), int(product.nibbles), 384,
-                aq.data_ptr(), adx.data_ptr(), asx.data_ptr(), block, threads) == 0
+                aq.data_ptr(), adx.data_ptr(), asx.data_ptr(), block, None, threads) == 0
             assert torch.equal(aq, want[0]) and _same(adx, want[1]) and _same(asx, want[2])
         assert torch.isnan(adx[-1]).all()

@@ -117,14 +117,15 @@ def test_wide_layer_output_equals_module_output_per_step(kv):
 @pytest.mark.skipif(not q32.available(), reason="needs the q32 products (AVX-512 VNNI, bf16 units)")
 def test_requantized_blocks_give_the_module_paths_output_per_step(monkeypatch):
     """PAGELLM_Q32_BLOCK=auto: the default model's products take blocks of 192 (q|k|v, o,
-    gate|up: 576 inputs) and 256 (down: 1,536), the gated product quantizing its output for
-    the longer block after each chunk of rows; the one native call still equals the module
-    path bit for bit."""
+    gate|up: 576 inputs) and 256 (down: 1,536), smoothed (every product's activations times
+    their factors), the gated product quantizing its output for the longer block after each
+    chunk of rows; the one native call still equals the module path bit for bit."""
     monkeypatch.setenv("PAGELLM_Q32_BLOCK", "auto")
     llm = _engine("auto")
     try:
         for layer in llm.engine.model.layers:
             assert [p.q32.block for p in layer.wide_layer._projections] == [192, 192, 192, 256]
+            assert all(p.q32.inv is not None for p in layer.wide_layer._projections)  # smoothed
             assert layer.wide_layer._q32 is not None
         rows, mismatches = _compare_per_step(llm, 5, _prompts())
     finally:

@@ -122,41 +122,48 @@ static inline __m512 bf16_rounded(__m512 v) {
 }
 
 /* One row of K bf16 values -> xq [K] int8, dx and sx [K / B] (B: the block length, a
- * multiple of 32 dividing K) */
-void q32_quantize_row(const uint16_t *x, int64_t K, int64_t B, int8_t *xq, float *dx,
-                      float *sx) {
+ * multiple of 32 dividing K). inv [K] (or NULL): each value is multiplied by its channel's
+ * inv in float32 first (smoothed products, q32.Q32Linear.inv: the weights carry 1 / inv). */
+void q32_quantize_row(const uint16_t *x, int64_t K, int64_t B, const float *inv, int8_t *xq,
+                      float *dx, float *sx) {
     float v[Q32_MAX_BLOCK];
     for (int64_t g = 0; g < K / B; g++) {
-        if (B == 32) {
+        if (B == 32 && !inv) {
             quantize32(load_bf16x16(x + g * 32), load_bf16x16(x + g * 32 + 16), xq + g * 32,
                        dx + g, sx + g);
             continue;
         }
-        for (int64_t i = 0; i < B; i += 16) _mm512_storeu_ps(v + i, load_bf16x16(x + g * B + i));
+        for (int64_t i = 0; i < B; i += 16) {
+            const __m512 w = load_bf16x16(x + g * B + i);
+            _mm512_storeu_ps(v + i, inv ? _mm512_mul_ps(w, _mm512_loadu_ps(inv + g * B + i)) : w);
+        }
         quantize_block(v, B, xq + g * B, dx + g, sx + g);
     }
 }
 
-/* x [R, K] bf16 -> xq [R, K] int8, dx and sx [R, K / B] */
-void q32_quantize(const uint16_t *x, int64_t R, int64_t K, int64_t B, int8_t *xq, float *dx,
-                  float *sx, int threads) {
+/* x [R, K] bf16 -> xq [R, K] int8, dx and sx [R, K / B] (inv: q32_quantize_row's) */
+void q32_quantize(const uint16_t *x, int64_t R, int64_t K, int64_t B, const float *inv,
+                  int8_t *xq, float *dx, float *sx, int threads) {
     const int64_t G = K / B;
     #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && R >= 16)
     for (int64_t r = 0; r < R; r++)
-        q32_quantize_row(x + r * K, K, B, xq + r * K, dx + r * G, sx + r * G);
+        q32_quantize_row(x + r * K, K, B, inv, xq + r * K, dx + r * G, sx + r * G);
 }
 
 /* x [R, K] float32 -> the same as q32_quantize of x rounded to bf16 first (no bf16 copy) */
-void q32_quantize_f32(const float *x, int64_t R, int64_t K, int64_t B, int8_t *xq, float *dx,
-                      float *sx, int threads) {
+void q32_quantize_f32(const float *x, int64_t R, int64_t K, int64_t B, const float *inv,
+                      int8_t *xq, float *dx, float *sx, int threads) {
     const int64_t G = K / B;
     #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && R >= 16)
     for (int64_t r = 0; r < R; r++) {
         float v[Q32_MAX_BLOCK];
         for (int64_t g = 0; g < G; g++) {
             const float *src = x + r * K + g * B;
-            for (int64_t i = 0; i < B; i += 16)
-                _mm512_storeu_ps(v + i, bf16_rounded(_mm512_loadu_ps(src + i)));
+            for (int64_t i = 0; i < B; i += 16) {
+                const __m512 w = bf16_rounded(_mm512_loadu_ps(src + i));
+                _mm512_storeu_ps(v + i, inv ? _mm512_mul_ps(w, _mm512_loadu_ps(inv + g * B + i))
+                                            : w);
+            }
             quantize_block(v, B, xq + r * K + g * B, dx + r * G + g, sx + r * G + g);
         }
     }
@@ -334,16 +341,17 @@ static inline void gate_rows(int rb, const uint16_t *g, const uint16_t *u, int64
     }
 }
 
-/* Bq: the block of the next product's activations (aq). At 32 a panel's 32 gated values of
- * a row are one such block, quantized in the tile; a longer block spans several panels, so
- * the gated values go to a bf16 buffer and each chunk of rows is quantized once all its
- * panels are done, while it is still in cache. */
+/* Bq: the block of the next product's activations (aq), inv its channels' factors (or NULL:
+ * q32_quantize_row's). At 32 without inv a panel's 32 gated values of a row are one such
+ * block, quantized in the tile; otherwise (a longer block spans several panels) the gated
+ * values go to a bf16 buffer and each chunk of rows is quantized once all its panels are
+ * done, while it is still in cache. */
 static int gated(const int8_t *xq, const float *dx, const float *sx, int64_t R, int64_t K,
                  int64_t B, const uint8_t *c, const float *d, const float *m,
                  const int32_t *zeros, int nibbles, int64_t N, uint16_t *a, int8_t *aq,
-                 float *adx, float *asx, int64_t Bq, int threads) {
+                 float *adx, float *asx, int64_t Bq, const float *inv, int threads) {
     const int64_t I = N / 2, P = I / 32, G = K / B, pb = (nibbles ? 16 : 32) * K;
-    const int later = aq && Bq != 32;  /* quantized after each chunk of rows */
+    const int later = aq && (Bq != 32 || inv);  /* quantized after each chunk of rows */
     uint16_t *ga = a;
     if (later && !ga && !(ga = malloc(sizeof(uint16_t) * (R * I > 0 ? R * I : 1)))) return -1;
     int8_t *gq = later ? NULL : aq;
@@ -373,7 +381,7 @@ static int gated(const int8_t *xq, const float *dx, const float *sx, int64_t R, 
             }
         }
         if (later)
-            q32_quantize(ga + r0 * I, r1 - r0, I, Bq, aq + r0 * I, adx + r0 * (I / Bq),
+            q32_quantize(ga + r0 * I, r1 - r0, I, Bq, inv, aq + r0 * I, adx + r0 * (I / Bq),
                          asx + r0 * (I / Bq), threads);
     }
     free(xs);
@@ -385,45 +393,45 @@ static int gated(const int8_t *xq, const float *dx, const float *sx, int64_t R, 
 int q32_linear_gated(const int8_t *xq, const float *dx, const float *sx, int64_t R, int64_t K,
                      int64_t B, const uint8_t *c, const float *d, const float *m,
                      const int32_t *zeros, int nibbles, int64_t N, uint16_t *a, int threads) {
-    return gated(xq, dx, sx, R, K, B, c, d, m, zeros, nibbles, N, a, NULL, NULL, NULL, 32,
+    return gated(xq, dx, sx, R, K, B, c, d, m, zeros, nibbles, N, a, NULL, NULL, NULL, 32, NULL,
                  threads);
 }
 
-/* The gated product's output as the next product's int8 activations only (blocks of Bq):
- * aq [R, N / 2], adx and asx [R, N / 2 / Bq], the values q32_linear_gated then q32_quantize
- * give. */
+/* The gated product's output as the next product's int8 activations only (blocks of Bq, inv
+ * its factors or NULL): aq [R, N / 2], adx and asx [R, N / 2 / Bq], the values
+ * q32_linear_gated then q32_quantize give. */
 int q32_linear_gated_q(const int8_t *xq, const float *dx, const float *sx, int64_t R,
                        int64_t K, int64_t B, const uint8_t *c, const float *d, const float *m,
                        const int32_t *zeros, int nibbles, int64_t N, int8_t *aq, float *adx,
-                       float *asx, int64_t Bq, int threads) {
-    return gated(xq, dx, sx, R, K, B, c, d, m, zeros, nibbles, N, NULL, aq, adx, asx, Bq,
+                       float *asx, int64_t Bq, const float *inv, int threads) {
+    return gated(xq, dx, sx, R, K, B, c, d, m, zeros, nibbles, N, NULL, aq, adx, asx, Bq, inv,
                  threads);
 }
 #else
 /* Without AVX-512 VNNI these products are not offered (layers/q32.py asks first). */
 int q32_available(void) { return 0; }
 
-void q32_quantize(const uint16_t *x, int64_t R, int64_t K, int64_t B, int8_t *xq, float *dx,
-                  float *sx, int threads) {
-    (void)x; (void)R; (void)K; (void)B; (void)xq; (void)dx; (void)sx; (void)threads;
+void q32_quantize(const uint16_t *x, int64_t R, int64_t K, int64_t B, const float *inv,
+                  int8_t *xq, float *dx, float *sx, int threads) {
+    (void)x; (void)R; (void)K; (void)B; (void)inv; (void)xq; (void)dx; (void)sx; (void)threads;
 }
 
-void q32_quantize_row(const uint16_t *x, int64_t K, int64_t B, int8_t *xq, float *dx,
-                      float *sx) {
-    (void)x; (void)K; (void)B; (void)xq; (void)dx; (void)sx;
+void q32_quantize_row(const uint16_t *x, int64_t K, int64_t B, const float *inv, int8_t *xq,
+                      float *dx, float *sx) {
+    (void)x; (void)K; (void)B; (void)inv; (void)xq; (void)dx; (void)sx;
 }
 
-void q32_quantize_f32(const float *x, int64_t R, int64_t K, int64_t B, int8_t *xq, float *dx,
-                      float *sx, int threads) {
-    (void)x; (void)R; (void)K; (void)B; (void)xq; (void)dx; (void)sx; (void)threads;
+void q32_quantize_f32(const float *x, int64_t R, int64_t K, int64_t B, const float *inv,
+                      int8_t *xq, float *dx, float *sx, int threads) {
+    (void)x; (void)R; (void)K; (void)B; (void)inv; (void)xq; (void)dx; (void)sx; (void)threads;
 }
 
 int q32_linear_gated_q(const int8_t *xq, const float *dx, const float *sx, int64_t R,
                        int64_t K, int64_t B, const uint8_t *c, const float *d, const float *m,
                        const int32_t *zeros, int nibbles, int64_t N, int8_t *aq, float *adx,
-                       float *asx, int64_t Bq, int threads) {
+                       float *asx, int64_t Bq, const float *inv, int threads) {
     (void)xq; (void)dx; (void)sx; (void)R; (void)K; (void)B; (void)c; (void)d; (void)m;
-    (void)zeros; (void)nibbles; (void)N; (void)aq; (void)adx; (void)asx; (void)Bq;
+    (void)zeros; (void)nibbles; (void)N; (void)aq; (void)adx; (void)asx; (void)Bq; (void)inv;
     (void)threads;
     return -1;
 }

@@ -31,17 +31,17 @@ int paged_attention(const float *q, float *out, const void *kc, const void *vc,
                     const int32_t *tables, int64_t MB, const int32_t *seq_lens,
                     const int32_t *qstart, const int32_t *seqs, int64_t n_seqs,
                     float scale, int threads, int kv_kind);
-void q32_quantize_row(const uint16_t *x, int64_t K, int64_t B, int8_t *xq, float *dx,
-                      float *sx);
-void q32_quantize_f32(const float *x, int64_t R, int64_t K, int64_t B, int8_t *xq, float *dx,
-                      float *sx, int threads);
+void q32_quantize_row(const uint16_t *x, int64_t K, int64_t B, const float *inv, int8_t *xq,
+                      float *dx, float *sx);
+void q32_quantize_f32(const float *x, int64_t R, int64_t K, int64_t B, const float *inv,
+                      int8_t *xq, float *dx, float *sx, int threads);
 int q32_linear(const int8_t *xq, const float *dx, const float *sx, int64_t R, int64_t K,
                int64_t B, const uint8_t *c, const float *d, const float *m,
                const int32_t *zeros, int nibbles, int64_t N, uint16_t *y, int threads);
 int q32_linear_gated_q(const int8_t *xq, const float *dx, const float *sx, int64_t R,
                        int64_t K, int64_t B, const uint8_t *c, const float *d, const float *m,
                        const int32_t *zeros, int nibbles, int64_t N, int8_t *aq, float *adx,
-                       float *asx, int64_t Bq, int threads);
+                       float *asx, int64_t Bq, const float *inv, int threads);
 
 static void round_row(const float *src, uint16_t *dst, int64_t n) {
     int64_t i = 0;
@@ -61,11 +61,11 @@ static void widen_row(const uint16_t *src, float *dst, int64_t n) {
 
 /* x [T, D] float32, updated in place to x + add when add [T, D] bf16 is given; out [T, D]
  * bf16 = rms_norm(x) rounded once; with xq, each row of out also quantized for a q32 product
- * in blocks of B (q32_quantize_row: xq [T, D], dx and sx [T, D / B]) while it is in L1.
- * Returns 0, or -1 when out of memory. */
+ * in blocks of B (q32_quantize_row with inv: xq [T, D], dx and sx [T, D / B]) while it is
+ * in L1. Returns 0, or -1 when out of memory. */
 static int norm_rows(float *x, const uint16_t *add, const float *weight, uint16_t *out,
-                     int8_t *xq, float *dx, float *sx, int64_t B, int64_t T, int64_t D,
-                     float eps, int threads) {
+                     int8_t *xq, float *dx, float *sx, int64_t B, const float *inv, int64_t T,
+                     int64_t D, float eps, int threads) {
     int failed = 0;
     #pragma omp parallel num_threads(threads) if (threads > 1 && T > 1)
     {
@@ -85,7 +85,9 @@ static int norm_rows(float *x, const uint16_t *add, const float *weight, uint16_
                 rms_norm(xr, NULL, NULL, weight, h, 1, D, eps);
             }
             round_row(h, out + t * D, D);
-            if (xq) q32_quantize_row(out + t * D, D, B, xq + t * D, dx + t * (D / B), sx + t * (D / B));
+            if (xq)
+                q32_quantize_row(out + t * D, D, B, inv, xq + t * D, dx + t * (D / B),
+                                 sx + t * (D / B));
         }
         free(buf);
     }
@@ -94,7 +96,7 @@ static int norm_rows(float *x, const uint16_t *add, const float *weight, uint16_
 
 int rms_norm_bf16(float *x, const uint16_t *add, const float *weight, uint16_t *out, int64_t T,
                   int64_t D, float eps, int threads) {
-    return norm_rows(x, add, weight, out, NULL, NULL, NULL, 32, T, D, eps, threads);
+    return norm_rows(x, add, weight, out, NULL, NULL, NULL, 32, NULL, T, D, eps, threads);
 }
 
 /* x * cos + roll(x, half) * signed_sin over each head of one row, each product and the sum
@@ -173,6 +175,7 @@ typedef struct {
     const float *d, *m;
     const int32_t *zeros;
     int64_t nibbles, n, block;  /* block: inputs per scale (q32.Q32Linear.block) */
+    const float *inv;  /* the activations' smoothing factors [K] (q32.Q32Linear.inv), or NULL */
 } q32_t;
 
 /* A layer whose four products all have q32 forms (kernels/cpu_wide_layer.py WideQ32). */
@@ -209,7 +212,8 @@ int wide_layer_q32(const wide_q32_t *L, float *x, int64_t T, const int64_t *posi
     int rc = -1;
     if (!h || !qkv || !y || !q || !a || !xq || !aq || !dx || !sx || !adx || !asx) goto done;
 
-    if (norm_rows(x, NULL, L->norm_in, h, xq, dx, sx, L->qkv.block, T, D, L->eps, threads))
+    if (norm_rows(x, NULL, L->norm_in, h, xq, dx, sx, L->qkv.block, L->qkv.inv, T, D, L->eps,
+                  threads))
         goto done;
     if (q32_linear(xq, dx, sx, T, D, L->qkv.block, L->qkv.codes, L->qkv.d, L->qkv.m, L->qkv.zeros,
                    (int)L->qkv.nibbles, L->qkv.n, qkv, threads)) goto done;
@@ -226,14 +230,15 @@ int wide_layer_q32(const wide_q32_t *L, float *x, int64_t T, const int64_t *posi
             }
         T = n_out;
     }
-    q32_quantize_f32(a, T, nq, L->o.block, xq, dx, sx, threads);
+    q32_quantize_f32(a, T, nq, L->o.block, L->o.inv, xq, dx, sx, threads);
     if (q32_linear(xq, dx, sx, T, nq, L->o.block, L->o.codes, L->o.d, L->o.m, L->o.zeros,
                    (int)L->o.nibbles, L->o.n, y, threads)) goto done;
-    if (norm_rows(x, y, L->norm_post, h, xq, dx, sx, L->gate_up.block, T, D, L->eps,
-                  threads)) goto done;  /* x += o */
+    if (norm_rows(x, y, L->norm_post, h, xq, dx, sx, L->gate_up.block, L->gate_up.inv, T, D,
+                  L->eps, threads)) goto done;  /* x += o */
     if (q32_linear_gated_q(xq, dx, sx, T, D, L->gate_up.block, L->gate_up.codes, L->gate_up.d,
                            L->gate_up.m, L->gate_up.zeros, (int)L->gate_up.nibbles,
-                           L->gate_up.n, aq, adx, asx, L->down.block, threads)) goto done;
+                           L->gate_up.n, aq, adx, asx, L->down.block, L->down.inv, threads))
+        goto done;
     if (q32_linear(aq, adx, asx, T, I, L->down.block, L->down.codes, L->down.d, L->down.m, L->down.zeros,
                    (int)L->down.nibbles, L->down.n, y, threads)) goto done;
     #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && T > 1)

@@ -24,7 +24,7 @@ from pagellm.kernels.cpu_layer import gate_up_silu_bf16
 class _Q32(ctypes.Structure):  # cpu_wide_layer.c q32_t
     _fields_ = [("codes", ctypes.c_void_p), ("d", ctypes.c_void_p), ("m", ctypes.c_void_p),
                 ("zeros", ctypes.c_void_p), ("nibbles", ctypes.c_int64), ("n", ctypes.c_int64),
-                ("block", ctypes.c_int64)]
+                ("block", ctypes.c_int64), ("inv", ctypes.c_void_p)]
 
 
 class _WideQ32(ctypes.Structure):  # cpu_wide_layer.c wide_q32_t
@@ -87,7 +87,7 @@ class WideLayer:
             norms[0].data_ptr(), norms[1].data_ptr(), None if bias is None else bias.data_ptr(),
             self._tables[0].data_ptr(), self._tables[1].data_ptr(),
             *(_Q32(f.codes.data_ptr(), f.d.data_ptr(), f.m.data_ptr(), f.zeros_ptr(), f.nibbles,
-                   f.out_features, f.block) for f in forms),
+                   f.out_features, f.block, f.inv_ptr()) for f in forms),
             *(None if t is None else t.data_ptr() for t in self._qk))
 
     @staticmethod

@@ -77,13 +77,18 @@ def check_block(block: int, k: int) -> None:
                          f"dividing the inputs ({k})")
 
 
-def requantize(u: torch.Tensor, d: torch.Tensor, m: torch.Tensor, block: int):
+def requantize(u: torch.Tensor, d: torch.Tensor, m: torch.Tensor, block: int,
+               smooth: torch.Tensor | None = None):
     """u [N, K] uint8, d, m [N, K / 32] (w = d u + m per 32) -> the same weights as int8 codes
     with one scale per `block` inputs: (u' = c + 128, d' = max|w| / 127, m' = -128 d'), c the
-    nearest integer (ties to even) to w / d' (|c| <= 127); a block of zeros gets d' = 0."""
+    nearest integer (ties to even) to w / d' (|c| <= 127); a block of zeros gets d' = 0.
+    smooth [K] (or None): the weights of input j multiplied by smooth[j] first (their
+    activations are divided by it: Q32Linear.inv)."""
     n, k = u.shape
-    w = (u.view(n, k // BLOCK, BLOCK).float() * d[..., None] + m[..., None]).view(n, k // block,
-                                                                                 block)
+    w = (u.view(n, k // BLOCK, BLOCK).float() * d[..., None] + m[..., None]).view(n, k)
+    if smooth is not None:
+        w = w * smooth
+    w = w.view(n, k // block, block)
     dw = w.abs().amax(dim=-1) / 127
     c = w / dw.clamp_min(torch.finfo(torch.float32).tiny)[..., None]  # d' = 0: w = 0, c = 0
     u2 = (torch.round(c).clamp(-127, 127) + 128).to(torch.uint8).view(n, k)
@@ -166,19 +171,30 @@ class Q32Linear:
     """y = x W^T for W [N, K] from 32-value blocks (one or more fused parts, in order): bf16
     activations in and out, like OneDNNLinear, which it replaces."""
 
+    inv = None  # [K] float32: the activations' smoothing factors (1 / smooth), or None
+
     def __init__(self, parts: list, pack_nibbles: bool = True, block: int = BLOCK):
         decoded = [unsigned_blocks(p) for p in parts]
         if any(x is None for x in decoded):
             raise ValueError("q32: every part must be a 32-value block type")
-        u = torch.cat([x[0] for x in decoded])
-        d = torch.cat([x[1] for x in decoded])
-        m = torch.cat([x[2] for x in decoded])
+        self._build(torch.cat([x[0] for x in decoded]), torch.cat([x[1] for x in decoded]),
+                    torch.cat([x[2] for x in decoded]), pack_nibbles, block)
+
+    def _build(self, u: torch.Tensor, d: torch.Tensor, m: torch.Tensor, pack_nibbles: bool,
+               block: int, smooth: torch.Tensor | None = None) -> None:
+        """The form of the weights w = d u + m per 32 inputs (u [N, K], d, m [N, K / 32]):
+        their own blocks (block 32), or requantized with one scale per `block` inputs, each
+        input's weights multiplied by smooth (and its activations by inv = 1 / smooth)."""
         n, k = u.shape
         if k % BLOCK:
             raise ValueError(f"q32: inputs ({k}) must be a multiple of {BLOCK}")
         check_block(block, k)
+        if smooth is not None:
+            if block == BLOCK or smooth.shape != (k,) or not bool((smooth > 0).all()):
+                raise ValueError("q32: smoothing takes a requantized block and K positive factors")
+            self.inv = (1 / smooth.float()).contiguous()
         if block != BLOCK:
-            u, d, m = requantize(u, d, m, block)
+            u, d, m = requantize(u, d, m, block, smooth)
         self.block = block  # inputs per scale: the file's 32, or a requantized block
         pad = -n % PANEL
         if pad:  # zero outputs past N fill the last panel (never stored)
@@ -199,15 +215,34 @@ class Q32Linear:
         self.m = m.view(p, PANEL, k // block).permute(0, 2, 1).contiguous()
         self.zeros = folded_zeros(self.d, self.m)
 
+    def requantized(self, block: int, smooth: torch.Tensor | None = None) -> Q32Linear:
+        """This form (the file's own 32-value blocks) requantized with one scale per `block`
+        inputs, each input's weights multiplied by smooth[j] where given (q32_smooth)."""
+        if self.block != BLOCK:
+            raise ValueError("q32: only the file's own blocks can be requantized")
+        n, k, g = self.out_features, self.in_features, self.in_features // BLOCK
+        u = self.unpacked_codes().permute(0, 2, 1, 3).reshape(-1, k)[:n]
+        d, m = (t.permute(0, 2, 1).reshape(-1, g)[:n] for t in (self.d, self.m))
+        out = Q32Linear.__new__(Q32Linear)
+        out._build(u, d, m, False, block, smooth)
+        out.pending_block = None
+        return out
+
+    # The requantized block PAGELLM_Q32_BLOCK asks for, while this form still holds the file's
+    # own blocks: the model's loader requantizes it once its activations are measured
+    # (q32_smooth.requantize_model); None when nothing waits.
+    pending_block: int | None = None
+
     @classmethod
     def from_parts(cls, parts: list) -> Q32Linear | None:
         """The int8 form of these parts, or None if a part is of another type (callers ask
-        available() first): requantized where PAGELLM_Q32_BLOCK asks (wide_block), else the
-        file's blocks."""
+        available() first): the file's blocks, with pending_block set where PAGELLM_Q32_BLOCK
+        asks for requantized ones (wide_block)."""
         if not all(unsigned_blocks_kind(p) for p in parts):
             return None
-        block = wide_block(parts[0].shape[1])
-        return cls(parts, block=block or BLOCK)
+        form = cls(parts)
+        form.pending_block = wide_block(parts[0].shape[1])
+        return form
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] -> [..., N] bf16; x is rounded to bf16 first, as OneDNNLinear does, so
@@ -229,7 +264,7 @@ class Q32Linear:
 
     def _run(self, x: torch.Tensor, width: int, kernel: str) -> torch.Tensor:
         lead, k = x.shape[:-1], self.in_features
-        xq, dx, sx = quantize(x.reshape(-1, k), self.block)
+        xq, dx, sx = quantize(x.reshape(-1, k), self.block, self.inv)
         rows = xq.shape[0]
         y = torch.empty(rows, width, dtype=torch.bfloat16)
         lib, threads = native.library(), torch.get_num_threads()
@@ -240,6 +275,10 @@ class Q32Linear:
         if rc != 0:
             raise MemoryError(f"{kernel}: out of memory for its block sums")
         return y.view(*lead, width)
+
+    def inv_ptr(self) -> int | None:
+        """The kernels' `inv` argument: None where the activations are not smoothed."""
+        return self.inv.data_ptr() if self.inv is not None else None
 
     def zeros_ptr(self) -> int | None:
         """The kernels' `zeros` argument: None where no panel folds its min term."""
@@ -279,13 +318,17 @@ def folded_zeros(d: torch.Tensor, m: torch.Tensor) -> torch.Tensor | None:
     return zeros if bool(zeros.any()) else None
 
 
-def quantize(x: torch.Tensor, block: int = BLOCK
+def quantize(x: torch.Tensor, block: int = BLOCK, inv: torch.Tensor | None = None
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [R, K] -> (xq [R, K] int8, dx, sx [R, K / block] float32): the activations of a q32
     product, from x rounded to bf16 (float32 rows are rounded as they are read: no bf16
-    copy), one scale per `block` values of a row (the product's Q32Linear.block)."""
+    copy), each value times inv[j] in float32 where given (Q32Linear.inv), one scale per
+    `block` values of a row (the product's Q32Linear.block)."""
     rows, k = x.shape
     check_block(block, k)
+    if inv is not None and (inv.dtype != torch.float32 or inv.shape != (k,)
+                            or not inv.is_contiguous()):
+        raise ValueError(f"q32: inv must be {k} contiguous float32 factors")
     if x.dtype != torch.float32:
         x = x.to(torch.bfloat16)
     x = x.contiguous()
@@ -293,8 +336,9 @@ def quantize(x: torch.Tensor, block: int = BLOCK
     dx = torch.empty(rows, k // block, dtype=torch.float32)
     sx = torch.empty(rows, k // block, dtype=torch.float32)
     kernel = "q32_quantize_f32" if x.dtype == torch.float32 else "q32_quantize"
-    getattr(native.library(), kernel)(x.data_ptr(), rows, k, block, xq.data_ptr(), dx.data_ptr(),
-                                      sx.data_ptr(), torch.get_num_threads())
+    getattr(native.library(), kernel)(x.data_ptr(), rows, k, block,
+                                      None if inv is None else inv.data_ptr(), xq.data_ptr(),
+                                      dx.data_ptr(), sx.data_ptr(), torch.get_num_threads())
     return xq, dx, sx
 
 

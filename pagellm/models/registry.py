@@ -10,6 +10,7 @@ from torch import nn
 from pagellm.attention.base import get_attention_backend
 from pagellm import parallel
 from pagellm.kernels import native
+from pagellm.layers import q32_smooth
 from pagellm.layers.linear import float32_biases, keep_float32, prepack_bf16, upcast
 from pagellm.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from pagellm.models.llama import LlamaForCausalLM
@@ -136,6 +137,9 @@ def build_model(files, dtype: torch.dtype, device: torch.device, max_position: i
         float32_biases(model)
         model.use_float32_activations()
         model.enable_fused_decode()
+    # requantized q32 blocks (PAGELLM_Q32_BLOCK), smoothed by a measured forward through the
+    # file's own blocks: before the one-call layers, which take the forms' pointers
+    q32_smooth.requantize_model(model, files.tokenizer, files.config.vocab_size)
     if device.type == "cpu" and dtype == torch.bfloat16:
         prepack_bf16(model)  # bf16 units: dense products from oneDNN's layout, made once
         if parallel.tp_size() == 1:
