@@ -104,24 +104,23 @@ def test_smoothing_factors_follow_the_measured_ranges():
     amax = torch.ones(k)
     amax[17] = 400.0
     amax[3] = 0.0
-    s = q32_smooth.factors(form, amax)
     w = form.dequantize().abs().amax(0)
+    assert torch.equal(q32.column_max(*form.own_blocks()), w)
+    s = q32_smooth.factors(amax, w)
     a = q32_smooth.ALPHA
     assert torch.allclose(s[5], amax[5] ** a / w[5] ** (1 - a))
     assert int(s.argmax()) == 17 and float(s[3]) == 1.0
+    # the loader's way (a function of the column maxima) makes the same form
+    made = form.requantized(64, lambda cols: q32_smooth.factors(amax, cols))
+    given = form.requantized(64, s)
+    assert torch.equal(made.codes, given.codes) and torch.equal(made.inv, given.inv)
+    assert torch.equal(made.d, given.d) and torch.equal(made.zeros, given.zeros)
     with pytest.raises(ValueError, match="smoothing"):
         form.requantized(64, -s)
     with pytest.raises(ValueError, match="smoothing"):
-        q32.Q32Linear(parts)._build(*_blocks_of(form), False, 32, s)
+        q32.Q32Linear(parts)._build(*form.own_blocks(), False, 32, s)
     with pytest.raises(ValueError, match="file's own blocks"):
         form.requantized(64).requantized(64)
-
-
-def _blocks_of(form: q32.Q32Linear):
-    k, g = form.in_features, form.in_features // 32
-    u = form.unpacked_codes().permute(0, 2, 1, 3).reshape(-1, k)[:form.out_features]
-    d, m = (t.permute(0, 2, 1).reshape(-1, g)[:form.out_features] for t in (form.d, form.m))
-    return u, d, m
 
 
 def _prompt_logprobs(monkeypatch, env: dict, prompt: list[int]) -> tuple[torch.Tensor, list]:

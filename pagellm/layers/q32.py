@@ -77,21 +77,47 @@ def check_block(block: int, k: int) -> None:
                          f"dividing the inputs ({k})")
 
 
+def _weights(u: torch.Tensor, d: torch.Tensor, m: torch.Tensor, rows: slice) -> torch.Tensor:
+    """w = d u + m of these rows [r, K] float32 (u [N, K], d, m [N, K / 32])."""
+    u, d, m = u[rows], d[rows], m[rows]
+    n, k = u.shape
+    w = u.view(n, k // BLOCK, BLOCK).float().mul_(d[..., None]).add_(m[..., None])
+    return w.view(n, k)
+
+
+CHUNK = 64  # rows requantized at a time: a few MB of float32, in cache between the passes
+
+
+def column_max(u: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """max_i |w_ij| [K] float32 over the outputs of w = d u + m per 32 (q32_smooth.factors)."""
+    out = torch.zeros(u.shape[1])
+    for r in range(0, u.shape[0], CHUNK):
+        torch.maximum(out, _weights(u, d, m, slice(r, r + CHUNK)).abs_().amax(0), out=out)
+    return out
+
+
 def requantize(u: torch.Tensor, d: torch.Tensor, m: torch.Tensor, block: int,
                smooth: torch.Tensor | None = None):
     """u [N, K] uint8, d, m [N, K / 32] (w = d u + m per 32) -> the same weights as int8 codes
     with one scale per `block` inputs: (u' = c + 128, d' = max|w| / 127, m' = -128 d'), c the
     nearest integer (ties to even) to w / d' (|c| <= 127); a block of zeros gets d' = 0.
     smooth [K] (or None): the weights of input j multiplied by smooth[j] first (their
-    activations are divided by it: Q32Linear.inv)."""
+    activations are divided by it: Q32Linear.inv). CHUNK rows at a time, in place."""
     n, k = u.shape
-    w = (u.view(n, k // BLOCK, BLOCK).float() * d[..., None] + m[..., None]).view(n, k)
-    if smooth is not None:
-        w = w * smooth
-    w = w.view(n, k // block, block)
-    dw = w.abs().amax(dim=-1) / 127
-    c = w / dw.clamp_min(torch.finfo(torch.float32).tiny)[..., None]  # d' = 0: w = 0, c = 0
-    u2 = (torch.round(c).clamp(-127, 127) + 128).to(torch.uint8).view(n, k)
+    u2 = torch.empty(n, k, dtype=torch.uint8)
+    dw = torch.empty(n, k // block)
+    tiny = torch.finfo(torch.float32).tiny
+    for r in range(0, n, CHUNK):
+        rows = slice(r, r + CHUNK)
+        w = _weights(u, d, m, rows)
+        if smooth is not None:
+            w.mul_(smooth)
+        w = w.view(w.shape[0], k // block, block)
+        scale = w.abs().amax(dim=-1).div_(127)
+        dw[rows] = scale
+        # d' = 0: w = 0, c = 0
+        c = w.div_(scale.clamp_min(tiny)[..., None]).round_().clamp_(-127, 127).add_(128)
+        u2[rows] = c.view(-1, k).to(torch.uint8)
     return u2, dw, -128 * dw
 
 
@@ -215,14 +241,22 @@ class Q32Linear:
         self.m = m.view(p, PANEL, k // block).permute(0, 2, 1).contiguous()
         self.zeros = folded_zeros(self.d, self.m)
 
-    def requantized(self, block: int, smooth: torch.Tensor | None = None) -> Q32Linear:
-        """This form (the file's own 32-value blocks) requantized with one scale per `block`
-        inputs, each input's weights multiplied by smooth[j] where given (q32_smooth)."""
+    def own_blocks(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(u [N, K] uint8, d, m [N, K / 32]): the file's blocks this form holds (block 32)."""
         if self.block != BLOCK:
             raise ValueError("q32: only the file's own blocks can be requantized")
         n, k, g = self.out_features, self.in_features, self.in_features // BLOCK
         u = self.unpacked_codes().permute(0, 2, 1, 3).reshape(-1, k)[:n]
         d, m = (t.permute(0, 2, 1).reshape(-1, g)[:n] for t in (self.d, self.m))
+        return u.contiguous(), d.contiguous(), m.contiguous()
+
+    def requantized(self, block: int, smooth=None) -> Q32Linear:
+        """This form (the file's own 32-value blocks) requantized with one scale per `block`
+        inputs, each input's weights multiplied by smooth[j] where given: a [K] tensor, or a
+        function of the weights' column maxima [K] that makes it (q32_smooth.factors)."""
+        u, d, m = self.own_blocks()
+        if callable(smooth):
+            smooth = smooth(column_max(u, d, m))
         out = Q32Linear.__new__(Q32Linear)
         out._build(u, d, m, False, block, smooth)
         out.pending_block = None

@@ -73,14 +73,15 @@ def pending(model) -> list:
             if getattr(m, "q32", None) is not None and m.q32.pending_block is not None]
 
 
-def calibration_ids(tokenizer, vocab_size: int) -> list[int]:
-    """CALIBRATION_TEXT's token ids, or fixed random ids where there is no tokenizer."""
+def calibration_ids(tokenizer, vocab_size: int, max_len: int) -> list[int]:
+    """CALIBRATION_TEXT's token ids, or fixed random ids where there is no tokenizer; at
+    most max_len (the model's positions)."""
     if tokenizer is not None:
         ids = tokenizer.encode(CALIBRATION_TEXT)
         if len(ids) >= 16 and max(ids) < vocab_size:
-            return ids
+            return ids[:max_len]
     g = torch.Generator().manual_seed(0)
-    return torch.randint(0, vocab_size, (RANDOM_TOKENS,), generator=g).tolist()
+    return torch.randint(0, vocab_size, (min(RANDOM_TOKENS, max_len),), generator=g).tolist()
 
 
 def measure(model, modules: list, ids: list[int]) -> dict:
@@ -118,26 +119,26 @@ def measure(model, modules: list, ids: list[int]) -> dict:
     return stats
 
 
-def factors(form: q32.Q32Linear, amax: torch.Tensor) -> torch.Tensor:
-    """s [K] for a form (the file's blocks) and its inputs' measured max |x_j|: SmoothQuant's
-    balance, 1 where a channel or its weights are all zero (or not finite)."""
-    w = form.dequantize().abs().amax(0)
+def factors(amax: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """s [K] from the inputs' measured max |x_j| and the weights' max_i |w_ij| (both [K]):
+    SmoothQuant's balance, 1 where a channel or its weights are all zero (or not finite)."""
     s = amax.clamp_min(1e-5) ** ALPHA / w.clamp_min(1e-5) ** (1 - ALPHA)
     keep = (amax > 0) & (w > 0) & torch.isfinite(s) & (s > 0)
     return torch.where(keep, s, torch.ones_like(s)).float()
 
 
-def requantize_model(model, tokenizer, vocab_size: int) -> int:
+def requantize_model(model, tokenizer, vocab_size: int, max_len: int) -> int:
     """Requantize every pending q32 form to its block, smoothed by a measured forward unless
     PAGELLM_Q32_SMOOTH=0. Returns the number of forms requantized."""
     modules = pending(model)
     if not modules:
         return 0
     start = time.perf_counter()
-    stats = measure(model, modules, calibration_ids(tokenizer, vocab_size)) if enabled() else {}
+    stats = (measure(model, modules, calibration_ids(tokenizer, vocab_size, max_len))
+             if enabled() else {})
     for m in modules:
         amax = stats.get(m)
-        smooth = factors(m.q32, amax) if amax is not None else None
+        smooth = (lambda w, a=amax: factors(a, w)) if amax is not None else None
         m.q32 = m.q32.requantized(m.q32.pending_block, smooth)
     logger.info("q32: %d products requantized (%s) in %.2f s", len(modules),
                 "smoothed" if stats else "not smoothed", time.perf_counter() - start)
