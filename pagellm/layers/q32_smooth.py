@@ -133,6 +133,7 @@ def requantize_model(model, tokenizer, vocab_size: int, max_len: int) -> int:
     modules = pending(model)
     if not modules:
         return 0
+    kept = sum(1 for m in model.modules() if getattr(m, "q32", None) is not None) - len(modules)
     start = time.perf_counter()
     stats = (measure(model, modules, calibration_ids(tokenizer, vocab_size, max_len))
              if enabled() else {})
@@ -140,6 +141,7 @@ def requantize_model(model, tokenizer, vocab_size: int, max_len: int) -> int:
         amax = stats.get(m)
         smooth = (lambda w, a=amax: factors(a, w)) if amax is not None else None
         m.q32 = m.q32.requantized(m.q32.pending_block, smooth)
-    logger.info("q32: %d products requantized (%s) in %.2f s", len(modules),
-                "smoothed" if stats else "not smoothed", time.perf_counter() - start)
+    logger.info("q32: %d products requantized (%s) in %.2f s; %d kept the file's blocks (their "
+                "inputs are no multiple of the block)", len(modules),
+                "smoothed" if stats else "not smoothed", time.perf_counter() - start, kept)
     return len(modules)
