@@ -15,7 +15,7 @@ and its activations by 1 / s_j, in float32, as the product's quantizer reads the
 is folded into other weights (norms, v, up), so the few-row kernels, which read the file's
 blocks, are untouched. Scored on this project's docs (`pagellm bench accuracy`, 8 windows of
 1,024 tokens), the default model's mean |log-probability difference| from float32
-transformers: the file's own blocks 0.060; blocks of 64 0.083 -> 0.059 smoothed; auto (192
+transformers: the file's own blocks 0.060; blocks of 64 0.086 -> 0.059 smoothed; auto (192
 and 256) 0.123 -> 0.078 (ALPHA 0.5: 0.080, 0.7: 0.084). PAGELLM_Q32_SMOOTH=0 requantizes
 without smoothing.
 """
@@ -84,9 +84,11 @@ def calibration_ids(tokenizer, vocab_size: int, max_len: int) -> list[int]:
     return torch.randint(0, vocab_size, (min(RANDOM_TOKENS, max_len),), generator=g).tolist()
 
 
-def measure(model, modules: list, ids: list[int]) -> dict:
-    """One forward of `ids` as one prompt through the model's module path; for each module,
-    max |x_j| [K] float32 over the rows its q32 form multiplied."""
+def measure(model, modules: list, ids: list[int], dtype: torch.dtype,
+            device: torch.device) -> dict:
+    """One forward of `ids` as one prompt through the model's module path, over a temporary
+    pool of the KV dtype serving takes (the model's dtype and device); for each module that
+    ran, max |x_j| [K] float32 over the rows its q32 form multiplied."""
     from pagellm.engine.memory import resolve_kv_dtype
     from pagellm.engine.model_runner import ModelRunner
 
@@ -103,11 +105,10 @@ def measure(model, modules: list, ids: list[int]) -> dict:
 
     for m in modules:  # an instance attribute: __call__ and gated() both run self._run
         m.q32._run = recording(m)
-    param = next(model.parameters())
-    kv = resolve_kv_dtype("auto", param.dtype, param.device, model.act_dtype)
+    kv = resolve_kv_dtype("auto", dtype, device, model.act_dtype)
     block_size = 16
     try:
-        runner = ModelRunner(model, -(-len(ids) // block_size), block_size, kv, param.device)
+        runner = ModelRunner(model, -(-len(ids) // block_size), block_size, kv, device)
         _, pos, md = runner.synthetic_step([len(ids)])
         with torch.inference_mode():
             model(torch.tensor(ids, dtype=torch.long), pos, md)
@@ -127,21 +128,24 @@ def factors(amax: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.where(keep, s, torch.ones_like(s)).float()
 
 
-def requantize_model(model, tokenizer, vocab_size: int, max_len: int) -> int:
+def requantize_model(model, tokenizer, vocab_size: int, max_len: int, dtype: torch.dtype,
+                     device: torch.device) -> int:
     """Requantize every pending q32 form to its block, smoothed by a measured forward unless
-    PAGELLM_Q32_SMOOTH=0. Returns the number of forms requantized."""
+    PAGELLM_Q32_SMOOTH=0 (a form the forward did not reach, e.g. every product where the
+    model's positions are fewer than a many-row step, is requantized unsmoothed, and the log
+    says how many). Returns the number of forms requantized."""
     modules = pending(model)
     if not modules:
         return 0
     kept = sum(1 for m in model.modules() if getattr(m, "q32", None) is not None) - len(modules)
     start = time.perf_counter()
-    stats = (measure(model, modules, calibration_ids(tokenizer, vocab_size, max_len))
-             if enabled() else {})
+    stats = (measure(model, modules, calibration_ids(tokenizer, vocab_size, max_len), dtype,
+                     device) if enabled() else {})
     for m in modules:
         amax = stats.get(m)
         smooth = (lambda w, a=amax: factors(a, w)) if amax is not None else None
         m.q32 = m.q32.requantized(m.q32.pending_block, smooth)
-    logger.info("q32: %d products requantized (%s) in %.2f s; %d kept the file's blocks (their "
-                "inputs are no multiple of the block)", len(modules),
-                "smoothed" if stats else "not smoothed", time.perf_counter() - start, kept)
+    logger.info("q32: %d products requantized (%d smoothed) in %.2f s; %d kept the file's "
+                "blocks (their inputs are no multiple of the block)", len(modules),
+                sum(m in stats for m in modules), time.perf_counter() - start, kept)
     return len(modules)

@@ -139,7 +139,8 @@ def build_model(files, dtype: torch.dtype, device: torch.device, max_position: i
         model.enable_fused_decode()
     # requantized q32 blocks (PAGELLM_Q32_BLOCK), smoothed by a measured forward through the
     # file's own blocks: before the one-call layers, which take the forms' pointers
-    q32_smooth.requantize_model(model, files.tokenizer, files.config.vocab_size, max_position)
+    q32_smooth.requantize_model(model, files.tokenizer, files.config.vocab_size, max_position,
+                                dtype, device)
     if device.type == "cpu" and dtype == torch.bfloat16:
         prepack_bf16(model)  # bf16 units: dense products from oneDNN's layout, made once
         if parallel.tp_size() == 1:
