@@ -302,7 +302,7 @@ def test_requantized_blocks_are_opt_in_and_the_longest_that_divides_the_inputs(m
     form = q32.Q32Linear.from_parts(parts)
     assert form.block == 32 and form.pending_block == 192
     assert torch.equal(form.dequantize(), exact.dequantize())
-    wide = form.requantized(192)
+    wide = q32.Q32Linear.from_blocks(*form.own_blocks(), 192)
     assert wide.block == 192 and wide.pending_block is None and wide.inv is None
     assert torch.equal(wide.codes, q32.Q32Linear(parts, block=192).codes)
     assert q32.Q32Linear.from_parts([random_blocks(Q.Q4_1, 32, 96, seed=3)]).pending_block is None

@@ -49,7 +49,7 @@ def test_the_quantizer_scales_each_channel_before_rounding(block):
 
 @pytest.mark.parametrize("block", (64, 192))
 def test_a_smoothed_product_is_the_files_product_within_its_bound(block):
-    """requantized(block, s): weights w_ij s_j requantized, activations x_j / s_j rounded per
+    """from_blocks(..., block, s): weights w_ij s_j requantized, activations x_j / s_j rounded per
     block: y = x W^T within half a step of each smoothed activation block times its weights,
     plus what requantizing moved the weights; one and two threads the same; the gated
     product's output quantized for a smoothed down product equals q32.quantize of its
@@ -60,7 +60,7 @@ def test_a_smoothed_product_is_the_files_product_within_its_bound(block):
     parts = [random_blocks(Q.Q4_1, 64, k, seed=3), random_blocks(Q.Q8_0, 64, k, seed=4)]
     exact = q32.Q32Linear(parts)
     s = _factors(k, 7)
-    product = exact.requantized(block, s)
+    product = q32.Q32Linear.from_blocks(*exact.own_blocks(), block, s)
     assert product.block == block and torch.allclose(product.inv, 1 / s)
     files = torch.cat([p.dequantize() for p in parts]).double()
     stored = product.dequantize().double()  # w s, requantized
@@ -110,19 +110,16 @@ def test_smoothing_factors_follow_the_measured_ranges():
     a = q32_smooth.ALPHA
     assert torch.allclose(s[5], amax[5] ** a / w[5] ** (1 - a))
     assert int(s.argmax()) == 17 and float(s[3]) == 1.0
-    # the loader's way (a function of the column maxima) makes the same form
-    made = form.requantized(64, lambda cols: q32_smooth.factors(amax, cols))
-    given = form.requantized(64, s)
-    assert torch.equal(made.codes, given.codes) and torch.equal(made.inv, given.inv)
-    assert torch.equal(made.d, given.d) and torch.equal(made.zeros, given.zeros)
+    blocks = form.own_blocks()
+    assert torch.allclose(q32.Q32Linear.from_blocks(*blocks, 64, s).inv, 1 / s)
     with pytest.raises(ValueError, match="smoothing"):
-        form.requantized(64, -s)
+        q32.Q32Linear.from_blocks(*blocks, 64, -s)
     with pytest.raises(ValueError, match="smoothing"):
-        form.requantized(64, torch.where(s > 2, torch.inf, s))
+        q32.Q32Linear.from_blocks(*blocks, 64, torch.where(s > 2, torch.inf, s))
     with pytest.raises(ValueError, match="smoothing"):
-        q32.Q32Linear(parts)._build(*form.own_blocks(), False, 32, s)
+        q32.Q32Linear.from_blocks(*blocks, 32, s)
     with pytest.raises(ValueError, match="file's own blocks"):
-        form.requantized(64).requantized(64)
+        q32.Q32Linear.from_blocks(*blocks, 64).own_blocks()
 
 
 def test_the_calibration_text_fits_the_model():

@@ -121,6 +121,11 @@ static inline __m512 bf16_rounded(__m512 v) {
                               _mm512_castsi512_ps(_mm512_set1_epi32(0x7fc00000)));
 }
 
+/* v times 16 smoothing factors at inv + at, or v where inv is NULL (Q32Linear.inv) */
+static inline __m512 smoothed(__m512 v, const float *inv, int64_t at) {
+    return inv ? _mm512_mul_ps(v, _mm512_loadu_ps(inv + at)) : v;
+}
+
 /* One row of K bf16 values -> xq [K] int8, dx and sx [K / B] (B: the block length, a
  * multiple of 32 dividing K). inv [K] (or NULL): each value is multiplied by its channel's
  * inv in float32 first (smoothed products, q32.Q32Linear.inv: the weights carry 1 / inv). */
@@ -133,10 +138,8 @@ void q32_quantize_row(const uint16_t *x, int64_t K, int64_t B, const float *inv,
                        dx + g, sx + g);
             continue;
         }
-        for (int64_t i = 0; i < B; i += 16) {
-            const __m512 w = load_bf16x16(x + g * B + i);
-            _mm512_storeu_ps(v + i, inv ? _mm512_mul_ps(w, _mm512_loadu_ps(inv + g * B + i)) : w);
-        }
+        for (int64_t i = 0; i < B; i += 16)
+            _mm512_storeu_ps(v + i, smoothed(load_bf16x16(x + g * B + i), inv, g * B + i));
         quantize_block(v, B, xq + g * B, dx + g, sx + g);
     }
 }
@@ -159,11 +162,9 @@ void q32_quantize_f32(const float *x, int64_t R, int64_t K, int64_t B, const flo
         float v[Q32_MAX_BLOCK];
         for (int64_t g = 0; g < G; g++) {
             const float *src = x + r * K + g * B;
-            for (int64_t i = 0; i < B; i += 16) {
-                const __m512 w = bf16_rounded(_mm512_loadu_ps(src + i));
-                _mm512_storeu_ps(v + i, inv ? _mm512_mul_ps(w, _mm512_loadu_ps(inv + g * B + i))
-                                            : w);
-            }
+            for (int64_t i = 0; i < B; i += 16)
+                _mm512_storeu_ps(v + i, smoothed(bf16_rounded(_mm512_loadu_ps(src + i)), inv,
+                                                 g * B + i));
             quantize_block(v, B, xq + r * K + g * B, dx + r * G + g, sx + r * G + g);
         }
     }

@@ -253,17 +253,15 @@ class Q32Linear:
         d, m = (t.permute(0, 2, 1).reshape(-1, g)[:n] for t in (self.d, self.m))
         return u.contiguous(), d.contiguous(), m.contiguous()
 
-    def requantized(self, block: int, smooth=None) -> Q32Linear:
-        """This form (the file's own 32-value blocks) requantized with one scale per `block`
-        inputs, each input's weights multiplied by smooth[j] where given: a [K] tensor, or a
-        function of the weights' column maxima [K] that makes it (q32_smooth.factors)."""
-        u, d, m = self.own_blocks()
-        if callable(smooth):
-            smooth = smooth(column_max(u, d, m))
-        out = Q32Linear.__new__(Q32Linear)
-        out._build(u, d, m, False, block, smooth)
-        out.pending_block = None
-        return out
+    @classmethod
+    def from_blocks(cls, u: torch.Tensor, d: torch.Tensor, m: torch.Tensor, block: int,
+                    smooth: torch.Tensor | None = None) -> Q32Linear:
+        """The form of the weights w = d u + m per 32 inputs (own_blocks()), requantized with
+        one scale per `block` inputs where block > 32, each input's weights multiplied by
+        smooth[j] where given (q32_smooth)."""
+        form = cls.__new__(cls)
+        form._build(u, d, m, True, block, smooth)
+        return form
 
     # The requantized block PAGELLM_Q32_BLOCK asks for, while this form still holds the file's
     # own blocks: the model's loader requantizes it once its activations are measured

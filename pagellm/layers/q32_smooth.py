@@ -141,10 +141,10 @@ def requantize_model(model, tokenizer, vocab_size: int, max_len: int, dtype: tor
     start = time.perf_counter()
     stats = (measure(model, modules, calibration_ids(tokenizer, vocab_size, max_len), dtype,
                      device) if enabled() else {})
-    for m in modules:
-        amax = stats.get(m)
-        smooth = (lambda w, a=amax: factors(a, w)) if amax is not None else None
-        m.q32 = m.q32.requantized(m.q32.pending_block, smooth)
+    for mod in modules:
+        u, d, m = mod.q32.own_blocks()
+        smooth = factors(stats[mod], q32.column_max(u, d, m)) if mod in stats else None
+        mod.q32 = q32.Q32Linear.from_blocks(u, d, m, mod.q32.pending_block, smooth)
     logger.info("q32: %d products requantized (%d smoothed) in %.2f s; %d kept the file's "
                 "blocks (their inputs are no multiple of the block)", len(modules),
                 sum(m in stats for m in modules), time.perf_counter() - start, kept)
