@@ -214,6 +214,24 @@ def test_threads_split_panels_without_changing_them_and_nan_stays_in_its_row(int
         assert bool(y[1].isnan().all()) and bool(y[[0, 2]].isfinite().all())
 
 
+@needs_kernel
+def test_a_block_too_small_for_a_finite_code_factor_quantizes_to_zeros(monkeypatch):
+    """int8 activations: a 32-value block whose largest magnitude is below 127 / FLT_MAX
+    (~3.7e-37: 127 / max overflows) takes codes of 0, so a row of such values gives outputs of
+    exactly 0 (an infinite factor made every code -128, whatever the values' signs), and
+    the rows beside it are untouched."""
+    monkeypatch.setenv("PAGELLM_PANELS_INT8", "1")
+    b = random_blocks(Q.Q4_K, 40, 512, seed=9, amplitude=0.2)
+    packed = quant.NativePanels(b)
+    assert packed.fmt == panels.Q4_K8
+    x = torch.randn(3, 512, generator=torch.Generator().manual_seed(9))
+    want = packed(x)
+    x[1] = torch.randn(512, generator=torch.Generator().manual_seed(10)) * 1e-37
+    y = packed(x)
+    assert bool((y[1] == 0).all())
+    assert torch.equal(y[[0, 2]], want[[0, 2]])
+
+
 def test_a_min_past_fp16s_range_keeps_exact_values():
     """Q4_0's min is -8 d: past fp16's range for d > 8188 it is kept in float32 (Q4_F32);
     Q5_0's (-16 d) has no such form: those weights keep the file's rows."""

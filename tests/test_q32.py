@@ -403,6 +403,23 @@ def test_quantizing_in_longer_blocks(block):
                                             .double()).sum(-1)[ok], rtol=1e-5)
 
 
+@pytest.mark.parametrize("block", (32, 64))
+def test_a_block_too_small_for_a_finite_code_factor_quantizes_to_zeros(block):
+    """A block whose largest magnitude is below 127 / FLT_MAX (~3.7e-37, which bf16 holds:
+    127 / max overflows) takes codes of 0 and a block sum of 0, so a product reads it as
+    zeros (an infinite factor made every code -128, whatever the values' signs); the blocks
+    beside it keep their codes, in the bf16 and float32 quantizers alike."""
+    g = torch.Generator().manual_seed(block)
+    x = torch.randn(2, 4 * block, generator=g)
+    x[1, block:2 * block] = torch.randn(block, generator=g) * 1e-37
+    for xq, dx, sx in (q32.quantize(x.to(torch.bfloat16), block), q32.quantize(x, block)):
+        want_q, want_dx, _ = q32.quantize(x[[0]].to(torch.bfloat16), block)
+        assert torch.equal(xq[0], want_q[0]) and torch.equal(dx[0], want_dx[0])
+        assert not xq[1, block:2 * block].any() and float(sx[1, 1]) == 0.0
+        assert bool(torch.isfinite(dx).all()) and bool(torch.isfinite(sx).all())
+        assert xq[1, :block].any() and xq[1, 2 * block:].any()
+
+
 @pytest.mark.parametrize("own", (32, 128))
 @pytest.mark.parametrize("block", (64, 192))
 def test_the_gated_product_quantized_in_longer_blocks_is_its_output_quantized(block, own):

@@ -189,3 +189,23 @@ def test_smoothing_brings_the_default_models_requantized_products_back_to_its_ac
     print(f"mean |logprob - float32 transformers|: own blocks {d_own:.4f}, 64 {d_plain:.4f}, "
           f"64 smoothed {d_smooth:.4f}")
     assert d_smooth <= 1.15 * d_own and d_smooth <= 0.85 * d_plain, (d_own, d_plain, d_smooth)
+
+
+def test_a_block_that_divides_no_products_inputs_is_said_at_load(monkeypatch, caplog):
+    """PAGELLM_Q32_BLOCK=224 on the default model (inputs 576 and 1,536, neither a multiple
+    of 224): every product keeps the file's blocks, and the load log says so, where it said
+    nothing before."""
+    import logging
+
+    from pagellm import LLM
+
+    monkeypatch.setenv("PAGELLM_Q32_BLOCK", "224")
+    with caplog.at_level(logging.WARNING, logger="pagellm.layers.q32_smooth"):
+        llm = LLM(dtype="auto", max_model_len=256, enable_prefix_caching=False)
+    try:
+        forms = [m.q32 for m in llm.engine.model.modules() if getattr(m, "q32", None)]
+    finally:
+        llm.shutdown()
+    assert forms and all(f.block == 32 and f.inv is None for f in forms)
+    assert any("PAGELLM_Q32_BLOCK=224 divides no product's inputs" in r.getMessage()
+               for r in caplog.records), caplog.records

@@ -115,23 +115,41 @@ def test_wide_layer_output_equals_module_output_per_step(kv):
 
 
 @pytest.mark.skipif(not q32.available(), reason="needs the q32 products (AVX-512 VNNI, bf16 units)")
-def test_requantized_blocks_give_the_module_paths_output_per_step(monkeypatch):
+@pytest.mark.parametrize("block", ["auto", "128 unsmoothed"])
+def test_requantized_blocks_give_the_module_paths_output_per_step(monkeypatch, caplog, block):
     """PAGELLM_Q32_BLOCK=auto: the default model's products take blocks of 192 (q|k|v, o,
     gate|up: 576 inputs) and 256 (down: 1,536), smoothed (every product's activations times
     their factors), the gated product quantizing its output for the longer block after each
-    chunk of rows; the one native call still equals the module path bit for bit."""
-    monkeypatch.setenv("PAGELLM_Q32_BLOCK", "auto")
-    llm = _engine("auto")
+    chunk of rows. 128 with PAGELLM_Q32_SMOOTH=0: only down takes it (576 is no multiple of
+    128; the load log names the projections that keep the file's blocks), unsmoothed, the
+    gated product quantizing its 32-block outputs for down's 128. Either way the one native
+    call still equals the module path bit for bit."""
+    import logging
+
+    monkeypatch.setenv("PAGELLM_Q32_BLOCK", block.split()[0])
+    if block != "auto":
+        monkeypatch.setenv("PAGELLM_Q32_SMOOTH", "0")
+    want = [192, 192, 192, 256] if block == "auto" else [32, 32, 32, 128]
+    with caplog.at_level(logging.INFO, logger="pagellm.layers.q32_smooth"):
+        llm = _engine("auto")
     try:
         for layer in llm.engine.model.layers:
-            assert [p.q32.block for p in layer.wide_layer._projections] == [192, 192, 192, 256]
-            assert all(p.q32.inv is not None for p in layer.wide_layer._projections)  # smoothed
+            assert [p.q32.block for p in layer.wide_layer._projections] == want
+            smoothed = [p.q32.inv is not None for p in layer.wide_layer._projections]
+            assert smoothed == [block == "auto" and b > 32 for b in want]
             assert layer.wide_layer._q32 is not None
         rows, mismatches = _compare_per_step(llm, 5, _prompts())
     finally:
         llm.shutdown()
     assert not mismatches, mismatches
     assert any(sum(n == 1 for n in q) > 40 for q, _ in rows), rows
+    log = " ".join(r.getMessage() for r in caplog.records if "requantized" in r.getMessage())
+    if block == "auto":
+        assert "120 products requantized (120 smoothed)" in log and log.endswith(": none"), log
+    else:
+        assert "30 products requantized (0 smoothed)" in log, log
+        for name in ("qkv_proj", "o_proj", "gate_up_proj"):
+            assert f"{name} (30 layers)" in log, log
 
 
 @pytest.mark.skipif(not q32.available(), reason="needs the q32 products (AVX-512 VNNI, bf16 units)")

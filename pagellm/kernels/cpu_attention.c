@@ -1206,9 +1206,7 @@ void store_kv_row(void *pool, int64_t index, const float *src, int64_t D, int ki
         finite &= isfinite(src[i]) != 0;
         mx = fabsf(src[i]) > mx ? fabsf(src[i]) : mx;
     }
-    /* a largest value below 127 / FLT_MAX (no finite 127 / mx) gives codes of 0, as zeros */
-    const float s = finite ? mx / 127.f : NAN,
-                inv = finite && mx > 0.f && isfinite(127.f / mx) ? 127.f / mx : 0.f;
+    const float s = finite ? mx / 127.f : NAN, inv = finite ? int8_code_factor(mx) : 0.f;
     int64_t i = 0;
 #ifdef __AVX512F__
     /* the same roundings 16 at a time (cvtps rounds to nearest even, as nearbyintf does) */

@@ -317,7 +317,7 @@ static void quantize_rows8(const float *x, int64_t R, int64_t K, int8_t *xq, flo
             continue;
         }
         const float mx = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
-        const __m512 inv = _mm512_set1_ps(mx > 0.f ? 127.f / mx : 0.f);
+        const __m512 inv = _mm512_set1_ps(int8_code_factor(mx));
         const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, inv));  /* |q| <= 127 */
         const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, inv));
         _mm_storeu_si128((__m128i *)(xq + b * GROUP), _mm512_cvtsepi32_epi8(q0));

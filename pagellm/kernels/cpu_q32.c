@@ -69,7 +69,7 @@ static inline void quantize32(__m512 v0, __m512 v1, int8_t *xq, float *dx, float
         *dx = *sx = NAN;
         return;
     }
-    const __m512 inv = _mm512_set1_ps(mx > 0.f ? 127.f / mx : 0.f);
+    const __m512 inv = _mm512_set1_ps(int8_code_factor(mx));
     /* round to nearest (even): |v * inv| <= 127 */
     const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, inv));
     const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, inv));
@@ -100,7 +100,7 @@ static inline void quantize_block(const float *v, int64_t B, int8_t *xq, float *
         return;
     }
     const float m = _mm512_reduce_max_ps(mx);
-    const __m512 inv = _mm512_set1_ps(m > 0.f ? 127.f / m : 0.f);
+    const __m512 inv = _mm512_set1_ps(int8_code_factor(m));
     __m512i sum = _mm512_setzero_si512();
     for (int64_t i = 0; i < B; i += 16) {
         const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(v + i), inv));

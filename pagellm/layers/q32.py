@@ -57,19 +57,28 @@ def available() -> bool:
             and native.cpu_has_bf16_units() and bool(lib.q32_available()))
 
 
-def wide_block(k: int) -> int | None:
-    """The requantized block for K inputs that PAGELLM_Q32_BLOCK asks for, or None (the
-    file's own 32-value blocks: the default). "auto": the longest of WIDE_BLOCKS dividing K;
-    a number (a multiple of 32, 64 to 256): that block where it divides K."""
+def asked_block() -> int | str | None:
+    """What PAGELLM_Q32_BLOCK asks for: None (the file's own 32-value blocks: the default),
+    "auto", or a block (a multiple of 32 from 64 to 256)."""
     want = os.environ.get("PAGELLM_Q32_BLOCK", "32").strip().lower()
     if want in ("", "32", "exact"):
         return None
     if want == "auto":
-        return next((b for b in WIDE_BLOCKS if k % b == 0), None)
+        return want
     if not want.isdigit() or int(want) % BLOCK or not 64 <= int(want) <= MAX_BLOCK:
         raise ValueError(f"PAGELLM_Q32_BLOCK: 32, auto, or a multiple of 32 from 64 to "
                          f"{MAX_BLOCK}; got {want!r}")
-    return int(want) if k % int(want) == 0 else None
+    return int(want)
+
+
+def wide_block(k: int) -> int | None:
+    """The requantized block for K inputs that PAGELLM_Q32_BLOCK asks for, or None (the
+    file's own 32-value blocks). "auto": the longest of WIDE_BLOCKS dividing K; a number:
+    that block where it divides K."""
+    want = asked_block()
+    if want == "auto":
+        return next((b for b in WIDE_BLOCKS if k % b == 0), None)
+    return want if want is not None and k % want == 0 else None
 
 
 def check_block(block: int, k: int) -> None:

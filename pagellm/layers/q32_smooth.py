@@ -128,16 +128,34 @@ def factors(amax: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.where(keep, s, torch.ones_like(s)).float()
 
 
+def kept_names(model) -> list[str]:
+    """The projections whose q32 forms keep the file's blocks while others wait for
+    requantization (their inputs are no multiple of the block PAGELLM_Q32_BLOCK asks for),
+    each named once with the layers that have it: "mlp.down_proj (30 layers)"."""
+    counts: dict[str, int] = {}
+    for name, m in model.named_modules():
+        if getattr(m, "q32", None) is not None and m.q32.pending_block is None:
+            parts = name.split(".")
+            at = next((i for i, p in enumerate(parts) if p.isdigit()), None)
+            key = ".".join(parts[at + 1:]) if at is not None else name
+            counts[key] = counts.get(key, 0) + 1
+    return [f"{k} ({n} layer{'s' if n != 1 else ''})" for k, n in counts.items()]
+
+
 def requantize_model(model, tokenizer, vocab_size: int, max_len: int, dtype: torch.dtype,
                      device: torch.device) -> int:
     """Requantize every pending q32 form to its block, smoothed by a measured forward unless
     PAGELLM_Q32_SMOOTH=0 (a form the forward did not reach, e.g. every product where the
     model's positions are fewer than a many-row step, is requantized unsmoothed, and the log
-    says how many). Returns the number of forms requantized."""
+    says how many; it also names the projections that keep the file's blocks). Returns the
+    number of forms requantized."""
     modules = pending(model)
+    kept = kept_names(model)
     if not modules:
+        if kept and q32.asked_block() is not None:
+            logger.warning("q32: PAGELLM_Q32_BLOCK=%s divides no product's inputs; every "
+                           "product keeps the file's blocks", os.environ["PAGELLM_Q32_BLOCK"])
         return 0
-    kept = sum(1 for m in model.modules() if getattr(m, "q32", None) is not None) - len(modules)
     start = time.perf_counter()
     stats = (measure(model, modules, calibration_ids(tokenizer, vocab_size, max_len), dtype,
                      device) if enabled() else {})
@@ -145,7 +163,8 @@ def requantize_model(model, tokenizer, vocab_size: int, max_len: int, dtype: tor
         u, d, m = mod.q32.own_blocks()
         smooth = factors(stats[mod], q32.column_max(u, d, m)) if mod in stats else None
         mod.q32 = q32.Q32Linear.from_blocks(u, d, m, mod.q32.pending_block, smooth)
-    logger.info("q32: %d products requantized (%d smoothed) in %.2f s; %d kept the file's "
-                "blocks (their inputs are no multiple of the block)", len(modules),
-                sum(m in stats for m in modules), time.perf_counter() - start, kept)
+    logger.info("q32: %d products requantized (%d smoothed) in %.2f s; the file's blocks kept "
+                "by those whose inputs are no multiple of the block: %s", len(modules),
+                sum(m in stats for m in modules), time.perf_counter() - start,
+                ", ".join(kept) or "none")
     return len(modules)
