@@ -214,7 +214,8 @@ def test_strict_tools_under_auto_on_the_real_coder():
 def test_the_real_coders_fenced_calls_are_calls():
     """Qwen2.5-Coder-1.5B writes its call as a ```json block rather than in <tool_call> tags
     (as llama.cpp does, pagellm reads such a whole-answer block as the call): with and without
-    `strict`, chat completions return the call; a question that needs no tool gets text."""
+    `strict`, chat completions return the call; a question that needs no tool gets text; with
+    tool_choice "required" or the function named, exactly one call."""
     import json
 
     from tests.test_server import running_server
@@ -240,3 +241,15 @@ def test_the_real_coders_fenced_calls_are_calls():
             model="tiny", tools=[tool], temperature=0, max_tokens=40,
             messages=[{"role": "user", "content": "Write a haiku about the sea."}])
         assert r.choices[0].message.tool_calls is None and r.choices[0].message.content
+        # tool_choice "required" and a named function (tools.call_grammar, parallel calls on):
+        # it writes a new line after "</tool_call>", and then ends, where it used to repeat
+        # the call until max_tokens
+        for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+            r = srv.client.chat.completions.create(
+                model="tiny", tools=[tool], tool_choice=choice, temperature=0, max_tokens=100,
+                messages=[{"role": "user", "content": "What is the weather in Oslo?"}])
+            out = r.choices[0]
+            assert out.finish_reason == "tool_calls" and out.message.content is None, out
+            (call,) = out.message.tool_calls
+            assert (call.function.name, json.loads(call.function.arguments)) == (
+                "get_weather", {"city": "Oslo"})

@@ -17,7 +17,8 @@ from pydantic import BaseModel, Field
 
 from pagellm import LLM, SamplingParams
 from pagellm.server.defaults import LLAMA_CPP, sampling_defaults
-from pagellm.server.tools import ToolStream, auto_grammar, parse_tool_calls, prompt_messages
+from pagellm.server.tools import (ToolStream, auto_grammar, call_grammar, parse_tool_calls,
+                                  prompt_messages)
 # the tiny chat model and its shared server come from test_server's fixtures
 from tests.test_server import (ENGINE_KW, MODEL, offline, post, running_server,  # noqa: F401
                                server, srv, tiny_path, wait_idle)
@@ -395,6 +396,43 @@ def test_the_strict_auto_grammar(tags_are_tokens):
     assert accepts("```json\n" + bare + "\n```") and accepts("```\n" + bare + "\n```")
     assert not accepts("```json\n" + half + "\n```") and not accepts('```json\n{"a": 1}\n```')
     assert accepts("```python\nprint(1)\n```") and accepts('See:\n```json\n{"a": 1}\n```')
+
+
+@pytest.mark.parametrize("tags_are_tokens", [False, True])
+def test_the_required_call_grammar_may_end_after_a_new_line(tags_are_tokens):
+    """tool_choice "required" or a named function: one call, or with parallel calls several
+    separated by new lines, and the answer may end after a call's new line. Qwen2.5-Coder-1.5B
+    writes "</tool_call>" then a new line; where only another call could follow that new line
+    it repeated the same call until max_tokens (finish_reason "length", a cut call left as
+    content); the last call's new line now ends the answer (tests/test_real_models.py)."""
+    from pagellm.models.loader import load_model_files
+    from pagellm.structured.matcher import GrammarBackend
+
+    tok = load_model_files(None).tokenizer
+    ids = (None, None)
+    if tags_are_tokens:  # as Qwen2.5's tokenizer has them
+        tok.add_tokens(["<tool_call>", "</tool_call>"])
+        ids = tuple(tok.convert_tokens_to_ids(t) for t in ("<tool_call>", "</tool_call>"))
+    backend = GrammarBackend(tok, len(tok), {tok.eos_token_id})
+
+    def accepts(text, parallel=True, only=None):
+        c = backend.constraint(call_grammar([WEATHER, TIME], only, parallel, *ids))
+        return (all(c.accept(t) for t in tok.encode(text, add_special_tokens=False))
+                and c.accept(tok.eos_token_id))
+
+    def call(name, args):
+        return f"<tool_call>\n{json.dumps({'name': name, 'arguments': args})}\n</tool_call>"
+
+    good = call("get_weather", {"city": "Oslo", "unit": "celsius"})
+    other = call("get_time", {"zone": "CET"})
+    for parallel in (True, False):
+        assert accepts(good, parallel) and accepts(good + "\n", parallel)
+        assert accepts(other, parallel, only="get_time")
+        assert not accepts(good, parallel, only="get_time")
+        assert not accepts("", parallel) and not accepts("Sunny.", parallel)
+        assert not accepts(good + "\n\n", parallel) and not accepts(good + " ok", parallel)
+    assert accepts(good + "\n" + other) and accepts(good + "\n" + other + "\n")
+    assert not accepts(good + "\n" + other, parallel=False)
 
 
 # ---- tool-call text: parsing, streaming hold-back, prompts for templates without tools -------

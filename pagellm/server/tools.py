@@ -148,7 +148,7 @@ def call_grammar(tools: list[dict], only: str | None, parallel: bool,
     repeat = ' ("\\n" call)*' if parallel else ""
     answer = (f" | %json {json.dumps(_bounded_space(answer_schema))}"
               if answer_schema is not None else "")
-    lark = (f"start: call{repeat}{answer}\n"
+    lark = (f"start: call{repeat} \"\\n\"?{answer}\n"
             f"call: {open_tag} \"\\n\" %json {json.dumps(schema)} \"\\n\" {close_tag}\n")
     return StructuredOutputsParams(grammar=lark)
 
