@@ -4,8 +4,9 @@ from __future__ import annotations
 
 # what render_chat itself passes to the template renderer: not a template variable to set
 RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "messages", "tools", "add_generation_prompt",
-                                      "tokenize", "return_dict", "chat_template",
-                                      "return_assistant_tokens_mask", "tokenizer_kwargs"})
+                                      "continue_final_message", "tokenize", "return_dict",
+                                      "chat_template", "return_assistant_tokens_mask",
+                                      "tokenizer_kwargs"})
 
 
 def check_template_kwargs(kwargs: dict | None, field: str = "chat_template_kwargs") -> None:
@@ -18,16 +19,25 @@ def check_template_kwargs(kwargs: dict | None, field: str = "chat_template_kwarg
 
 def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
                 tools: list[dict] | None = None,
-                template_kwargs: dict | None = None) -> list[int]:
+                template_kwargs: dict | None = None,
+                continue_final_message: bool = False) -> list[int]:
     """template_kwargs: more variables for the template (vLLM's chat_template_kwargs, e.g.
-    Qwen3's {"enable_thinking": False})."""
+    Qwen3's {"enable_thinking": False}). continue_final_message: the prompt ends inside the
+    last message, which the model goes on writing (an assistant turn begun by the caller:
+    "The answer is", an opening brace), as transformers renders it: no end-of-turn after it,
+    and no generation prompt (the two exclude each other)."""
     check_template_kwargs(template_kwargs)
+    if continue_final_message and add_generation_prompt:
+        raise ValueError("continue_final_message: cannot be combined with add_generation_prompt "
+                         "(set add_generation_prompt to false)")
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise ValueError("messages: this model has no chat template; use a completion prompt")
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or "role" not in m:
             raise ValueError(f"messages[{i}] must be an object with a 'role'")
     kw = {**(template_kwargs or {}), **({"tools": tools} if tools else {})}
+    if continue_final_message:
+        kw["continue_final_message"] = True
     text = tokenizer.apply_chat_template(messages, tokenize=False,
                                          add_generation_prompt=add_generation_prompt, **kw)
     # The template writes any BOS itself; encoding must not add a second one.

@@ -389,6 +389,40 @@ def test_tokenize_detokenize(srv, offline):
     assert bad.status_code == 400 and "out of range" in bad.json()["error"]["message"]
 
 
+def test_continue_final_message(srv, offline):
+    """vLLM's continue_final_message: the prompt ends inside the last (assistant) message, with
+    no end of turn after it, as transformers renders it; on chat completions (the official
+    client's extra_body), /tokenize and LLM.chat / apply_chat_template alike. The reply holds
+    the continuation only. With add_generation_prompt (the default) it is a 400 naming it."""
+    begun = CHAT + [{"role": "assistant", "content": "Red, green and"}]
+    tok = offline.get_tokenizer()
+    want = tok.encode(tok.apply_chat_template(begun, tokenize=False, continue_final_message=True),
+                      add_special_tokens=False)
+    closed = offline.apply_chat_template(begun, add_generation_prompt=False)
+    assert want == offline.apply_chat_template(begun, add_generation_prompt=False,
+                                               continue_final_message=True)
+    assert want == closed[:len(want)] and len(closed) > len(want)  # the end of turn is gone
+    assert tok.decode(want).endswith("Red, green and")
+    flags = {"add_generation_prompt": False, "continue_final_message": True}
+    assert post(srv, "/tokenize", {"messages": begun, **flags}).json()["tokens"] == want
+    r = srv.client.chat.completions.create(model=MODEL, messages=begun, max_tokens=4,
+                                           temperature=0, extra_body=flags)
+    assert r.usage.prompt_tokens == len(want)
+    sp = SamplingParams(temperature=0, max_tokens=4)
+    (out,) = offline.chat(begun, sp, use_tqdm=False, **flags)
+    assert r.choices[0].message.content == out.outputs[0].text
+    for path in ("/v1/chat/completions", "/tokenize"):
+        bad = post(srv, path, {"model": MODEL, "messages": begun, "max_tokens": 2,
+                               "continue_final_message": True})
+        assert bad.status_code == 400, bad.text
+        assert bad.json()["error"]["param"] == "continue_final_message", bad.text
+    with pytest.raises(ValueError, match="continue_final_message"):
+        offline.apply_chat_template(begun, continue_final_message=True)
+    bad = post(srv, "/v1/chat/completions", {"model": MODEL, "messages": begun, **flags,
+                                             "chat_template_kwargs": {"continue_final_message": 1}})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "chat_template_kwargs"
+
+
 def test_chat_template_kwargs(srv, offline):
     """vLLM's chat_template_kwargs are variables of the chat template (Qwen3's
     enable_thinking): on chat completions (the official client's extra_body) and /tokenize,

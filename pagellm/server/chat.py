@@ -35,7 +35,8 @@ async def create_chat_completion(request: Request):
     api.limits.check_logprobs(req.top_logprobs, "top_logprobs")
     messages = prompt_messages([m.as_dict() for m in req.messages], tools, native)
     ids = await api.off_loop(api.encode_chat, messages, req.add_generation_prompt,
-                             tools if native else None, req.chat_template_kwargs)
+                             tools if native else None, req.chat_template_kwargs,
+                             req.continue_final_message)
     api.limits.check_prompt_tokens(len(ids), "messages")
     parser = api.reasoning_parser
     opened = parser is not None and prompt_opens_thinking(

@@ -274,6 +274,7 @@ class ChatCompletionRequest(_Request, _TemplateKwargs):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # vLLM's: go on writing the last (assistant) message
     tools: list[Tool] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
@@ -417,6 +418,7 @@ class TokenizeRequest(_TemplateKwargs):
     add_special: bool | None = None  # llama.cpp's name (its default: false)
     with_pieces: bool = False  # llama.cpp: each token as {"id", "piece"}
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
 
 class EmbeddingRequest(BaseModel):

@@ -33,7 +33,7 @@ async def tokenize(request: Request):
     api.need_tokenizer("prompt" if req.messages is None else "messages")
     if req.messages is not None:
         ids = await api.off_loop(api.encode_chat, req.messages, req.add_generation_prompt,
-                                 None, req.chat_template_kwargs)
+                                 None, req.chat_template_kwargs, req.continue_final_message)
     else:
         special = (req.add_special if req.add_special is not None  # llama.cpp: default false
                    else False if req.content is not None else req.add_special_tokens)

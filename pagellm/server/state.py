@@ -156,13 +156,20 @@ class OpenAIServer:
 
     def encode_chat(self, messages, add_generation_prompt: bool,
                     tools: list[dict] | None = None,
-                    template_kwargs: dict | None = None) -> list[int]:
+                    template_kwargs: dict | None = None,
+                    continue_final_message: bool = False) -> list[int]:
         """messages: ChatMessage models or dicts already in the template's form;
-        template_kwargs: the request's chat_template_kwargs."""
+        template_kwargs: the request's chat_template_kwargs; continue_final_message: the
+        request's (render_chat's)."""
+        if continue_final_message and add_generation_prompt:
+            raise APIError(400, "continue_final_message: cannot be combined with "
+                           "add_generation_prompt (set add_generation_prompt to false)",
+                           param="continue_final_message")
         try:
             ids = render_chat(self.tokenizer,
                               [m if isinstance(m, dict) else m.as_dict() for m in messages],
-                              add_generation_prompt, tools, template_kwargs)
+                              add_generation_prompt, tools, template_kwargs,
+                              continue_final_message)
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from None
         except Exception as e:  # a template that raises (jinja TemplateError, ...)
