@@ -80,13 +80,17 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
 def cmd_generate(args: argparse.Namespace) -> int:
     from pagellm import LLM, SamplingParams
 
+    from pagellm.chat_template import load_chat_template
+
+    template = (None if args.chat_template is None
+                else load_chat_template(args.chat_template))
     llm = LLM(**engine_kwargs(args))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k, seed=args.sample_seed,
                             stop=args.stop or None)
     if args.chat:
         outs = llm.chat([{"role": "user", "content": p} for p in args.prompt][:1], params,
-                        use_tqdm=False)
+                        use_tqdm=False, chat_template=template)
     else:
         outs = llm.generate(args.prompt, params, use_tqdm=False)
     for out in outs:
@@ -164,6 +168,9 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--sample-seed", type=int, default=None, help="per-request sampling seed")
     gen.add_argument("--stop", action="append", default=[])
     gen.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    gen.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
+                     help="with --chat: this Jinja template (a file, or its text) instead of "
+                     "the model's own")
     add_engine_args(gen)
     gen.set_defaults(func=cmd_generate)
 
@@ -209,6 +216,10 @@ def add_api_args(srv: argparse.ArgumentParser) -> None:
     """What `serve` and `run-batch` answer requests with: the model's name, the reasoning
     parser, sampling defaults, request limits, and the engine's arguments."""
     srv.add_argument("--served-model-name", default=None)
+    srv.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
+                     help="the chat template for every chat request, instead of the model's "
+                     "own (a Jinja file, or the template's text): for a model whose file has "
+                     "none, or a better one")
     srv.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
                      help="LoRA adapters (PEFT folders or GGUF LoRA files) served beside the "
                      "base model: a "

@@ -118,21 +118,25 @@ class LLM:
              add_generation_prompt: bool = True,
              chat_template_kwargs: dict | None = None,
              lora_request: LoRARequest | None = None,
-             continue_final_message: bool = False) -> list[RequestOutput]:
+             continue_final_message: bool = False,
+             chat_template: str | None = None) -> list[RequestOutput]:
         """chat_template_kwargs: more variables for the chat template (e.g. Qwen3's
         {"enable_thinking": False}); continue_final_message: the model goes on writing the
-        last message (with add_generation_prompt=False)."""
+        last message (with add_generation_prompt=False); chat_template: a Jinja template
+        instead of the model's own."""
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [self.apply_chat_template(c, add_generation_prompt, chat_template_kwargs,
-                                            continue_final_message)
+                                            continue_final_message, chat_template)
                    for c in convs]
         return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             chat_template_kwargs: dict | None = None,
-                            continue_final_message: bool = False) -> list[int]:
+                            continue_final_message: bool = False,
+                            chat_template: str | None = None) -> list[int]:
         from pagellm.chat_template import render_chat
 
         return render_chat(self.engine.tokenizer, messages, add_generation_prompt,
                            template_kwargs=chat_template_kwargs,
-                           continue_final_message=continue_final_message)
+                           continue_final_message=continue_final_message,
+                           chat_template=chat_template)

@@ -8,6 +8,8 @@ import asyncio
 import io
 import json
 
+import pytest
+
 from pagellm import LLM, SamplingParams
 from pagellm.cli import main
 from pagellm.server.api_server import OpenAIServer, build_app
@@ -123,3 +125,71 @@ def test_a_request_that_fails_in_the_server_fails_alone(tiny_path, monkeypatch):
     assert results[1]["response"]["status_code"] == 500
     assert "internal server error" in results[1]["response"]["body"]["error"]["message"]
     assert_no_leaks(llm.engine)
+
+
+TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+            "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_a_chat_template_given_on_the_command_line(tmp_path):
+    """--chat-template (a file, or the template's text) serves chat requests for a model whose
+    files have no template (a base model: without it, a 400 that names the flag); the prompt is
+    LLM.chat's with the same template (`pagellm generate --chat --chat-template` prints its
+    answer); neither a file nor a template, or a template that does not parse, is refused
+    before the model loads."""
+    from pagellm.chat_template import load_chat_template
+    from pagellm.models.loader import load_model_files
+    from tests.helpers import make_tiny_model
+
+    tok = load_model_files(None).tokenizer
+    tok.chat_template = None
+    model = tmp_path / "base"
+    make_tiny_model(model, "llama", vocab_size=len(tok), max_position_embeddings=1024)
+    tok.save_pretrained(model)
+    assert load_model_files(str(model)).tokenizer.chat_template is None
+    (tmp_path / "t.jinja").write_text(TEMPLATE, encoding="utf-8")
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps({"custom_id": "c", "method": "POST",
+                               "url": "/v1/chat/completions", "body": CHAT}) + "\n")
+    engine = ["--model", str(model), "--served-model-name", MODEL, "--dtype", "float32",
+              "--kv-cache-memory", "16MiB", "--max-model-len", "1024"]
+
+    def answer(*flags):
+        dst = tmp_path / "out.jsonl"
+        assert main(["run-batch", "-i", str(src), "-o", str(dst), *engine, *flags]) == 0
+        return json.loads(dst.read_text())["response"]
+
+    refused = answer()
+    assert refused["status_code"] == 400
+    assert "--chat-template" in refused["body"]["error"]["message"]
+    llm = LLM(str(model), dtype="float32", kv_cache_memory="16MiB", max_model_len=1024)
+    want = llm.apply_chat_template(CHAT["messages"], chat_template=TEMPLATE)
+    (out,) = llm.chat(CHAT["messages"], SamplingParams(temperature=0, max_tokens=12),
+                      use_tqdm=False, chat_template=TEMPLATE)
+    assert want == tok.encode(tok.apply_chat_template(CHAT["messages"], tokenize=False,
+                                                      chat_template=TEMPLATE,
+                                                      add_generation_prompt=True),
+                              add_special_tokens=False)
+    for given in (str(tmp_path / "t.jinja"), TEMPLATE):
+        body = answer("--chat-template", given)["body"]
+        assert body["usage"]["prompt_tokens"] == len(want)
+        assert body["choices"][0]["message"]["content"] == out.outputs[0].text
+    for bad, why in (("no-such-file", "neither a file nor"), ("{% if %}", "does not parse")):
+        assert main(["run-batch", "-i", str(src), "-o", str(tmp_path / "x"), *engine,
+                     "--chat-template", bad]) == 2
+        with pytest.raises(ValueError, match=why):
+            load_chat_template(bad)
+
+
+def test_generate_with_a_chat_template(tmp_path, capsys, tiny_path):  # noqa: F811
+    """`pagellm generate --chat --chat-template T`: the answer LLM.chat gives with T."""
+    (tmp_path / "t.jinja").write_text(TEMPLATE, encoding="utf-8")
+    kw = {"dtype": "float32", "kv_cache_memory": "16MiB", "max_model_len": 1024}
+    llm = LLM(tiny_path, **kw)
+    (want,) = llm.chat([{"role": "user", "content": "Hi"}],
+                       SamplingParams(temperature=0, max_tokens=6), use_tqdm=False,
+                       chat_template=TEMPLATE)
+    assert main(["generate", "Hi", "--chat", "--chat-template", str(tmp_path / "t.jinja"),
+                 "--max-tokens", "6", "--model", tiny_path, "--dtype", "float32",
+                 "--kv-cache-memory", "16MiB", "--max-model-len", "1024"]) == 0
+    assert capsys.readouterr().out.rstrip("\n") == want.outputs[0].text

@@ -21,6 +21,7 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from pagellm.chat_template import load_chat_template
 from pagellm.engine.async_engine import RequestError
 from pagellm.server import routes
 from pagellm.server.chat import create_chat_completion
@@ -161,7 +162,16 @@ def make_api(args, engine_kwargs: dict, api_key: str | None = None,
     from pagellm.llm import LLM
     from pagellm.server.defaults import FIELDS, sampling_defaults
 
+    template = getattr(args, "chat_template", None)
+    if template is not None:  # checked before the model loads
+        template = load_chat_template(template)
     engine = LLM(**engine_kwargs).engine
+    if template is not None:
+        if engine.tokenizer is None:
+            raise ValueError("--chat-template: this model has no tokenizer")
+        engine.tokenizer.chat_template = template  # every route's render_chat reads it
+        logger.info("chat template: %s", args.chat_template if os.path.isfile(
+            args.chat_template) else "given inline")
     name = args.served_model_name or default_model_name(engine_kwargs.get("model"),
                                                         engine.model_path)
     defaults, source = sampling_defaults(
