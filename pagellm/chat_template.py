@@ -19,12 +19,20 @@ def check_template_kwargs(kwargs: dict | None, field: str = "chat_template_kwarg
 
 def load_chat_template(value: str, field: str = "--chat-template") -> str:
     """A chat template given as a file's path or as the Jinja text itself (vLLM's and
-    llama.cpp's --chat-template / --chat-template-file in one): the text, checked to parse.
+    llama.cpp's --chat-template / --chat-template-file in one): the text, checked to parse as
+    transformers compiles it (its sandbox with loop controls and `{% generation %}`).
     ValueError naming the field for neither, or a template that does not parse."""
     import os
 
     import jinja2
 
+    try:  # transformers' own compiler: the extensions render_chat's templates get
+        from transformers.utils.chat_template_utils import _compile_jinja_template as compile_
+    except ImportError:
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        env = ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols"])
+        compile_ = env.from_string
     if os.path.isfile(value):
         with open(value, encoding="utf-8") as f:
             text = f.read()
@@ -33,7 +41,7 @@ def load_chat_template(value: str, field: str = "--chat-template") -> str:
     else:
         raise ValueError(f"{field}: {value!r} is neither a file nor a Jinja template")
     try:
-        jinja2.Environment().parse(text)
+        compile_(text)
     except jinja2.TemplateSyntaxError as e:
         raise ValueError(f"{field}: the template does not parse: {e}") from None
     return text

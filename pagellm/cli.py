@@ -82,6 +82,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     from pagellm.chat_template import load_chat_template
 
+    if args.chat_template is not None and not args.chat:
+        raise ValueError("--chat-template: applies with --chat only")
     template = (None if args.chat_template is None
                 else load_chat_template(args.chat_template))
     llm = LLM(**engine_kwargs(args))

@@ -76,6 +76,11 @@ def test_q4_without_mins_and_with_outliers(layout):
     _close(quant.NativeQ4(w)(x), x, w)
     zero = torch.zeros(2, 64)
     assert torch.equal(quant.NativeQ4(w)(zero), torch.zeros(2, 24))
+    # values below 32767 / FLT_MAX (~9.6e-35): no finite int16 factor, codes of 0
+    # (vec_math.h code_factor), so what is left (the min term's exact sums) is odd in x;
+    # an infinite factor saturated every code to -32768, whatever the values' signs
+    tiny = torch.randn(2, 64) * 1e-37
+    assert torch.equal(quant.NativeQ4(w)(-tiny), -quant.NativeQ4(w)(tiny))
 
 
 def test_q8_head_matches_dequantized_product():

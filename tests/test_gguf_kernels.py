@@ -59,6 +59,10 @@ def test_outliers_and_zeros(qtype):
     x[:, 7] = 5000.0  # one block 1000x the rest: every block keeps its own scale
     _check(quant.NativeGGUF(blocks)(x), x, blocks)
     assert torch.equal(quant.NativeGGUF(blocks)(torch.zeros(3, 512)), torch.zeros(3, 16))
+    # values below 32767 / FLT_MAX (~9.6e-35): codes of 0 (vec_math.h code_factor), so
+    # what is left (the mins' exact sums) is odd in x, where saturated codes were not
+    tiny = torch.randn(3, 512) * 1e-37
+    assert torch.equal(quant.NativeGGUF(blocks)(-tiny), -quant.NativeGGUF(blocks)(tiny))
 
 
 def test_threads_split_outputs_without_changing_them():

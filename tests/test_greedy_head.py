@@ -134,13 +134,15 @@ def test_a_hidden_value_that_is_not_finite_leaves_it_to_the_other_head():
 
 @needs_kernel
 def test_rows_where_no_bound_holds_leave_it_to_the_other_head():
-    """A block of subnormal values (127 / its largest overflows) and finite values whose
-    products overflow float32 give no bound on the int8 products: the other head runs. A
-    head with a non-finite scale gets no greedy form (the model loads without one)."""
+    """A block of subnormal values, or of normal ones below 127 / FLT_MAX (~3.7e-37: 127 / its
+    largest overflows either way), and finite values whose products overflow float32 give no
+    bound on the int8 products: the other head runs. A head with a non-finite scale gets no
+    greedy form (the model loads without one)."""
     head = greedy_head.GreedyHeadQ8(_q8_head(96, 64, seed=11))
-    h = _hidden(4, 64, seed=12)
-    h[2, :32] = 1e-39  # a subnormal block
-    assert head(h) is None
+    for tiny in (1e-39, 1e-37):  # subnormal; normal (above FLT_MIN ~1.2e-38) but too small
+        h = _hidden(4, 64, seed=12)
+        h[2, :32] = tiny
+        assert head(h) is None, tiny
     h = _hidden(4, 64, seed=12)
     h[1] = 3e38  # finite, but its products overflow
     assert head(h) is None

@@ -68,6 +68,10 @@ def test_row_chunks_outliers_and_zeros():
     x[:, 7] = 5000.0
     _check(product(x), x, blocks)
     assert torch.equal(product(torch.zeros(5, 4096)), torch.zeros(5, 16))
+    # a super-block so small that its step's reciprocal overflows: codes of 0 (code_factor),
+    # so what is left (the mins' exact sums) is odd in x; saturated codes (-127) were not
+    tiny = torch.randn(5, 4096) * 1e-37
+    assert torch.equal(product(-tiny), -product(tiny))
 
 
 def test_blocks_beside_an_outlier_keep_int8_precision():

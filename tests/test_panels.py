@@ -215,20 +215,21 @@ def test_threads_split_panels_without_changing_them_and_nan_stays_in_its_row(int
 
 
 @needs_kernel
-def test_a_block_too_small_for_a_finite_code_factor_quantizes_to_zeros(monkeypatch):
-    """int8 activations: a 32-value block whose largest magnitude is below 127 / FLT_MAX
-    (~3.7e-37: 127 / max overflows) takes codes of 0, so a row of such values gives outputs of
-    exactly 0 (an infinite factor made every code -128, whatever the values' signs), and
-    the rows beside it are untouched."""
-    monkeypatch.setenv("PAGELLM_PANELS_INT8", "1")
-    b = random_blocks(Q.Q4_K, 40, 512, seed=9, amplitude=0.2)
+def test_a_block_too_small_for_a_finite_code_factor_quantizes_to_zeros(qtype):
+    """A block whose largest magnitude is below 127 / FLT_MAX (~3.7e-37; int16 panels:
+    32767 / FLT_MAX, ~9.6e-35) has no finite code factor and takes codes of 0
+    (vec_math.h code_factor), so a row of such values gives outputs of exactly 0 (an
+    infinite factor made every code the most negative one, whatever the values' signs): what
+    is left of such a row (the min term's exact sums, where a form has one) is odd in x, and
+    the rows beside it are untouched; every panel form."""
+    n, k = _shape(qtype)
+    b = random_blocks(qtype, n, k, seed=9, amplitude=0.2)
     packed = quant.NativePanels(b)
-    assert packed.fmt == panels.Q4_K8
-    x = torch.randn(3, 512, generator=torch.Generator().manual_seed(9))
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(9))
     want = packed(x)
-    x[1] = torch.randn(512, generator=torch.Generator().manual_seed(10)) * 1e-37
+    x[1] = torch.randn(k, generator=torch.Generator().manual_seed(10)) * 1e-37
     y = packed(x)
-    assert bool((y[1] == 0).all())
+    assert torch.equal(packed(-x)[1], -y[1]) and bool(y[1].isfinite().all())
     assert torch.equal(y[[0, 2]], want[[0, 2]])
 
 

@@ -174,6 +174,9 @@ def test_a_chat_template_given_on_the_command_line(tmp_path):
         body = answer("--chat-template", given)["body"]
         assert body["usage"]["prompt_tokens"] == len(want)
         assert body["choices"][0]["message"]["content"] == out.outputs[0].text
+    # what transformers' own compiler takes: loop controls, the assistant-mask tag
+    assert load_chat_template("{% for m in messages %}{% break %}{% endfor %}")
+    assert load_chat_template("{% generation %}{{ messages[0].content }}{% endgeneration %}")
     for bad, why in (("no-such-file", "neither a file nor"), ("{% if %}", "does not parse")):
         assert main(["run-batch", "-i", str(src), "-o", str(tmp_path / "x"), *engine,
                      "--chat-template", bad]) == 2
@@ -193,3 +196,5 @@ def test_generate_with_a_chat_template(tmp_path, capsys, tiny_path):  # noqa: F8
                  "--max-tokens", "6", "--model", tiny_path, "--dtype", "float32",
                  "--kv-cache-memory", "16MiB", "--max-model-len", "1024"]) == 0
     assert capsys.readouterr().out.rstrip("\n") == want.outputs[0].text
+    assert main(["generate", "Hi", "--chat-template", TEMPLATE, "--model", tiny_path]) == 2
+    assert "--chat only" in capsys.readouterr().err

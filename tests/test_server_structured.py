@@ -415,8 +415,8 @@ def test_the_required_call_grammar_may_end_after_a_new_line(tags_are_tokens):
         ids = tuple(tok.convert_tokens_to_ids(t) for t in ("<tool_call>", "</tool_call>"))
     backend = GrammarBackend(tok, len(tok), {tok.eos_token_id})
 
-    def accepts(text, parallel=True, only=None):
-        c = backend.constraint(call_grammar([WEATHER, TIME], only, parallel, *ids))
+    def accepts(text, parallel=True, only=None, answer=None):
+        c = backend.constraint(call_grammar([WEATHER, TIME], only, parallel, *ids, answer))
         return (all(c.accept(t) for t in tok.encode(text, add_special_tokens=False))
                 and c.accept(tok.eos_token_id))
 
@@ -433,6 +433,11 @@ def test_the_required_call_grammar_may_end_after_a_new_line(tags_are_tokens):
         assert not accepts(good + "\n\n", parallel) and not accepts(good + " ok", parallel)
     assert accepts(good + "\n" + other) and accepts(good + "\n" + other + "\n")
     assert not accepts(good + "\n" + other, parallel=False)
+    # beside a JSON answer (tool_choice auto with a JSON response_format): calls as above, or
+    # the answer alone
+    answer = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    assert accepts(good + "\n", answer=answer) and accepts('{"a": 1}', answer=answer)
+    assert not accepts('{"b": 1}', answer=answer) and not accepts(good + '{"a": 1}', answer=answer)
 
 
 # ---- tool-call text: parsing, streaming hold-back, prompts for templates without tools -------

@@ -26,6 +26,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include "gguf_types.h"
+#include "vec_math.h"
 
 static inline float f16(const uint8_t *p) {
     uint16_t h;
@@ -42,7 +43,7 @@ static void quantize(const float *x, int64_t R, int64_t K, int A, int16_t *xq, f
         __m256 m = _mm256_setzero_ps();
         for (int j = 0; j < A; j += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(xa + j)));
         const float mx = hmax8(m);
-        const __m256 inv = _mm256_set1_ps(mx > 0.f ? 32767.f / mx : 0.f);
+        const __m256 inv = _mm256_set1_ps(code_factor(32767.f, mx));
         for (int j = 0; j < A; j += 32) {
             __m256 sum = _mm256_setzero_ps();
             for (int h = 0; h < 32; h += 8) {

@@ -33,6 +33,7 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #include <immintrin.h>
 #include "q32_block.h"
+#include "vec_math.h"
 
 #define GH_TILE_R 6
 #define GH_PANEL 32
@@ -40,7 +41,8 @@
 int greedy_head_available(void) { return 1; }
 
 /* h [K] float32 -> xu [K] (int8 codes + 128) and dx [K / 32]; returns 0, or -1 where a
- * value is not finite or a block's largest is subnormal */
+ * value is not finite or a block's largest is too small for a finite 127 / max (below
+ * ~3.7e-37, subnormals included: code_factor) */
 static int quantize_row(const float *h, int64_t K, uint8_t *xu, float *dx) {
     const __m512i bias = _mm512_set1_epi32(128);
     for (int64_t g = 0; g < K / 32; g++) {
@@ -50,8 +52,9 @@ static int quantize_row(const float *h, int64_t K, uint8_t *xu, float *dx) {
             return -1;
         const float mx = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0),
                                                             _mm512_abs_ps(v1)));
-        if (mx > 0.f && mx < FLT_MIN) return -1;  /* 127 / mx could overflow: no bound */
-        const __m512 inv = _mm512_set1_ps(mx > 0.f ? 127.f / mx : 0.f);
+        const float factor = int8_code_factor(mx);
+        if (mx > 0.f && (mx < FLT_MIN || factor == 0.f)) return -1;  /* no bound holds */
+        const __m512 inv = _mm512_set1_ps(factor);
         const __m512i q0 = _mm512_add_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(v0, inv)), bias);
         const __m512i q1 = _mm512_add_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(v1, inv)), bias);
         _mm_storeu_si128((__m128i *)(xu + g * 32), _mm512_cvtusepi32_epi8(q0));

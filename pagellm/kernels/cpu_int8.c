@@ -77,7 +77,9 @@ void quantize_i8(const float *x, int64_t R, int64_t K, int8_t *xq, float *dx, ui
         for (int g = 0; g < SUPER / BLOCK; g++) {
             int shift = 0;
             while (shift < 6 && bmax[g] > 127.f * unit * (float)(1 << shift)) shift++;
-            const float inv = mx > 0.f ? 1.f / (unit * (float)(1 << shift)) : 0.f;
+            /* the block's step unit 2^shift: a tiny super-block's may be 0, or its reciprocal
+             * past FLT_MAX; then codes of 0 (code_factor) */
+            const float inv = code_factor(1.f, unit * (float)(1 << shift));
             const float *xg = xb + g * BLOCK;
             int8_t *qg = xq + b * SUPER + g * BLOCK;
             for (int j = 0; j < BLOCK; j++) {

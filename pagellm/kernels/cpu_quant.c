@@ -51,7 +51,7 @@ static int takes_one_scale(const float *x, int64_t K, float *row_max) {
  * column xsum_t [G, RS] (NULL to skip). */
 static void quantize_row_scaled(const float *x, int64_t K, float row_max, int16_t *xq, float *dxr,
                                 float *xsum_t, int64_t RS) {
-    const __m256 inv = _mm256_set1_ps(row_max > 0.f ? 32767.f / row_max : 0.f);
+    const __m256 inv = _mm256_set1_ps(code_factor(32767.f, row_max));
     for (int64_t g = 0; g < K / GROUP; g++) {
         const float *xb = x + g * GROUP;
         round32(xb, inv, xq + g * GROUP);

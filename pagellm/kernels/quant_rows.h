@@ -44,13 +44,13 @@ static inline void quantize_rows(const float *x, int64_t R, int64_t K, int16_t *
         const __m256 v2 = _mm256_loadu_ps(xb + 16), v3 = _mm256_loadu_ps(xb + 24);
         const float mx = hmax8(_mm256_max_ps(_mm256_max_ps(abs8(v0), abs8(v1)),
                                             _mm256_max_ps(abs8(v2), abs8(v3))));
-        round32(xb, _mm256_set1_ps(mx > 0.f ? 32767.f / mx : 0.f), xq + b * GROUP);
+        round32(xb, _mm256_set1_ps(code_factor(32767.f, mx)), xq + b * GROUP);
         if (xs8)
             _mm256_storeu_ps(xs8 + b * 8, _mm256_add_ps(_mm256_add_ps(v0, v1), _mm256_add_ps(v2, v3)));
 #else
         float mx = 0.f;
         for (int j = 0; j < GROUP; j++) mx = fmaxf(mx, fabsf(xb[j]));
-        const float inv = mx > 0.f ? 32767.f / mx : 0.f;
+        const float inv = code_factor(32767.f, mx);
         for (int j = 0; j < GROUP; j++) xq[b * GROUP + j] = (int16_t)lrintf(xb[j] * inv);
         if (xs8)
             for (int j = 0; j < 8; j++) xs8[b * 8 + j] = (xb[j] + xb[j + 8]) + (xb[j + 16] + xb[j + 24]);

@@ -19,15 +19,19 @@ static inline uint16_t f32_to_bf16(float x) {  /* round to nearest even; NaN sta
     if ((v.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((v.u >> 16) | 0x40);
     return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
 }
-/* The factor that maps a block whose largest magnitude is mx onto int8 codes: 127 / mx, or 0
- * (every code 0) where mx is 0 or so small (below 127 / FLT_MAX, ~3.7e-37: bf16 and float32
- * hold such values) that 127 / mx overflows: codes from an infinite factor would be
- * INT_MIN's saturation, -128 for every value of either sign. Such a block's values are below
- * any nonzero scale's half step; they quantize to 0, as int8 KV rows do (store_kv_row). */
-static inline float int8_code_factor(float mx) {
-    const float inv = mx > 0.f ? 127.f / mx : 0.f;
-    return inv <= 3.4028234e38f ? inv : 0.f;
+/* The factor that maps a block whose largest magnitude is mx onto integer codes up to
+ * `limit` (127 for int8, 32767 for int16): limit / mx, or 0 (every code 0) where mx is 0 (or
+ * NaN) or so small (below limit / FLT_MAX, ~3.7e-37 for int8, ~9.6e-35 for int16: bf16 and
+ * float32 hold such values) that limit / mx overflows: codes from an infinite factor would
+ * be INT_MIN's saturation, the most negative code for every value of either sign. Such a
+ * block's values are below any nonzero scale's half step; they quantize to 0, as int8 KV
+ * rows do (store_kv_row). Every int8 / int16 quantizer of activations and K/V takes it. */
+static inline float code_factor(float limit, float mx) {
+    const float inv = mx > 0.f ? limit / mx : 0.f;
+    return inv <= 3.4028234e38f ? inv : 0.f;  /* FLT_MAX; NaN fails too */
 }
+
+static inline float int8_code_factor(float mx) { return code_factor(127.f, mx); }
 #ifdef __AVX2__
 #include <immintrin.h>
 
