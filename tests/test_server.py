@@ -389,6 +389,34 @@ def test_tokenize_detokenize(srv, offline):
     assert bad.status_code == 400 and "out of range" in bad.json()["error"]["message"]
 
 
+def test_usage_reports_the_prompt_tokens_the_prefix_cache_served(srv):
+    """usage.prompt_tokens_details.cached_tokens (OpenAI's field): the whole blocks of a prompt
+    the prefix cache served, so more when the same prompt comes again (a first chat request
+    may already share the template's system prompt with earlier ones: a block of it); chat
+    and completions, streamed (the usage chunk) or not."""
+    c = srv.client
+    words = " ".join(f"w{i}" for i in range(120))  # a prompt no other test sends
+    msgs = [{"role": "user", "content": f"cached-usage {words}"}]
+    first = c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=2)
+    seen = first.usage.prompt_tokens_details.cached_tokens
+    assert seen % 16 == 0 and seen < 64, seen  # at most the template's opening
+    again = c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=2)
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert seen + 16 * 10 < cached < again.usage.prompt_tokens and cached % 16 == 0, cached
+    chunks = list(c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=2,
+                                            stream=True, stream_options={"include_usage": True}))
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == cached
+    prompt = f"cached-usage completions {words}"
+    assert c.completions.create(model=MODEL, prompt=prompt, max_tokens=2
+                                ).usage.prompt_tokens_details.cached_tokens == 0
+    done = c.completions.create(model=MODEL, prompt=[prompt, prompt + " more"], max_tokens=2)
+    both = done.usage.prompt_tokens_details.cached_tokens  # each prompt's cached blocks, summed
+    assert both > 0 and both % 16 == 0
+    chunks = list(c.completions.create(model=MODEL, prompt=prompt, max_tokens=2, stream=True,
+                                       stream_options={"include_usage": True}))
+    assert 0 < chunks[-1].usage.prompt_tokens_details.cached_tokens <= both
+
+
 def test_continue_final_message(srv, offline):
     """vLLM's continue_final_message: the prompt ends inside the last (assistant) message, with
     no end of turn after it, as transformers renders it; on chat completions (the official

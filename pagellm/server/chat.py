@@ -106,8 +106,8 @@ async def create_chat_completion(request: Request):
                                    "logprobs": logprobs(tids, lps), **finish_of(comp, calls)},
                             req.include_usage)
 
-        def usage_chunk(num_generated):
-            return ({**base, "choices": [], "usage": usage(len(ids), num_generated)}
+        def usage_chunk(num_generated, num_cached):
+            return ({**base, "choices": [], "usage": usage(len(ids), num_generated, num_cached)}
                     if req.include_usage else None)
 
         roles = [chunk_of(base, {"index": ch.index, "delta": {"role": "assistant", "content": ""},
@@ -130,7 +130,8 @@ async def create_chat_completion(request: Request):
                             "logprobs": logprobs(c.token_ids, c.logprobs or []),
                             **finish_of(c, calls)})
     num_generated = sum(len(c.token_ids) for c in final.outputs)
-    return JSONResponse({**base, "choices": out_choices, "usage": usage(len(ids), num_generated)})
+    return JSONResponse({**base, "choices": out_choices,
+                         "usage": usage(len(ids), num_generated, final.num_cached_tokens)})
 
 
 def _answer_schema(structured, field: str) -> dict:

@@ -105,9 +105,9 @@ async def create_completion(request: Request):
                                    **finish(comp)},
                             req.include_usage)
 
-        def usage_chunk(num_generated):
+        def usage_chunk(num_generated, num_cached):
             num_generated = 0 if score_only else num_generated
-            return ({**base, "choices": [], "usage": usage(num_prompt, num_generated)}
+            return ({**base, "choices": [], "usage": usage(num_prompt, num_generated, num_cached)}
                     if req.include_usage else None)
 
         events = stream_events(slots, choices, req.n, req.logprobs is not None, choice_chunk,
@@ -128,7 +128,8 @@ async def create_completion(request: Request):
     num_generated = 0 if score_only else sum(len(c.token_ids) for out in finals
                                              for c in out.outputs)
     return JSONResponse({**base, "choices": out_choices,
-                         "usage": usage(num_prompt, num_generated)})
+                         "usage": usage(num_prompt, num_generated,
+                                        sum(out.num_cached_tokens for out in finals))})
 
 
 def _scored(comp):

@@ -80,12 +80,15 @@ class ChoiceStream:
 async def stream_events(slots, choices: list[ChoiceStream], n: int, want_logprobs: bool,
                         choice_chunk, usage_chunk, prelude=(), every_token: bool = False):
     """The SSE body of both endpoints. choice_chunk(choice, comp, text, token_ids, logprobs)
-    builds one choice's chunk; usage_chunk(num_generated) the final one (or None)."""
+    builds one choice's chunk; usage_chunk(num_generated, num_cached) the final one (or None;
+    num_cached: the prompts' tokens the prefix cache served)."""
     num_generated = [0] * len(choices)
+    cached: dict[int, int] = {}
     try:
         for chunk in prelude:
             yield sse(chunk)
         async for i, out in iterate(slots):
+            cached[i] = out.num_cached_tokens
             for comp in out.outputs:
                 ch = choices[i * n + comp.index]
                 num_generated[ch.index] = len(comp.token_ids)
@@ -94,7 +97,7 @@ async def stream_events(slots, choices: list[ChoiceStream], n: int, want_logprob
                 piece = ch.advance(comp, want_logprobs, every_token)
                 if piece is not None:
                     yield sse(choice_chunk(ch, comp, *piece))
-        last = usage_chunk(sum(num_generated))
+        last = usage_chunk(sum(num_generated), sum(cached.values()))
         if last is not None:
             yield sse(last)
     except RequestError as e:
