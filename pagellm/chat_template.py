@@ -17,6 +17,14 @@ def check_template_kwargs(kwargs: dict | None, field: str = "chat_template_kwarg
         raise ValueError(f"{prefix}{bad[0]!r} is not a template variable that can be set here")
 
 
+def check_continuation(add_generation_prompt: bool, continue_final_message: bool) -> None:
+    """ValueError naming continue_final_message where both are set: a prompt cannot end
+    inside the last message and after a new turn's opening at once."""
+    if continue_final_message and add_generation_prompt:
+        raise ValueError("continue_final_message: cannot be combined with add_generation_prompt "
+                         "(set add_generation_prompt to false)")
+
+
 def load_chat_template(value: str, field: str = "--chat-template") -> str:
     """A chat template given as a file's path or as the Jinja text itself (vLLM's and
     llama.cpp's --chat-template / --chat-template-file in one): the text, checked to parse as
@@ -59,9 +67,7 @@ def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = T
     and no generation prompt (the two exclude each other). chat_template: the Jinja text to
     use instead of the tokenizer's own."""
     check_template_kwargs(template_kwargs)
-    if continue_final_message and add_generation_prompt:
-        raise ValueError("continue_final_message: cannot be combined with add_generation_prompt "
-                         "(set add_generation_prompt to false)")
+    check_continuation(add_generation_prompt, continue_final_message)
     if tokenizer is None or not (chat_template or getattr(tokenizer, "chat_template", None)):
         raise ValueError("messages: this model has no chat template; use a completion prompt, "
                          "or give one (`pagellm serve --chat-template FILE`)")

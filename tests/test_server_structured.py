@@ -348,36 +348,48 @@ def test_a_json_format_beside_auto_tools_leaves_them_callable(rsrv):
             assert isinstance(json.loads(choice.message.content)["answer"], str)
 
 
-@pytest.mark.parametrize("tags_are_tokens", [False, True])
-def test_the_strict_auto_grammar(tags_are_tokens):
-    """Text, or text then calls of the strict function with valid arguments (any object for a
-    function that is not strict); nothing after the calls; one call without parallel calls."""
+def _grammar_acceptor(tags_are_tokens: bool):
+    """(the tag ids a tool grammar names, or Nones; whole(params, text): whether the grammar
+    takes all of text and then the end of sequence), on the default model's tokenizer, the
+    tags as single tokens where asked (as Qwen2.5's tokenizer has them)."""
     from pagellm.models.loader import load_model_files
     from pagellm.structured.matcher import GrammarBackend
 
     tok = load_model_files(None).tokenizer
     ids = (None, None)
-    if tags_are_tokens:  # as Qwen2.5's tokenizer has them
+    if tags_are_tokens:
         tok.add_tokens(["<tool_call>", "</tool_call>"])
         ids = tuple(tok.convert_tokens_to_ids(t) for t in ("<tool_call>", "</tool_call>"))
     backend = GrammarBackend(tok, len(tok), {tok.eos_token_id})
 
-    def accepts(text, parallel=True, tools=(_strict(WEATHER), TIME)):
-        c = backend.constraint(auto_grammar(list(tools), parallel, *ids))
+    def whole(params, text):
+        c = backend.constraint(params)
         return (all(c.accept(t) for t in tok.encode(text, add_special_tokens=False))
                 and c.accept(tok.eos_token_id))
+    return ids, whole
 
-    def call(name, args):
-        return f"<tool_call>\n{json.dumps({'name': name, 'arguments': args})}\n</tool_call>"
 
-    good = call("get_weather", {"city": "Oslo", "unit": "celsius"})
+def _call(name, args):
+    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': args})}\n</tool_call>"
+
+
+@pytest.mark.parametrize("tags_are_tokens", [False, True])
+def test_the_strict_auto_grammar(tags_are_tokens):
+    """Text, or text then calls of the strict function with valid arguments (any object for a
+    function that is not strict); nothing after the calls; one call without parallel calls."""
+    ids, whole = _grammar_acceptor(tags_are_tokens)
+
+    def accepts(text, parallel=True, tools=(_strict(WEATHER), TIME)):
+        return whole(auto_grammar(list(tools), parallel, *ids), text)
+
+    good = _call("get_weather", {"city": "Oslo", "unit": "celsius"})
     assert accepts("It is sunny in Oslo < 20 degrees, no tool_call needed.")
     assert accepts("") and accepts(good) and accepts("Let me look.\n" + good)
-    assert accepts(good + "\n" + call("get_time", {"anything": [1, 2]}))  # TIME is not strict
+    assert accepts(good + "\n" + _call("get_time", {"anything": [1, 2]}))  # TIME is not strict
     assert not accepts(good + "\n" + good, parallel=False)
-    assert not accepts(call("get_weather", {"city": "Oslo", "unit": "kelvin"}))
-    assert not accepts(call("get_weather", {"city": "Oslo"}))
-    assert not accepts(call("get_news", {}))
+    assert not accepts(_call("get_weather", {"city": "Oslo", "unit": "kelvin"}))
+    assert not accepts(_call("get_weather", {"city": "Oslo"}))
+    assert not accepts(_call("get_news", {}))
     assert not accepts(good + " and more text")
     assert not accepts("text <tool_call> and no call")
     # a bare JSON call (the whole answer) follows the schema too; other text may not start "{"
@@ -405,26 +417,13 @@ def test_the_required_call_grammar_may_end_after_a_new_line(tags_are_tokens):
     writes "</tool_call>" then a new line; where only another call could follow that new line
     it repeated the same call until max_tokens (finish_reason "length", a cut call left as
     content); the last call's new line now ends the answer (tests/test_real_models.py)."""
-    from pagellm.models.loader import load_model_files
-    from pagellm.structured.matcher import GrammarBackend
-
-    tok = load_model_files(None).tokenizer
-    ids = (None, None)
-    if tags_are_tokens:  # as Qwen2.5's tokenizer has them
-        tok.add_tokens(["<tool_call>", "</tool_call>"])
-        ids = tuple(tok.convert_tokens_to_ids(t) for t in ("<tool_call>", "</tool_call>"))
-    backend = GrammarBackend(tok, len(tok), {tok.eos_token_id})
+    ids, whole = _grammar_acceptor(tags_are_tokens)
 
     def accepts(text, parallel=True, only=None, answer=None):
-        c = backend.constraint(call_grammar([WEATHER, TIME], only, parallel, *ids, answer))
-        return (all(c.accept(t) for t in tok.encode(text, add_special_tokens=False))
-                and c.accept(tok.eos_token_id))
+        return whole(call_grammar([WEATHER, TIME], only, parallel, *ids, answer), text)
 
-    def call(name, args):
-        return f"<tool_call>\n{json.dumps({'name': name, 'arguments': args})}\n</tool_call>"
-
-    good = call("get_weather", {"city": "Oslo", "unit": "celsius"})
-    other = call("get_time", {"zone": "CET"})
+    good = _call("get_weather", {"city": "Oslo", "unit": "celsius"})
+    other = _call("get_time", {"zone": "CET"})
     for parallel in (True, False):
         assert accepts(good, parallel) and accepts(good + "\n", parallel)
         assert accepts(other, parallel, only="get_time")

@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 from fastapi import Request
 
 from pagellm.lora import LoRARequest
-from pagellm.chat_template import render_chat
+from pagellm.chat_template import check_continuation, render_chat
 from pagellm.server.reasoning import PARSERS
 from pagellm.engine.async_engine import AsyncEngine, RequestError, RequestSlot
 from pagellm.infill import FimTokens, fim_tokens, infill_prompt, require_fim
@@ -161,10 +161,10 @@ class OpenAIServer:
         """messages: ChatMessage models or dicts already in the template's form;
         template_kwargs: the request's chat_template_kwargs; continue_final_message: the
         request's (render_chat's)."""
-        if continue_final_message and add_generation_prompt:
-            raise APIError(400, "continue_final_message: cannot be combined with "
-                           "add_generation_prompt (set add_generation_prompt to false)",
-                           param="continue_final_message")
+        try:  # its own field's 400 (render_chat's other ValueErrors name messages)
+            check_continuation(add_generation_prompt, continue_final_message)
+        except ValueError as e:
+            raise APIError(400, str(e), param="continue_final_message") from None
         try:
             ids = render_chat(self.tokenizer,
                               [m if isinstance(m, dict) else m.as_dict() for m in messages],
