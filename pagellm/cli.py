@@ -185,6 +185,17 @@ def main(argv: list[str] | None = None) -> int:
                      help="queued requests beyond which new ones get 503")
     srv.add_argument("--drain-timeout", type=float, default=30.0,
                      help="seconds SIGTERM waits for running requests")
+    cors = srv.add_argument_group("cross-origin requests (CORS) from web pages' scripts")
+    cors.add_argument("--allowed-origins", default=None, metavar="LIST",
+                      help="origins a browser may call from: a JSON list "
+                      "('[\"http://localhost:3000\"]') or comma-separated; '[]' or none: no "
+                      "CORS; default any ('*')")
+    cors.add_argument("--allowed-methods", default=None, metavar="LIST",
+                      help="HTTP methods a cross-origin call may use; default any")
+    cors.add_argument("--allowed-headers", default=None, metavar="LIST",
+                      help="request headers a cross-origin call may send; default any")
+    cors.add_argument("--allow-credentials", action="store_true",
+                      help="let cross-origin calls send cookies / HTTP auth")
     add_api_args(srv)
     srv.set_defaults(func=cmd_serve)
 

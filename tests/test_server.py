@@ -32,6 +32,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pagellm import LLM, SamplingParams
 from pagellm.server.api_server import OpenAIServer, build_app, default_model_name
+from pagellm.server.cors import CorsPolicy, parse_list
 from tests.helpers import assert_no_leaks, make_tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -53,13 +54,13 @@ def tiny_path(tmp_path_factory) -> str:
 
 
 @contextlib.contextmanager
-def running_server(llm: LLM, name: str = MODEL, **server_kw):
+def running_server(llm: LLM, name: str = MODEL, cors: CorsPolicy | None = None, **server_kw):
     """uvicorn on a background thread, on a socket bound to a free port of 127.0.0.1."""
     api = OpenAIServer(llm.engine, name, **server_kw)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(build_app(api), log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(build_app(api, cors), log_level="warning"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 60
@@ -134,6 +135,7 @@ def test_models_health_version(srv):
     listing = httpx.get(srv.url + "/v1/models").text
     assert srv.engine.model_path not in listing and models.data[0].root == MODEL  # no server paths
     assert httpx.get(srv.url + "/health").status_code == 200
+    assert httpx.head(srv.url + "/health").status_code == 200  # probes that send HEAD
     assert httpx.get(srv.url + "/version").json()["version"]
 
 
@@ -385,6 +387,18 @@ def test_tokenize_detokenize(srv, offline):
     assert post(srv, "/detokenize", {"tokens": r["tokens"]}).json()["prompt"] == "Hello world"
     chat = post(srv, "/tokenize", {"messages": CHAT}).json()
     assert chat["tokens"] == offline.apply_chat_template(CHAT)
+    # with tools: the prompt a chat completion with them gets (vLLM's /tokenize takes them)
+    tools = [{"type": "function", "function": {
+        "name": "get_weather", "description": "The weather in a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+    with_tools = post(srv, "/tokenize", {"messages": CHAT, "tools": tools}).json()
+    answer = srv.client.chat.completions.create(model=MODEL, messages=CHAT, tools=tools,
+                                                max_tokens=1)
+    assert with_tools["count"] == answer.usage.prompt_tokens > chat["count"]
+    assert "get_weather" in post(srv, "/detokenize", {"tokens": with_tools["tokens"]}).json()[
+        "prompt"]
+    bad = post(srv, "/tokenize", {"prompt": "Hello", "tools": tools})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tools"
     bad = post(srv, "/detokenize", {"tokens": [10**9]})
     assert bad.status_code == 400 and "out of range" in bad.json()["error"]["message"]
 
@@ -818,6 +832,49 @@ def test_api_key(tiny_path):
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="sekret", max_retries=0)
         assert client.completions.create(model=MODEL, prompt="hi", max_tokens=2).choices
         wait_idle(srv)
+
+
+def test_cors(tiny_path):
+    """A browser's preflight and cross-origin calls: answered for any origin by default (vLLM's
+    and llama.cpp's), before the API-key gate (browsers send no credentials with a
+    preflight), errors included; a restricted list refuses other origins; '[]' turns it off."""
+    page = "http://localhost:3000"
+    preflight = {"Origin": page, "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization,content-type"}
+    with running_server(LLM(tiny_path, **ENGINE_KW), api_key="sekret") as srv:
+        r = httpx.options(srv.url + "/v1/chat/completions", headers=preflight)
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "*"
+        assert "POST" in r.headers["access-control-allow-methods"]
+        assert "authorization" in r.headers["access-control-allow-headers"].lower()
+        ok = post(srv, "/v1/completions", _c(), headers={"Origin": page,
+                                                          "Authorization": "Bearer sekret"})
+        assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == "*"
+        denied = post(srv, "/v1/completions", _c(), headers={"Origin": page})
+        assert denied.status_code == 401 and denied.headers["access-control-allow-origin"] == "*"
+        wait_idle(srv)
+    only = CorsPolicy(origins=parse_list('["http://localhost:3000"]', "--allowed-origins"))
+    with running_server(LLM(tiny_path, **ENGINE_KW), cors=only) as srv:
+        r = httpx.options(srv.url + "/v1/chat/completions", headers=preflight)
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == page
+        other = httpx.options(srv.url + "/v1/chat/completions",
+                              headers={**preflight, "Origin": "http://evil.example"})
+        assert other.status_code == 400 and "access-control-allow-origin" not in other.headers
+        plain = post(srv, "/v1/completions", _c(), headers={"Origin": "http://evil.example"})
+        assert plain.status_code == 200 and "access-control-allow-origin" not in plain.headers
+        wait_idle(srv)
+    with running_server(LLM(tiny_path, **ENGINE_KW), cors=CorsPolicy(origins=())) as srv:
+        r = httpx.options(srv.url + "/v1/chat/completions", headers=preflight)
+        assert r.status_code == 405 and "access-control-allow-origin" not in r.headers
+
+
+def test_cors_flags():
+    assert parse_list(None, "--allowed-origins") == ("*",)
+    assert parse_list("http://a:1, http://b", "--allowed-origins") == ("http://a:1", "http://b")
+    assert parse_list('["http://a"]', "--allowed-origins") == ("http://a",)
+    assert parse_list("[]", "--allowed-origins") == parse_list("none", "--x") == ()
+    for bad in ('["http://a"', '[1]', "http://a,,http://b"):
+        with pytest.raises(ValueError, match="--allowed-origins"):
+            parse_list(bad, "--allowed-origins")
 
 
 def test_full_queue_gets_503(tiny_path):

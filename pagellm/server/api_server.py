@@ -25,6 +25,7 @@ from pagellm.chat_template import load_chat_template
 from pagellm.engine.async_engine import RequestError
 from pagellm.server import routes
 from pagellm.server.chat import create_chat_completion
+from pagellm.server.cors import CorsPolicy
 from pagellm.server.completions import create_completion
 from pagellm.server.embeddings import create_embedding
 from pagellm.server.llama_cpp import create_infill, create_llama_completion
@@ -74,7 +75,8 @@ def error_response(err: APIError) -> JSONResponse:
     return JSONResponse(err.body(), status_code=err.status_code, headers=err.headers)
 
 
-def build_app(api: OpenAIServer) -> FastAPI:
+def build_app(api: OpenAIServer, cors: CorsPolicy | None = None) -> FastAPI:
+    """cors: which web origins may call it (server/cors.py; default: any, as vLLM's)."""
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         api.loop = asyncio.get_running_loop()
@@ -90,6 +92,7 @@ def build_app(api: OpenAIServer) -> FastAPI:
     # Gate (drain, API key) runs first, then the limits (in-flight requests, body size).
     app.add_middleware(LimitGate, limits=api.limits, error_response=error_response)
     app.add_middleware(Gate, api=api)
+    (cors or CorsPolicy()).install(app)  # outermost: preflights never reach the gate
     bodies = {"/v1/completions": (create_completion, CompletionRequest),
               "/v1/chat/completions": (create_chat_completion, ChatCompletionRequest),
               "/v1/responses": (create_response, ResponsesRequest),
@@ -101,10 +104,11 @@ def build_app(api: OpenAIServer) -> FastAPI:
               "/detokenize": (routes.detokenize, DetokenizeRequest)}
     for path, (route, _) in bodies.items():
         app.add_api_route(path, route, methods=["POST"])
-    for path, route in (("/v1/models", routes.list_models), ("/health", routes.health),
-                        ("/ping", routes.health), ("/metrics", routes.metrics),
+    for path, route in (("/v1/models", routes.list_models), ("/metrics", routes.metrics),
                         ("/version", routes.version)):
         app.add_api_route(path, route, methods=["GET"])
+    for path in ("/health", "/ping"):  # some probes send HEAD
+        app.add_api_route(path, routes.health, methods=["GET", "HEAD"])
     app.add_api_route("/v1/responses/{response_id}", get_response, methods=["GET"])
     app.add_api_route("/v1/responses/{response_id}", delete_response, methods=["DELETE"])
 
@@ -192,10 +196,11 @@ def make_api(args, engine_kwargs: dict, api_key: str | None = None,
 
 
 def serve(args, engine_kwargs: dict) -> int:
+    cors = CorsPolicy.from_args(args)  # a bad flag fails before the model loads
     api = make_api(args, engine_kwargs, args.api_key or os.environ.get("PAGELLM_API_KEY"),
                    args.max_waiting)
     name = api.model_name
-    config = uvicorn.Config(build_app(api), host=args.host, port=args.port, log_level="info",
+    config = uvicorn.Config(build_app(api, cors), host=args.host, port=args.port, log_level="info",
                             timeout_graceful_shutdown=5, lifespan="on")
     server = DrainingServer(config, api, args.drain_timeout)
     logger.info("serving %s on http://%s:%d", name, args.host, args.port)

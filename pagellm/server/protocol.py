@@ -419,6 +419,7 @@ class TokenizeRequest(_TemplateKwargs):
     with_pieces: bool = False  # llama.cpp: each token as {"id", "piece"}
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    tools: list[Tool] | None = None  # vLLM's: messages rendered as a chat with these tools
 
 
 class EmbeddingRequest(BaseModel):

@@ -8,6 +8,7 @@ from fastapi.responses import Response
 from pagellm.server.errors import APIError, parse_request
 from pagellm.server.protocol import DetokenizeRequest, TokenizeRequest
 from pagellm.server.state import OpenAIServer
+from pagellm.server.tools import prompt_messages, template_knows_tools, tool_dicts
 
 
 async def list_models(request: Request):
@@ -30,10 +31,17 @@ async def tokenize(request: Request):
     if len(given) + (req.messages is not None) != 1:
         raise APIError(400, "give exactly one of `prompt` (or `content`) and `messages`",
                        param="prompt")
+    if req.tools is not None and req.messages is None:
+        raise APIError(400, "tools: only with `messages`", param="tools")
     api.need_tokenizer("prompt" if req.messages is None else "messages")
     if req.messages is not None:
-        ids = await api.off_loop(api.encode_chat, req.messages, req.add_generation_prompt,
-                                 None, req.chat_template_kwargs, req.continue_final_message)
+        # the prompt a chat completion with these messages and tools would get
+        tools = tool_dicts(req.tools)
+        native = template_knows_tools(api.tokenizer)
+        messages = prompt_messages([m.as_dict() for m in req.messages], tools, native)
+        ids = await api.off_loop(api.encode_chat, messages, req.add_generation_prompt,
+                                 tools if native else None, req.chat_template_kwargs,
+                                 req.continue_final_message)
     else:
         special = (req.add_special if req.add_special is not None  # llama.cpp: default false
                    else False if req.content is not None else req.add_special_tokens)
