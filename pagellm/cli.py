@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 
@@ -34,9 +35,16 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--tensor-parallel-size", type=int, default=1)
-    g.add_argument("--speculative-method", choices=["ngram", "draft_model"], default=None)
+    g.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help="vLLM's form, instead of the --speculative-* flags: "
+                   "'{\"model\": \"draft.gguf\", \"num_speculative_tokens\": 5}' (a model "
+                   "and no method: draft_model) or '{\"method\": \"ngram\", "
+                   "\"prompt_lookup_max\": 4}'; keys: LLM's speculative_config")
+    g.add_argument("--speculative-method", choices=["ngram", "draft_model"], default=None,
+                   help="default draft_model where a --speculative-model or "
+                   "--speculative-draft-num-layers is given")
     g.add_argument("--speculative-model", default=None, help="draft model path")
-    g.add_argument("--num-speculative-tokens", type=int, default=4)
+    g.add_argument("--num-speculative-tokens", type=int, default=None, help="default 4")
     g.add_argument("--speculative-draft-dtype", default=None,
                    help="dtype of the draft (e.g. the target's own weights in bfloat16)")
     g.add_argument("--speculative-draft-num-layers", type=int, default=None,
@@ -55,17 +63,46 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "request's own text: a cheaper draft head, exact output")
 
 
+SPEC_FLAGS = {"speculative_method": "method", "speculative_model": "model",
+              "num_speculative_tokens": "num_speculative_tokens",
+              "speculative_draft_dtype": "draft_dtype",
+              "speculative_draft_num_layers": "draft_num_layers",
+              "speculative_fixed_k": "adaptive",
+              "speculative_prompt_lookup_first": "prompt_lookup_first",
+              "speculative_draft_quantization": "draft_quantization",
+              "speculative_draft_vocab_size": "draft_vocab_size"}
+
+
+def speculative_config(args: argparse.Namespace) -> dict | None:
+    """--speculative-config's JSON, or the --speculative-* flags as LLM's speculative_config
+    (None: no speculation). A flag without a method or a draft is an error, not ignored."""
+    given = [f for f in SPEC_FLAGS if getattr(args, f) not in (None, False)]
+    flag = lambda f: "--" + f.replace("_", "-")  # noqa: E731
+    if args.speculative_config is not None:
+        if given:
+            raise ValueError(f"--speculative-config: give it or {flag(given[0])}, not both")
+        try:
+            spec = json.loads(args.speculative_config)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--speculative-config: not JSON ({e.msg})") from None
+        if not isinstance(spec, dict):
+            raise ValueError("--speculative-config: must be a JSON object")
+        return spec
+    if not given:
+        return None
+    method = args.speculative_method or (
+        "draft_model" if args.speculative_model or args.speculative_draft_num_layers else None)
+    if method is None:
+        raise ValueError(f"{flag(given[0])}: needs --speculative-method (or a "
+                         "--speculative-model)")
+    spec = {key: getattr(args, f) for f, key in SPEC_FLAGS.items()
+            if getattr(args, f) is not None}
+    spec.update(method=method, adaptive=not args.speculative_fixed_k)
+    return spec
+
+
 def engine_kwargs(args: argparse.Namespace) -> dict:
-    spec = None
-    if args.speculative_method:
-        spec = {"method": args.speculative_method, "model": args.speculative_model,
-                "num_speculative_tokens": args.num_speculative_tokens,
-                "draft_dtype": args.speculative_draft_dtype,
-                "draft_num_layers": args.speculative_draft_num_layers,
-                "adaptive": not args.speculative_fixed_k,
-                "prompt_lookup_first": args.speculative_prompt_lookup_first,
-                "draft_quantization": args.speculative_draft_quantization,
-                "draft_vocab_size": args.speculative_draft_vocab_size}
+    spec = speculative_config(args)
     return dict(
         model=getattr(args, "model", None) or args.model_opt, dtype=args.dtype,
         device=args.device, block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,

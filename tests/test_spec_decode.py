@@ -1,10 +1,13 @@
 """Speculative decoding: the rejection sampler's maths, and the engine's output never changing."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
 from pagellm import LLM, SamplingParams
+from pagellm.config import SpeculativeConfig
 from pagellm.sampling.rejection import rejection_sample
 from pagellm.sequence import Sequence
 from pagellm.spec_decode.adaptive import _PRIOR_BATCH_ROW_COST, _PRIOR_ROW_COST, AdaptiveK
@@ -843,7 +846,7 @@ def test_cli_flags_build_the_early_exit_draft(tiny_pair):
                          "--speculative-draft-num-layers", "1", "--speculative-fixed-k"])
     kw = engine_kwargs(args)
     assert kw["speculative_config"]["draft_num_layers"] == 1
-    assert kw["speculative_config"]["draft_vocab_size"] is None
+    assert kw["speculative_config"].get("draft_vocab_size") is None
     sub = p.parse_args(["--model", path, "--speculative-method", "draft_model",
                         "--speculative-model", path, "--speculative-draft-vocab-size", "100"])
     assert engine_kwargs(sub)["speculative_config"]["draft_vocab_size"] == 100
@@ -873,7 +876,6 @@ def test_lookup_first_drafts_only_where_the_lookup_finds_nothing(tiny_pair):
     prompts); output unchanged, alone and in a batch; a draft-less step is not timed as one
     with a draft; proposals never pass max_tokens or a request's own cap; no draft block is
     left after the requests."""
-    from pagellm.config import SpeculativeConfig
 
     path, _ = tiny_pair
     llm = LLM(path, dtype="float32", kv_cache_memory=2**20, block_size=4,
@@ -983,6 +985,42 @@ def test_bad_speculative_config():
         LLM(speculative_config={"method": "medusa"})
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         LLM(speculative_config={"method": "ngram", "num_speculative_tokens": 0})
+
+
+def test_the_vllm_forms_of_the_speculative_config(monkeypatch, capsys):
+    """A draft model and no method is a draft model (vLLM's reading), never n-gram lookup with
+    the model silently unused; `--speculative-config JSON` is vLLM's flag; a --speculative-*
+    flag that would be ignored is an error."""
+    assert SpeculativeConfig.from_dict({"model": "d.gguf"}).method == "draft_model"
+    with pytest.raises(ValueError, match="speculative_config.model: n-gram lookup"):
+        SpeculativeConfig.from_dict({"method": "ngram", "model": "d.gguf"})
+    from pagellm import cli
+    from pagellm.server import api_server
+
+    seen = {}
+    monkeypatch.setattr(api_server, "serve", lambda args, kwargs: seen.update(kwargs) or 0)
+
+    def spec(*flags):
+        seen.clear()
+        assert cli.main(["serve", "m.gguf", *flags]) == 0
+        return seen["speculative_config"]
+
+    assert spec() is None
+    given = {"model": "d.gguf", "num_speculative_tokens": 5}
+    assert spec("--speculative-config", json.dumps(given)) == given
+    assert spec("--speculative-model", "d.gguf", "--num-speculative-tokens", "3") == {
+        "method": "draft_model", "model": "d.gguf", "num_speculative_tokens": 3,
+        "adaptive": True, "prompt_lookup_first": False}
+    assert spec("--speculative-draft-num-layers", "2")["method"] == "draft_model"
+    assert spec("--speculative-method", "ngram", "--speculative-fixed-k") == {
+        "method": "ngram", "adaptive": False, "prompt_lookup_first": False}
+    for flags, message in ((["--num-speculative-tokens", "3"], "needs --speculative-method"),
+                           (["--speculative-config", "{"], "not JSON"),
+                           (["--speculative-config", "[1]"], "a JSON object"),
+                           (["--speculative-config", "{}", "--speculative-model", "d"],
+                            "not both")):
+        assert cli.main(["serve", "m.gguf", *flags]) == 2
+        assert message in capsys.readouterr().err
 
 
 def test_packed_row_limit_is_the_smallest_few_row_kernel_limit():
