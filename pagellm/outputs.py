@@ -45,6 +45,31 @@ class Prefix(Sequence):
         return repr(list(self))
 
 
+class Logprob(float):
+    """One token's log-probability in a logprobs dict: the float it always was (arithmetic,
+    comparisons, JSON) that also reads as vLLM's Logprob: .logprob, .rank (1: the most likely
+    token of its position) and .decoded_token (the token's text; None without a tokenizer)."""
+
+    __slots__ = ("rank", "decoded_token")
+
+    def __new__(cls, logprob: float, rank: int | None = None,
+                decoded_token: str | None = None) -> Logprob:
+        obj = super().__new__(cls, logprob)
+        obj.rank, obj.decoded_token = rank, decoded_token
+        return obj
+
+    def __getnewargs__(self):  # copy and pickle keep the attributes
+        return float(self), self.rank, self.decoded_token
+
+    @property
+    def logprob(self) -> float:
+        return float(self)
+
+    def __repr__(self) -> str:
+        return (f"Logprob(logprob={float(self)!r}, rank={self.rank!r}, "
+                f"decoded_token={self.decoded_token!r})")
+
+
 @dataclass
 class CompletionOutput:
     index: int
@@ -53,7 +78,8 @@ class CompletionOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
     stop_reason: int | str | None = None
     cumulative_logprob: float | None = None
-    logprobs: list[dict[int, float]] | None = None  # per token: {token_id: logprob}, sampled first
+    # per token: {token_id: Logprob}, the sampled token first, then its position's top-N
+    logprobs: list[dict[int, Logprob]] | None = None
     # The request's stop strings: a stream holds back a tail of `text` that could still grow
     # into one (stable_text_len).
     stop_strings: Sequence[str] = ()
@@ -109,7 +135,7 @@ class RequestOutput:
     num_cached_tokens: int = 0
     # with SamplingParams.prompt_logprobs: None for the first prompt token, then for each
     # token {token_id: logprob, ...its position's top-N} (the token first), as vLLM's
-    prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     # an embedding request's (PoolingParams) vector, once finished; its outputs hold no tokens
     embedding: list[float] | None = None
 

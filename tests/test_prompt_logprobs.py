@@ -3,10 +3,13 @@ it (and its position's top-N), equal to transformers' on the same weights, acros
 prefill, preemption, prefix caching and batches that mix such requests with plain ones."""
 from __future__ import annotations
 
+import copy
+import pickle
+
 import pytest
 import torch
 
-from pagellm import LLM, SamplingParams
+from pagellm import LLM, Logprob, SamplingParams
 from tests.helpers import make_tiny_model
 
 PROMPTS = [[5, 17, 33, 4, 90, 12, 7], list(range(10, 61)), [200, 100, 50, 25, 12, 6, 3]]
@@ -36,6 +39,13 @@ def _check(out, hf, k: int):
         assert set(entry) == {prompt[i], *top}, (i, entry, top)
         for t, v in entry.items():
             assert abs(v - float(row[t])) < 1e-4
+            _check_rank(v, row, t)
+
+
+def _check_rank(v, row, t):
+    """v.rank: 1 + the ids more likely than t in transformers' row (ids within 1e-4 of it
+    may fall either side)."""
+    assert int((row > row[t] + 1e-4).sum()) + 1 <= v.rank <= int((row > row[t] - 1e-4).sum()) + 1
 
 
 @pytest.mark.parametrize("engine_kwargs", [
@@ -142,3 +152,42 @@ def test_a_prompt_may_fill_the_context(tiny, spec):
     assert bm.num_free_blocks == bm.num_blocks
     with pytest.raises(ValueError, match="max_model_len"):
         llm.generate([prompt + [3]], SamplingParams(max_tokens=1), use_tqdm=False)
+
+
+def test_logprobs_read_as_vllm_logprob_objects(tmp_path):
+    """Sampled and prompt log-probabilities are Logprob objects: the float they were, with
+    vLLM's .logprob, .rank (of the whole vocabulary, as transformers' row ranks it) and
+    .decoded_token (the token's text), kept through copy and pickle."""
+    from pagellm.models.loader import load_model_files
+
+    tok = load_model_files(None).tokenizer
+    hf = make_tiny_model(tmp_path, "llama", vocab_size=len(tok))
+    tok.save_pretrained(tmp_path)
+    llm = LLM(str(tmp_path), dtype="float32", kv_cache_memory=2**20)
+    params = [SamplingParams(temperature=t, seed=3, max_tokens=6, logprobs=3, prompt_logprobs=2,
+                             ignore_eos=True) for t in (0, 1.0)]
+    outs = llm.generate(["The capital of France is"] * 2, params, use_tqdm=False)
+    sampled_ranks = []
+    for out, p in zip(outs, params):
+        comp = out.outputs[0]
+        ref = _reference(hf, out.prompt_token_ids + comp.token_ids)
+        n = len(out.prompt_token_ids)
+        for i, (chosen, entry) in enumerate(zip(comp.token_ids, comp.logprobs)):
+            row = ref[n - 1 + i]
+            assert next(iter(entry)) == chosen and len(entry) in (3, 4)
+            for t, lp in entry.items():
+                assert isinstance(lp, Logprob) and lp.logprob == lp and type(lp.logprob) is float
+                assert abs(lp.logprob - float(row[t])) < 1e-4
+                _check_rank(lp, row, t)
+                assert lp.decoded_token == tok.decode([t])
+            if p.temperature == 0:
+                assert entry[chosen].rank == 1
+            sampled_ranks.append(entry[chosen].rank)
+        _check(out, hf, 2)
+        assert all(lp.decoded_token == tok.decode([t])
+                   for entry in out.prompt_logprobs[1:] for t, lp in entry.items())
+    assert max(sampled_ranks) > 1  # a sampled token below the top (a flat random model)
+    lp = outs[1].outputs[0].logprobs[0][outs[1].outputs[0].token_ids[0]]
+    for again in (copy.deepcopy(lp), pickle.loads(pickle.dumps(lp))):
+        assert (again, again.rank, again.decoded_token) == (lp, lp.rank, lp.decoded_token)
+    assert repr(lp).startswith("Logprob(logprob=")

@@ -23,7 +23,7 @@ from pagellm.models.registry import WINDOWED_MODEL_TYPES, build_model, may_pack
 from pagellm import lora
 from pagellm.lora import LoRARequest
 from pagellm.pooling_params import PoolingParams
-from pagellm.outputs import CompletionOutput, Prefix, RequestMetrics, RequestOutput
+from pagellm.outputs import CompletionOutput, Logprob, Prefix, RequestMetrics, RequestOutput
 from pagellm.sampling.sampler import SamplingRow, sample
 from pagellm.sampling_params import SamplingParams
 from pagellm.sequence import Sequence, SequenceStatus
@@ -59,6 +59,7 @@ class LLMEngine:
                                    may_pack(files, config.quantization))
         self.model_path = files.path
         self.tokenizer = files.tokenizer
+        self._token_texts: dict[int, str] = {}  # logprobs' decoded_token, by id
         self.hf_config = files.config
         self.max_model_len = min(config.max_model_len or 10**9,
                                  _context_length(files.config))
@@ -500,10 +501,15 @@ class LLMEngine:
             first = lo + a + 1  # the prompt token these rows score
             nxt = torch.tensor(seq.prompt_token_ids[first:first + lps.shape[0]],
                                device=lps.device)
-            own = lps.gather(1, nxt.unsqueeze(1)).squeeze(1).tolist()
+            own_t = lps.gather(1, nxt.unsqueeze(1))
+            ranks = ((lps > own_t).sum(dim=1) + 1).tolist()
             top_v, top_i = (lps.topk(k, dim=-1) if k else (lps[:, :0], lps[:, :0].long()))
-            for tok, lp, tv, ti in zip(nxt.tolist(), own, top_v.tolist(), top_i.tolist()):
-                seq.prompt_logprobs.append({tok: lp, **{t: v for t, v in zip(ti, tv) if t != tok}})
+            for tok, lp, rank, tv, ti in zip(nxt.tolist(), own_t.squeeze(1).tolist(), ranks,
+                                             top_v.tolist(), top_i.tolist()):
+                entry = {tok: Logprob(lp, rank)}
+                entry.update((t, Logprob(v, r)) for r, (t, v) in enumerate(zip(ti, tv), start=1)
+                             if t != tok)
+                seq.prompt_logprobs.append(self._name_tokens(entry))
 
     def _process_samples(self, owners: list[tuple[Sequence, int]], logits: torch.Tensor,
                          pooled: dict[int, torch.Tensor] | None = None) -> set[str]:
@@ -636,12 +642,24 @@ class LLMEngine:
             self.scheduler.running.append(child)
         return forks
 
+    def _name_tokens(self, entry: dict[int, Logprob]) -> dict[int, Logprob]:
+        """Each Logprob's decoded_token: its token's text (as vLLM's), one decode per id ever
+        seen (without a tokenizer: None)."""
+        if self.tokenizer is not None:
+            for tid, lp in entry.items():
+                text = self._token_texts.get(tid)
+                if text is None:
+                    text = self._token_texts[tid] = self.tokenizer.decode([tid])
+                lp.decoded_token = text
+        return entry
+
     def _append_token(self, seq: Sequence, token: int, logprob, now: float) -> None:
         seq.output_token_ids.append(token)
         self.num_generation_tokens += 1
         if logprob is not None:
             lp, top = logprob
-            seq.logprobs.append({token: lp, **{t: v for t, v in top.items() if t != token}})
+            seq.logprobs.append(self._name_tokens(
+                {token: lp, **{t: v for t, v in top.items() if t != token}}))
             seq.cumulative_logprob += lp
         if seq.first_token_time is None:
             seq.first_token_time = now

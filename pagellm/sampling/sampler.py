@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from pagellm.kernels import native
+from pagellm.outputs import Logprob
 from pagellm.sampling_params import SamplingParams
 
 
@@ -245,23 +246,28 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SampleResult:
 
 
 def logprobs_of(row_logprobs: torch.Tensor, token_ids: list[int], num_tops: list[int | None]
-                ) -> list[tuple[float, dict[int, float]] | None]:
+                ) -> list[tuple[Logprob, dict[int, Logprob]] | None]:
     """[rows, vocab] log-probabilities -> per row (its token's, its top-N dict), or None where
-    num_tops[i] is None; all rows in at most three host transfers."""
+    num_tops[i] is None, each with its rank (1: the most likely); all rows in at most four
+    host transfers."""
     want = [i for i, n in enumerate(num_tops) if n is not None]
-    result: list[tuple[float, dict[int, float]] | None] = [None] * len(token_ids)
+    result: list[tuple[Logprob, dict[int, Logprob]] | None] = [None] * len(token_ids)
     if not want:
         return result
     dev = row_logprobs.device
     idx = torch.tensor(want, device=dev)
-    chosen = row_logprobs[idx, torch.tensor([token_ids[i] for i in want], device=dev)].tolist()
+    rows = row_logprobs[idx]
+    chosen_t = rows.gather(1, torch.tensor([[token_ids[i]] for i in want], device=dev))
+    ranks = ((rows > chosen_t).sum(dim=1) + 1).tolist()
+    chosen = chosen_t.squeeze(1).tolist()
     most = max(num_tops[i] for i in want)
     top_values = top_ids = None
     if most > 0:
-        values, ids = row_logprobs[idx].topk(most, dim=-1)
+        values, ids = rows.topk(most, dim=-1)
         top_values, top_ids = values.tolist(), ids.tolist()
     for j, i in enumerate(want):
         n = num_tops[i]
-        top = dict(zip(top_ids[j][:n], top_values[j][:n])) if n else {}
-        result[i] = (chosen[j], top)
+        top = ({t: Logprob(v, r) for r, (t, v) in enumerate(
+            zip(top_ids[j][:n], top_values[j][:n]), start=1)} if n else {})
+        result[i] = (Logprob(chosen[j], ranks[j]), top)
     return result

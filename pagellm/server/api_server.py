@@ -4,7 +4,8 @@ state.py, SSE in streaming.py), the API-key / drain gate, request limits (limits
 responses, `pagellm serve` and the graceful SIGTERM drain.
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (both stream as server-sent events
-ending in `data: [DONE]`), POST /v1/responses, POST /v1/embeddings, GET /v1/models, POST
+ending in `data: [DONE]`), POST /v1/responses, POST /v1/messages (Anthropic's, and its
+/count_tokens), POST /v1/embeddings, GET /v1/models, POST
 /tokenize, POST /detokenize, GET /health, GET /metrics (Prometheus text), GET /version.
 """
 from __future__ import annotations
@@ -24,6 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from pagellm.chat_template import load_chat_template
 from pagellm.engine.async_engine import RequestError
 from pagellm.server import routes
+from pagellm.server.anthropic_messages import count_tokens, create_message
 from pagellm.server.chat import create_chat_completion
 from pagellm.server.cors import CorsPolicy
 from pagellm.server.completions import create_completion
@@ -34,7 +36,7 @@ from pagellm.server.openai_responses import create_response, delete_response, ge
 from pagellm.server.errors import APIError
 from pagellm.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                      EmbeddingRequest, InfillRequest, LlamaCompletionRequest,
-                                     ResponsesRequest, TokenizeRequest)
+                                     MessagesRequest, ResponsesRequest, TokenizeRequest)
 from pagellm.server.state import OpenAIServer
 
 __all__ = ["OpenAIServer", "build_app", "default_model_name", "serve"]
@@ -64,10 +66,16 @@ class Gate:
             return APIError(503, "The server is shutting down.", code="shutting_down",
                             headers={"Retry-After": "5", "Connection": "close"})
         if self.api.api_key and path not in OPEN_PATHS:
-            auth = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
-            if not hmac.compare_digest(auth.encode(), f"Bearer {self.api.api_key}".encode()):
+            headers = dict(scope["headers"])
+            # OpenAI's clients send Authorization: Bearer, Anthropic's x-api-key
+            auth = headers.get(b"authorization", b"").decode("latin-1")
+            key = headers.get(b"x-api-key", b"").decode("latin-1")
+            expected = self.api.api_key.encode()
+            if not (hmac.compare_digest(auth.encode(), b"Bearer " + expected)
+                    or hmac.compare_digest(key.encode(), expected)):
                 return APIError(401, "Invalid or missing API key: send it as the header "
-                                "'Authorization: Bearer <key>'.", code="invalid_api_key")
+                                "'Authorization: Bearer <key>' (or 'x-api-key: <key>').",
+                                code="invalid_api_key")
         return None
 
 
@@ -96,6 +104,8 @@ def build_app(api: OpenAIServer, cors: CorsPolicy | None = None) -> FastAPI:
     bodies = {"/v1/completions": (create_completion, CompletionRequest),
               "/v1/chat/completions": (create_chat_completion, ChatCompletionRequest),
               "/v1/responses": (create_response, ResponsesRequest),
+              "/v1/messages": (create_message, MessagesRequest),
+              "/v1/messages/count_tokens": (count_tokens, MessagesRequest),
               "/v1/embeddings": (create_embedding, EmbeddingRequest),
               "/infill": (create_infill, InfillRequest),
               "/completion": (create_llama_completion, LlamaCompletionRequest),
@@ -107,8 +117,10 @@ def build_app(api: OpenAIServer, cors: CorsPolicy | None = None) -> FastAPI:
     for path, route in (("/v1/models", routes.list_models), ("/metrics", routes.metrics),
                         ("/version", routes.version)):
         app.add_api_route(path, route, methods=["GET"])
-    for path in ("/health", "/ping"):  # some probes send HEAD
-        app.add_api_route(path, routes.health, methods=["GET", "HEAD"])
+    for path in ("/health", "/ping"):
+        app.add_api_route(path, routes.health, methods=["GET"])
+        # some probes send HEAD (out of the OpenAPI document: one operation a path and method)
+        app.add_api_route(path, routes.health, methods=["HEAD"], include_in_schema=False)
     app.add_api_route("/v1/responses/{response_id}", get_response, methods=["GET"])
     app.add_api_route("/v1/responses/{response_id}", delete_response, methods=["DELETE"])
 

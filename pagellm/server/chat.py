@@ -22,9 +22,16 @@ from pagellm.server.tools import (TOOL_CLOSE, TOOL_OPEN, ToolStream, auto_gramma
 
 
 async def create_chat_completion(request: Request):
-    api: OpenAIServer = request.app.state.api
     arrival = time.monotonic()
     req = parse_request(ChatCompletionRequest, await request.body())
+    return (await chat_completion(request, req, arrival))[0]
+
+
+async def chat_completion(request: Request, req: ChatCompletionRequest,
+                          arrival: float) -> tuple[JSONResponse | EventStream, int]:
+    """(the answer, the prompt's token count): a JSON body, or chunks as server-sent events.
+    Anthropic's Messages API (server/anthropic_messages.py) runs on it too."""
+    api: OpenAIServer = request.app.state.api
     lora = api.check_model(req.model)
     api.need_tokenizer("messages")
     tools = tool_dicts(req.tools)
@@ -115,7 +122,7 @@ async def create_chat_completion(request: Request):
                  for ch in choices]
         events = stream_events(slots, choices, req.n, req.logprobs, choice_chunk, usage_chunk,
                                prelude=roles)
-        return EventStream(events, on_close=lambda: api.abort(slots))
+        return EventStream(events, on_close=lambda: api.abort(slots)), len(ids)
 
     (final,) = await api.final_outputs(request, slots)
     out_choices = []
@@ -131,7 +138,7 @@ async def create_chat_completion(request: Request):
                             **finish_of(c, calls)})
     num_generated = sum(len(c.token_ids) for c in final.outputs)
     return JSONResponse({**base, "choices": out_choices,
-                         "usage": usage(len(ids), num_generated, final.num_cached_tokens)})
+                         "usage": usage(len(ids), num_generated, final.num_cached_tokens)}), len(ids)
 
 
 def _answer_schema(structured, field: str) -> dict:

@@ -422,6 +422,27 @@ class TokenizeRequest(_TemplateKwargs):
     tools: list[Tool] | None = None  # vLLM's: messages rendered as a chat with these tools
 
 
+class MessagesRequest(BaseModel):
+    """POST /v1/messages (Anthropic's Messages API; server/anthropic_messages.py turns it into
+    a chat completion request, whose checks then apply). max_tokens is required there, and
+    not part of /v1/messages/count_tokens."""
+    model_config = ConfigDict(extra="allow", strict=True)
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    system: str | list[dict[str, Any]] | None = None
+    stop_sequences: list[str] | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    stream: bool = False
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: dict[str, Any] | None = None
+    thinking: dict[str, Any] | None = None
+    metadata: dict[str, Any] | None = None
+    service_tier: str | None = None
+
+
 class EmbeddingRequest(BaseModel):
     """POST /v1/embeddings: OpenAI's fields (input: a string, strings, token ids or lists of
     them)."""
