@@ -185,3 +185,23 @@ def test_a_response_cut_while_thinking(thinking_server):
         [(i["type"], i["status"], i["content"]) for i in body["output"]]
     assert "response.output_text.delta" not in [e["type"] for e in events]
     wait_idle(srv)
+
+
+def test_anthropic_messages_give_a_thinking_block(thinking_server):
+    """/v1/messages: the thinking as a thinking block before the text, streamed as
+    thinking_delta events in a block of their own (vLLM's guided_regex passed through)."""
+    import anthropic
+
+    srv = thinking_server
+    client = anthropic.Anthropic(base_url=srv.url, api_key="unused", max_retries=0)
+    kw = dict(model=MODEL, max_tokens=40, messages=[{"role": "user", "content": "Hi"}],
+              thinking={"type": "enabled", "budget_tokens": 1024},
+              extra_body={"temperature": 0, "guided_regex": r"<think>\nthe plan\n</think>\n\n4\."})
+    msg = client.messages.create(**kw)
+    assert [(b.type, getattr(b, "thinking", None) or getattr(b, "text", None))
+            for b in msg.content] == [("thinking", "the plan"), ("text", "4.")]
+    with client.messages.stream(**kw) as stream:
+        final = stream.get_final_message()
+    assert [b.type for b in final.content] == ["thinking", "text"]
+    assert (final.content[0].thinking, final.content[1].text) == ("the plan", "4.")
+    wait_idle(srv)

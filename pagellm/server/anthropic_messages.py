@@ -7,7 +7,9 @@ blocks tool messages (before its text, as the API orders them); thinking blocks 
 passed over, as chat templates leave out earlier turns' thinking. `tools` ({name, description,
 input_schema}) are chat's function tools and `tool_choice` maps auto / any / tool / none onto
 chat's (`disable_parallel_tool_use` onto parallel_tool_calls); `stop_sequences`, temperature,
-top_p and top_k are chat's fields; `thinking` turns a template's `enable_thinking` on or off.
+top_p and top_k are chat's fields, and so are vLLM's sampling and constraint fields a request
+adds (min_p, seed, guided_regex, ...: CHAT_EXTRAS); `thinking` turns a template's
+`enable_thinking` on or off.
 The chat's answer comes back as content blocks: thinking (with a reasoning parser), text, then
 a tool_use block per call, and `stop_reason` end_turn / max_tokens / stop_sequence / tool_use;
 a stream sends the documented events (message_start, content_block_start / _delta / _stop,
@@ -34,6 +36,13 @@ from pagellm.server.streaming import EventStream
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                403: "permission_error", 404: "not_found_error", 413: "request_too_large",
                429: "rate_limit_error", 503: "overloaded_error"}
+# vLLM's sampling and constraint fields a request may add (the SDK's extra_body): passed to
+# the chat request as they are (n, logprobs and the stream's options stay the route's)
+CHAT_EXTRAS = ("min_p", "seed", "cache_salt", "stop_token_ids", "presence_penalty",
+               "frequency_penalty", "repetition_penalty", "ignore_eos", "min_tokens",
+               "num_speculative_tokens", "include_stop_str_in_output", "skip_special_tokens",
+               "logit_bias", "structured_outputs", "guided_json", "guided_regex",
+               "guided_choice", "guided_grammar", "chat_template_kwargs")
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use",
                 "abort": "end_turn"}
 
@@ -169,12 +178,15 @@ def chat_request(req: MessagesRequest) -> ChatCompletionRequest:
             body[field] = getattr(req, field)
     if req.stop_sequences:
         body["stop"] = req.stop_sequences
+    body.update((k, v) for k, v in (req.model_extra or {}).items() if k in CHAT_EXTRAS)
     if req.thinking is not None:
         kind = req.thinking.get("type")
         if kind not in ("enabled", "disabled"):
             raise APIError(400, f"thinking.type: must be 'enabled' or 'disabled', got {kind!r}",
                            param="thinking.type")
-        body["chat_template_kwargs"] = {"enable_thinking": kind == "enabled"}
+        kwargs = body.get("chat_template_kwargs")
+        body["chat_template_kwargs"] = {**(kwargs if isinstance(kwargs, dict) else {}),
+                                        "enable_thinking": kind == "enabled"}
     if not body["messages"] or body["messages"][-1]["role"] == "system":
         raise APIError(400, "messages: at least one message is required", param="messages")
     # the chat request's own checks (its field names are these fields' names)
