@@ -431,6 +431,28 @@ def test_usage_reports_the_prompt_tokens_the_prefix_cache_served(srv):
     assert 0 < chunks[-1].usage.prompt_tokens_details.cached_tokens <= both
 
 
+def test_continuous_usage_stats(srv):
+    """vLLM's stream_options.continuous_usage_stats: with include_usage, every chunk carries
+    the usage so far (the prompt's tokens, the tokens generated up to it), the last the whole;
+    without it (or without include_usage) the chunks carry none."""
+    c = srv.client
+    for make in (lambda **kw: c.chat.completions.create(model=MODEL, messages=CHAT, **kw),
+                 lambda **kw: c.completions.create(model=MODEL, prompt="Hello there", **kw)):
+        chunks = list(make(max_tokens=8, stream=True, extra_body={
+            "ignore_eos": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}))
+        final = chunks[-1].usage
+        assert not chunks[-1].choices and final.completion_tokens == 8
+        counts = [ch.usage.completion_tokens for ch in chunks[:-1]]
+        assert all(ch.usage.prompt_tokens == final.prompt_tokens for ch in chunks)
+        assert counts == sorted(counts) and counts[-1] == 8 and counts[0] <= 1
+        assert all(ch.usage.total_tokens == ch.usage.prompt_tokens + ch.usage.completion_tokens
+                   for ch in chunks)
+        for options in ({"include_usage": True}, {"continuous_usage_stats": True}):
+            plain = list(make(max_tokens=4, stream=True, stream_options=options))
+            assert all(ch.usage is None for ch in plain if ch.choices)
+
+
 def test_continue_final_message(srv, offline):
     """vLLM's continue_final_message: the prompt ends inside the last (assistant) message, with
     no end of turn after it, as transformers renders it; on chat completions (the official

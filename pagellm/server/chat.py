@@ -120,8 +120,10 @@ async def chat_completion(request: Request, req: ChatCompletionRequest,
         roles = [chunk_of(base, {"index": ch.index, "delta": {"role": "assistant", "content": ""},
                                  "logprobs": None, "finish_reason": None}, req.include_usage)
                  for ch in choices]
+        running = ((lambda num_generated: usage(len(ids), num_generated))
+                   if req.continuous_usage else None)
         events = stream_events(slots, choices, req.n, req.logprobs, choice_chunk, usage_chunk,
-                               prelude=roles)
+                               prelude=roles, running_usage=running)
         return EventStream(events, on_close=lambda: api.abort(slots)), len(ids)
 
     (final,) = await api.final_outputs(request, slots)

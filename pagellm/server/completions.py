@@ -110,8 +110,11 @@ async def create_completion(request: Request):
             return ({**base, "choices": [], "usage": usage(num_prompt, num_generated, num_cached)}
                     if req.include_usage else None)
 
+        running = ((lambda num_generated: usage(num_prompt, 0 if score_only else num_generated))
+                   if req.continuous_usage else None)
         events = stream_events(slots, choices, req.n, req.logprobs is not None, choice_chunk,
-                               usage_chunk, every_token=api.tokenizer is None)
+                               usage_chunk, every_token=api.tokenizer is None,
+                               running_usage=running)
         return EventStream(events, on_close=lambda: api.abort(slots))
 
     finals = await api.final_outputs(request, slots)

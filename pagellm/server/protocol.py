@@ -137,10 +137,16 @@ class _Request(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and self.stream_options.continuous_usage_stats
+
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
     include_usage: bool = False
+    # vLLM's: with include_usage, every chunk carries the usage so far (not only the last)
+    continuous_usage_stats: bool = False
 
 
 class CompletionRequest(_Request):

@@ -78,15 +78,23 @@ class ChoiceStream:
 
 
 async def stream_events(slots, choices: list[ChoiceStream], n: int, want_logprobs: bool,
-                        choice_chunk, usage_chunk, prelude=(), every_token: bool = False):
+                        choice_chunk, usage_chunk, prelude=(), every_token: bool = False,
+                        running_usage=None):
     """The SSE body of both endpoints. choice_chunk(choice, comp, text, token_ids, logprobs)
     builds one choice's chunk; usage_chunk(num_generated, num_cached) the final one (or None;
-    num_cached: the prompts' tokens the prefix cache served)."""
+    num_cached: the prompts' tokens the prefix cache served); running_usage(num_generated),
+    where given, every other chunk's usage (vLLM's continuous_usage_stats)."""
     num_generated = [0] * len(choices)
     cached: dict[int, int] = {}
+
+    def counted(chunk: dict) -> dict:
+        if running_usage is not None:
+            chunk["usage"] = running_usage(sum(num_generated))
+        return chunk
+
     try:
         for chunk in prelude:
-            yield sse(chunk)
+            yield sse(counted(chunk))
         async for i, out in iterate(slots):
             cached[i] = out.num_cached_tokens
             for comp in out.outputs:
@@ -96,7 +104,7 @@ async def stream_events(slots, choices: list[ChoiceStream], n: int, want_logprob
                     ch.prompt_logprobs, ch._prompt_seen = list(out.prompt_logprobs), True
                 piece = ch.advance(comp, want_logprobs, every_token)
                 if piece is not None:
-                    yield sse(choice_chunk(ch, comp, *piece))
+                    yield sse(counted(choice_chunk(ch, comp, *piece)))
         last = usage_chunk(sum(num_generated), sum(cached.values()))
         if last is not None:
             yield sse(last)
