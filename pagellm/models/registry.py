@@ -23,6 +23,8 @@ MODEL_CLASSES = {
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
     "SmolLM3ForCausalLM": LlamaForCausalLM,
+    # Phi-3: its fused qkv and gate|up read as their parts (models/loader.py, gguf_loader.py)
+    "Phi3ForCausalLM": LlamaForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     # mixtures of experts: the Llama form with models/moe.py's blocks
@@ -35,13 +37,18 @@ MODEL_CLASSES = {
 WINDOWED_MODEL_TYPES = frozenset({"gemma3_text", "gemma2"})
 # model_type -> class, for configs that name no architecture
 _MODEL_TYPES = {"llama": LlamaForCausalLM, "mistral": LlamaForCausalLM, "qwen2": LlamaForCausalLM,
-                "qwen3": LlamaForCausalLM, "smollm3": LlamaForCausalLM,
+                "qwen3": LlamaForCausalLM, "smollm3": LlamaForCausalLM, "phi3": LlamaForCausalLM,
                 "gemma3_text": Gemma3ForCausalLM,
                 "gemma2": Gemma2ForCausalLM, "mixtral": LlamaForCausalLM,
                 "qwen2_moe": LlamaForCausalLM, "qwen3_moe": LlamaForCausalLM}
 
 
 def model_class(config):
+    rope = getattr(config, "rope_parameters", None) or {}
+    rotated = getattr(config, "partial_rotary_factor", None) or rope.get("partial_rotary_factor")
+    if rotated is not None and rotated != 1.0:
+        raise ValueError(f"partial_rotary_factor {rotated}: rotating part of each head "
+                         "(Phi-4-mini) is not supported; every head dimension must rotate")
     for arch in getattr(config, "architectures", None) or []:
         if arch in MODEL_CLASSES:
             return MODEL_CLASSES[arch]
