@@ -101,9 +101,11 @@ class SpeculativeConfig:
         if self.method not in ("ngram", "draft_model"):
             raise ValueError(
                 f"speculative_config.method must be 'ngram' or 'draft_model', got {self.method!r}")
-        if self.method == "ngram" and self.model:
-            raise ValueError("speculative_config.model: n-gram lookup takes no draft model; "
-                             "use method 'draft_model' (or leave the method out)")
+        if self.method == "ngram":
+            for name in ("model", "draft_dtype", "draft_num_layers", "draft_vocab_size"):
+                if getattr(self, name):
+                    raise ValueError(f"speculative_config.{name}: n-gram lookup has no draft "
+                                     "model; use method 'draft_model' (or leave the method out)")
         if not 1 <= self.num_speculative_tokens <= 16:
             raise ValueError("speculative_config.num_speculative_tokens must be in [1, 16], "
                              f"got {self.num_speculative_tokens}")
@@ -132,8 +134,9 @@ class SpeculativeConfig:
         unknown = set(d) - known
         if unknown:
             raise ValueError(f"speculative_config: unknown keys {sorted(unknown)}")
-        if "method" not in d and d.get("model"):
-            d = {**d, "method": "draft_model"}  # vLLM's reading: a draft model and no method
+        if "method" not in d and (d.get("model") or d.get("draft_num_layers")):
+            # vLLM's reading: a draft model (or the target's first layers) and no method
+            d = {**d, "method": "draft_model"}
         return cls(**d)
 
 

@@ -42,6 +42,7 @@ class LLM:
             speculative=SpeculativeConfig.from_dict(speculative_config))
         self.engine = LLMEngine(config)
         self._ids = itertools.count()
+        self._token_texts: dict[int, str] = {}  # Logprob.decoded_token, by id
 
     def shutdown(self) -> None:
         """Stop tensor-parallel worker processes (a no-op with one process)."""
@@ -111,7 +112,27 @@ class LLM:
                 for rid in wanted - finished.keys():  # nothing stays behind in the engine
                     self.engine.abort_request(rid)
                 raise
-        return [finished[rid] for rid in ids]
+        outs = [finished[rid] for rid in ids]
+        self._name_tokens(outs)
+        return outs
+
+    def _name_tokens(self, outs: list[RequestOutput]) -> None:
+        """Each log-probability's decoded_token (vLLM's Logprob field): its token's text, one
+        decode per id this LLM has met (here, off the engine's step loop; the server formats
+        its own)."""
+        tok = self.engine.tokenizer
+        if tok is None:
+            return
+        texts = self._token_texts
+        for out in outs:
+            entries = [e for c in out.outputs for e in (c.logprobs or [])]
+            entries += [e for e in out.prompt_logprobs or [] if e is not None]
+            for entry in entries:
+                for tid, lp in entry.items():
+                    text = texts.get(tid)
+                    if text is None:
+                        text = texts[tid] = tok.decode([tid])
+                    lp.decoded_token = text
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | None = None, use_tqdm: bool = True,

@@ -58,8 +58,8 @@ class Logprob(float):
         obj.rank, obj.decoded_token = rank, decoded_token
         return obj
 
-    def __getnewargs__(self):  # copy and pickle keep the attributes
-        return float(self), self.rank, self.decoded_token
+    def __reduce__(self):  # copy and pickle (every protocol) keep the attributes
+        return Logprob, (float(self), self.rank, self.decoded_token)
 
     @property
     def logprob(self) -> float:

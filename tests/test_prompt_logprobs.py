@@ -188,6 +188,7 @@ def test_logprobs_read_as_vllm_logprob_objects(tmp_path):
                    for entry in out.prompt_logprobs[1:] for t, lp in entry.items())
     assert max(sampled_ranks) > 1  # a sampled token below the top (a flat random model)
     lp = outs[1].outputs[0].logprobs[0][outs[1].outputs[0].token_ids[0]]
-    for again in (copy.deepcopy(lp), pickle.loads(pickle.dumps(lp))):
+    for again in (copy.deepcopy(lp), *(pickle.loads(pickle.dumps(lp, protocol))
+                                       for protocol in range(pickle.HIGHEST_PROTOCOL + 1))):
         assert (again, again.rank, again.decoded_token) == (lp, lp.rank, lp.decoded_token)
     assert repr(lp).startswith("Logprob(logprob=")

@@ -894,6 +894,9 @@ def test_cors_flags():
     assert parse_list("http://a:1, http://b", "--allowed-origins") == ("http://a:1", "http://b")
     assert parse_list('["http://a"]', "--allowed-origins") == ("http://a",)
     assert parse_list("[]", "--allowed-origins") == parse_list("none", "--x") == ()
+    args = SimpleNamespace(allowed_origins=None, allowed_methods="get, post",
+                           allowed_headers=None, allow_credentials=False)
+    assert CorsPolicy.from_args(args).methods == ("GET", "POST")  # as browsers send them
     for bad in ('["http://a"', '[1]', "http://a,,http://b"):
         with pytest.raises(ValueError, match="--allowed-origins"):
             parse_list(bad, "--allowed-origins")

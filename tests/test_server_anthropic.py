@@ -114,6 +114,42 @@ def test_tool_use_and_its_result(srv):
     assert [b.type for b in answer.content] == ["text"]
 
 
+def test_a_last_assistant_message_is_continued(srv):
+    """Anthropic's prefill: the reply goes on from the last assistant message's text, the
+    chat completion with continue_final_message (vLLM's) that it becomes."""
+    c = client(srv)
+    turns = ASK + [{"role": "assistant", "content": "The answer is"}]
+    msg = c.messages.create(system=SYSTEM, messages=turns, **greedy())
+    chat = post(srv, "/v1/chat/completions", {
+        "model": MODEL, "messages": [CHAT[0], *turns], "max_tokens": 12, "temperature": 0,
+        "add_generation_prompt": False, "continue_final_message": True}).json()
+    assert msg.content[0].text == chat["choices"][0]["message"]["content"]
+    plain = c.messages.create(system=SYSTEM, messages=ASK, **greedy())
+    u = msg.usage  # the prompt ends inside the assistant's turn: no end-of-turn, no new turn
+    assert u.input_tokens + u.cache_read_input_tokens == chat["usage"]["prompt_tokens"]
+    assert chat["usage"]["prompt_tokens"] != plain.usage.input_tokens + \
+        plain.usage.cache_read_input_tokens
+    r = post(srv, "/v1/messages", {"model": MODEL, "max_tokens": 4, "messages": ASK + [
+        {"role": "assistant", "content": "The answer is "}]})
+    assert r.status_code == 400 and "trailing whitespace" in r.json()["error"]["message"]
+
+
+def test_a_stream_reports_the_cached_prompt_tokens(srv):
+    """usage as the non-streamed answer gives it: input_tokens the prompt tokens the prefix
+    cache did not serve, cache_read_input_tokens those it did (message_delta's usage)."""
+    c = client(srv)
+    words = " ".join(f"m{i}" for i in range(120))  # a prompt no other test sends
+    turns = [{"role": "user", "content": f"anthropic-cache {words}"}]
+    first = c.messages.create(messages=turns, **greedy(max_tokens=2))
+    again = c.messages.create(messages=turns, **greedy(max_tokens=2))
+    assert again.usage.cache_read_input_tokens > first.usage.cache_read_input_tokens
+    with c.messages.stream(messages=turns, **greedy(max_tokens=2)) as stream:
+        final = stream.get_final_message()
+    assert (final.usage.input_tokens, final.usage.cache_read_input_tokens,
+            final.usage.output_tokens) == (again.usage.input_tokens,
+                                           again.usage.cache_read_input_tokens, 2)
+
+
 def test_count_tokens(srv):
     c = client(srv)
     n = c.messages.count_tokens(model=MODEL, system=SYSTEM, messages=ASK).input_tokens
@@ -163,8 +199,9 @@ def test_the_client_raises_its_own_errors(srv):
 
 def test_x_api_key(tiny_path):
     with running_server(LLM(tiny_path, **ENGINE_KW), api_key="sekret") as srv:
-        with pytest.raises(anthropic.AuthenticationError):
+        with pytest.raises(anthropic.AuthenticationError) as refused:
             client(srv, "wrong").messages.create(messages=ASK, **greedy(max_tokens=2))
+        assert refused.value.body["error"]["type"] == "authentication_error"  # its own shape
         msg = client(srv, "sekret").messages.create(messages=ASK, **greedy(max_tokens=2))
         assert msg.usage.output_tokens == 2
         wait_idle(srv)

@@ -462,7 +462,10 @@ def test_parse_tool_calls_forms():
         assert parse_tool_calls(wrapped, NAMES, bare_json=False) == (wrapped, [])
     for plain in ['{"name": "unknown", "arguments": {}}', "<tool_call>not json</tool_call>",
                   "just text", '{"a": 1}', '```json\n{"a": 1}\n```', '```python\nprint(1)\n```',
-                  'Call: ```json\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n```']:
+                  'Call: ```json\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n```',
+                  # NaN / Infinity are Python's, not JSON: no client could parse such arguments
+                  '<tool_call>{"name": "get_time", "arguments": {"zone": NaN}}</tool_call>',
+                  '{"name": "get_time", "arguments": "{\\"zone\\": -Infinity}"}']:
         assert parse_tool_calls(plain, NAMES) == (plain, [])
 
 

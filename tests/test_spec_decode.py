@@ -992,8 +992,11 @@ def test_the_vllm_forms_of_the_speculative_config(monkeypatch, capsys):
     the model silently unused; `--speculative-config JSON` is vLLM's flag; a --speculative-*
     flag that would be ignored is an error."""
     assert SpeculativeConfig.from_dict({"model": "d.gguf"}).method == "draft_model"
-    with pytest.raises(ValueError, match="speculative_config.model: n-gram lookup"):
-        SpeculativeConfig.from_dict({"method": "ngram", "model": "d.gguf"})
+    assert SpeculativeConfig.from_dict({"draft_num_layers": 2}).method == "draft_model"
+    for name, value in (("model", "d.gguf"), ("draft_dtype", "bfloat16"),
+                        ("draft_num_layers", 2), ("draft_vocab_size", 100)):
+        with pytest.raises(ValueError, match=f"speculative_config.{name}: n-gram lookup"):
+            SpeculativeConfig.from_dict({"method": "ngram", name: value})
     from pagellm import cli
     from pagellm.server import api_server
 

@@ -59,7 +59,6 @@ class LLMEngine:
                                    may_pack(files, config.quantization))
         self.model_path = files.path
         self.tokenizer = files.tokenizer
-        self._token_texts: dict[int, str] = {}  # logprobs' decoded_token, by id
         self.hf_config = files.config
         self.max_model_len = min(config.max_model_len or 10**9,
                                  _context_length(files.config))
@@ -509,7 +508,7 @@ class LLMEngine:
                 entry = {tok: Logprob(lp, rank)}
                 entry.update((t, Logprob(v, r)) for r, (t, v) in enumerate(zip(ti, tv), start=1)
                              if t != tok)
-                seq.prompt_logprobs.append(self._name_tokens(entry))
+                seq.prompt_logprobs.append(entry)
 
     def _process_samples(self, owners: list[tuple[Sequence, int]], logits: torch.Tensor,
                          pooled: dict[int, torch.Tensor] | None = None) -> set[str]:
@@ -642,24 +641,12 @@ class LLMEngine:
             self.scheduler.running.append(child)
         return forks
 
-    def _name_tokens(self, entry: dict[int, Logprob]) -> dict[int, Logprob]:
-        """Each Logprob's decoded_token: its token's text (as vLLM's), one decode per id ever
-        seen (without a tokenizer: None)."""
-        if self.tokenizer is not None:
-            for tid, lp in entry.items():
-                text = self._token_texts.get(tid)
-                if text is None:
-                    text = self._token_texts[tid] = self.tokenizer.decode([tid])
-                lp.decoded_token = text
-        return entry
-
     def _append_token(self, seq: Sequence, token: int, logprob, now: float) -> None:
         seq.output_token_ids.append(token)
         self.num_generation_tokens += 1
         if logprob is not None:
             lp, top = logprob
-            seq.logprobs.append(self._name_tokens(
-                {token: lp, **{t: v for t, v in top.items() if t != token}}))
+            seq.logprobs.append({token: lp, **{t: v for t, v in top.items() if t != token}})
             seq.cumulative_logprob += lp
         if seq.first_token_time is None:
             seq.first_token_time = now

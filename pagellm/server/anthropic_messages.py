@@ -14,8 +14,10 @@ The chat's answer comes back as content blocks: thinking (with a reasoning parse
 a tool_use block per call, and `stop_reason` end_turn / max_tokens / stop_sequence / tool_use;
 a stream sends the documented events (message_start, content_block_start / _delta / _stop,
 message_delta with the stop reason and output tokens, message_stop). Errors are Anthropic's
-shape: {"type": "error", "error": {"type", "message"}}. `usage.input_tokens` counts the prompt
-tokens the prefix cache did not serve (`cache_read_input_tokens` the ones it did).
+shape: {"type": "error", "error": {"type", "message"}} (errors.error_body: the gates' and the
+app's too). `usage.input_tokens` counts the prompt tokens the prefix cache did not serve
+(`cache_read_input_tokens` the ones it did; a stream's message_delta says both). A last
+assistant message is the answer's start (Anthropic's prefill): the reply continues it.
 """
 from __future__ import annotations
 
@@ -27,15 +29,12 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from pagellm.server.chat import chat_completion
-from pagellm.server.errors import APIError, parse_request
+from pagellm.server.errors import APIError, anthropic_error_body, parse_request
 from pagellm.server.protocol import ChatCompletionRequest, MessagesRequest
 from pagellm.server.routes import chat_prompt_ids
 from pagellm.server.state import OpenAIServer
 from pagellm.server.streaming import EventStream
 
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
-               403: "permission_error", 404: "not_found_error", 413: "request_too_large",
-               429: "rate_limit_error", 503: "overloaded_error"}
 # vLLM's sampling and constraint fields a request may add (the SDK's extra_body): passed to
 # the chat request as they are (n, logprobs and the stream's options stay the route's)
 CHAT_EXTRAS = ("min_p", "seed", "cache_salt", "stop_token_ids", "presence_penalty",
@@ -45,23 +44,6 @@ CHAT_EXTRAS = ("min_p", "seed", "cache_salt", "stop_token_ids", "presence_penalt
                "guided_choice", "guided_grammar", "chat_template_kwargs")
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use",
                 "abort": "end_turn"}
-
-
-def error_body(status: int, message: str) -> dict:
-    return {"type": "error", "error": {
-        "type": ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error"),
-        "message": message}}
-
-
-def anthropic_errors(route):
-    """The route's APIErrors in Anthropic's shape (the SDK reads error.type and message)."""
-    async def wrapped(request: Request):
-        try:
-            return await route(request)
-        except APIError as e:
-            return JSONResponse(error_body(e.status_code, e.message), status_code=e.status_code,
-                                headers=e.headers)
-    return wrapped
 
 
 # ---- request -> chat ---------------------------------------------------------------------------
@@ -189,6 +171,15 @@ def chat_request(req: MessagesRequest) -> ChatCompletionRequest:
                                         "enable_thinking": kind == "enabled"}
     if not body["messages"] or body["messages"][-1]["role"] == "system":
         raise APIError(400, "messages: at least one message is required", param="messages")
+    last = body["messages"][-1]
+    if last["role"] == "assistant" and not last.get("tool_calls"):
+        # a last assistant turn is the start of the answer (Anthropic's prefill): the model
+        # goes on writing it, and the reply holds what it adds
+        if last["content"] != last["content"].rstrip():
+            raise APIError(400, f"messages[{len(req.messages) - 1}].content: the final "
+                           "assistant content cannot end with trailing whitespace",
+                           param=f"messages[{len(req.messages) - 1}].content")
+        body.update(continue_final_message=True, add_generation_prompt=False)
     # the chat request's own checks (its field names are these fields' names)
     return parse_request(ChatCompletionRequest, json.dumps(body).encode())
 
@@ -226,7 +217,7 @@ def message_of(chat: dict, req: MessagesRequest) -> dict:
     u = chat["usage"]
     cached = (u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
     return {"id": "msg_" + chat["id"].removeprefix("chatcmpl-"), "type": "message",
-            "role": "assistant", "model": req.model, "content": content,
+            "role": "assistant", "model": req.model or chat["model"], "content": content,
             "stop_reason": stop_reason, "stop_sequence": stop_sequence,
             "usage": message_usage(u["prompt_tokens"], cached, u["completion_tokens"])}
 
@@ -236,16 +227,17 @@ def event(kind: str, **fields) -> str:
     return f"event: {kind}\ndata: {data}\n\n"
 
 
-async def message_events(chunks, req: MessagesRequest, msg_id: str, num_prompt: int):
+async def message_events(chunks, req: MessagesRequest, msg_id: str, num_prompt: int,
+                         model: str):
     """The chat's SSE chunks -> the Messages API's events. A block opens with its first delta
     (text, thinking) and closes when another kind starts; each tool call is a whole block."""
     yield event("message_start", message={
-        "id": msg_id, "type": "message", "role": "assistant", "model": req.model,
+        "id": msg_id, "type": "message", "role": "assistant", "model": req.model or model,
         "content": [], "stop_reason": None, "stop_sequence": None,
         "usage": message_usage(num_prompt, 0, 0)})
     yield event("ping")
     index, open_kind = -1, None
-    stop_reason, stop_sequence, output_tokens = "end_turn", None, 0
+    stop_reason, stop_sequence, usage = "end_turn", None, message_usage(num_prompt, 0, 0)
 
     def start(kind: str, block: dict):
         nonlocal index, open_kind
@@ -260,11 +252,13 @@ async def message_events(chunks, req: MessagesRequest, msg_id: str, num_prompt: 
         chunk = json.loads(raw[6:])
         if "error" in chunk:  # the engine failed the request: the stream says so and ends
             err = chunk["error"]
-            yield event("error", error=error_body(err.get("code") if isinstance(
+            yield event("error", error=anthropic_error_body(err.get("code") if isinstance(
                 err.get("code"), int) else 500, err["message"])["error"])
             return
-        if chunk.get("usage"):
-            output_tokens = chunk["usage"]["completion_tokens"]
+        if chunk.get("usage"):  # the last chunk: the whole request's
+            u = chunk["usage"]
+            cached = (u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+            usage = message_usage(u["prompt_tokens"], cached, u["completion_tokens"])
         for choice in chunk.get("choices", []):
             delta = choice.get("delta", {})
             if delta.get("reasoning_content"):
@@ -281,7 +275,8 @@ async def message_events(chunks, req: MessagesRequest, msg_id: str, num_prompt: 
                 yield event("content_block_delta", index=index,
                             delta={"type": "text_delta", "text": delta["content"]})
             for call in delta.get("tool_calls") or []:
-                for e in start("tool_use", {**tool_use(call), "input": {}}):
+                for e in start("tool_use", {"type": "tool_use", "id": call["id"],
+                                            "name": call["function"]["name"], "input": {}}):
                     yield e
                 yield event("content_block_delta", index=index, delta={
                     "type": "input_json_delta",
@@ -292,12 +287,11 @@ async def message_events(chunks, req: MessagesRequest, msg_id: str, num_prompt: 
         yield event("content_block_stop", index=index)
     yield event("message_delta", delta={"stop_reason": stop_reason,
                                         "stop_sequence": stop_sequence},
-                usage={"output_tokens": output_tokens})
+                usage=usage)
     yield event("message_stop")
 
 
 # ---- routes ----------------------------------------------------------------------------------
-@anthropic_errors
 async def create_message(request: Request):
     arrival = time.monotonic()
     req = parse_request(MessagesRequest, await request.body())
@@ -306,12 +300,11 @@ async def create_message(request: Request):
     response, num_prompt = await chat_completion(request, chat_request(req), arrival)
     if isinstance(response, EventStream):
         events = message_events(response.body_iterator, req, f"msg_{uuid.uuid4().hex}",
-                                num_prompt)
+                                num_prompt, request.app.state.api.model_name)
         return EventStream(events, on_close=response.on_close)
     return JSONResponse(message_of(json.loads(response.body), req))
 
 
-@anthropic_errors
 async def count_tokens(request: Request):
     """{"input_tokens": N}: the prompt the same request to /v1/messages would get."""
     api: OpenAIServer = request.app.state.api

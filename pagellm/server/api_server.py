@@ -33,7 +33,7 @@ from pagellm.server.embeddings import create_embedding
 from pagellm.server.llama_cpp import create_infill, create_llama_completion
 from pagellm.server.limits import LimitGate, Limits
 from pagellm.server.openai_responses import create_response, delete_response, get_response
-from pagellm.server.errors import APIError
+from pagellm.server.errors import APIError, error_body
 from pagellm.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                      EmbeddingRequest, InfillRequest, LlamaCompletionRequest,
                                      MessagesRequest, ResponsesRequest, TokenizeRequest)
@@ -56,7 +56,7 @@ class Gate:
         if scope["type"] == "http":
             err = self.check(scope)
             if err is not None:
-                await error_response(err)(scope, receive, send)
+                await error_response(err, scope["path"])(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
@@ -79,8 +79,9 @@ class Gate:
         return None
 
 
-def error_response(err: APIError) -> JSONResponse:
-    return JSONResponse(err.body(), status_code=err.status_code, headers=err.headers)
+def error_response(err: APIError, path: str = "") -> JSONResponse:
+    """path: the request's (its API's error shape, errors.error_body)."""
+    return JSONResponse(error_body(err, path), status_code=err.status_code, headers=err.headers)
 
 
 def build_app(api: OpenAIServer, cors: CorsPolicy | None = None) -> FastAPI:
@@ -146,11 +147,11 @@ def build_app(api: OpenAIServer, cors: CorsPolicy | None = None) -> FastAPI:
 
     @app.exception_handler(APIError)
     async def _api_error(request, exc: APIError):
-        return error_response(exc)
+        return error_response(exc, request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request, exc: StarletteHTTPException):
-        return error_response(APIError(exc.status_code, str(exc.detail)))
+        return error_response(APIError(exc.status_code, str(exc.detail)), request.url.path)
 
     @app.exception_handler(Exception)
     async def _internal_error(request, exc: Exception):
@@ -158,7 +159,8 @@ def build_app(api: OpenAIServer, cors: CorsPolicy | None = None) -> FastAPI:
         # to the client (it would describe the server's code and files)
         error_id = uuid.uuid4().hex[:12]
         logger.exception("internal error %s on %s", error_id, request.url.path)
-        return error_response(APIError(500, f"internal server error (id {error_id}; see the server log)"))
+        return error_response(APIError(
+            500, f"internal server error (id {error_id}; see the server log)"), request.url.path)
 
     return app
 

@@ -7,11 +7,13 @@ off."""
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 
 from starlette.middleware.cors import CORSMiddleware
 
 ANY = ("*",)
+logger = logging.getLogger("pagellm.server")
 
 
 @dataclass(frozen=True)
@@ -23,17 +25,24 @@ class CorsPolicy:
 
     @classmethod
     def from_args(cls, args) -> CorsPolicy:
+        # browsers send methods upper-case, and the middleware compares them as given
+        methods = tuple(m.upper() for m in parse_list(args.allowed_methods, "--allowed-methods"))
         return cls(origins=parse_list(args.allowed_origins, "--allowed-origins"),
-                   methods=parse_list(args.allowed_methods, "--allowed-methods"),
+                   methods=methods,
                    headers=parse_list(args.allowed_headers, "--allowed-headers"),
                    credentials=args.allow_credentials)
 
     def install(self, app) -> None:
-        """Outermost middleware (call it last): a preflight is answered before the API-key
-        gate, which browsers never send credentials to, and every answer, errors included,
-        carries the headers the browser needs to read it."""
+        """Outermost middleware but Starlette's own (call it last): a preflight is answered
+        before the API-key gate, which browsers never send credentials to, and every answer,
+        the 4xx errors included (not an unexpected 500), carries the headers the browser needs
+        to read it."""
         if not self.origins:
             return
+        if self.credentials and "*" in self.origins:
+            logger.warning("--allow-credentials with any origin ('*'): every web page a user "
+                           "opens may call this server with the user's cookies; name the "
+                           "origins with --allowed-origins")
         app.add_middleware(CORSMiddleware, allow_origins=list(self.origins),
                            allow_methods=list(self.methods), allow_headers=list(self.headers),
                            allow_credentials=self.credentials)

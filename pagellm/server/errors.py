@@ -30,6 +30,27 @@ class APIError(Exception):
                           "code": self.code}}
 
 
+# Anthropic's Messages API answers its errors in its own shape (server/anthropic_messages.py)
+_ANTHROPIC_PATH = "/v1/messages"
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+                    403: "permission_error", 404: "not_found_error", 413: "request_too_large",
+                    429: "rate_limit_error", 503: "overloaded_error"}
+
+
+def anthropic_error_body(status: int, message: str) -> dict:
+    return {"type": "error", "error": {
+        "type": _ANTHROPIC_TYPES.get(status, "invalid_request_error" if status < 500
+                                     else "api_error"), "message": message}}
+
+
+def error_body(err: APIError, path: str = "") -> dict:
+    """The error's JSON in the shape the route's API uses: Anthropic's under /v1/messages,
+    OpenAI's elsewhere."""
+    if path == _ANTHROPIC_PATH or path.startswith(_ANTHROPIC_PATH + "/"):
+        return anthropic_error_body(err.status_code, err.message)
+    return err.body()
+
+
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                 404: "invalid_request_error", 499: "request_aborted",
                 503: "service_unavailable"}

@@ -137,7 +137,7 @@ class LimitGate:
         headers = dict(err.headers or {})
         headers.setdefault("Connection", "close")
         err.headers = headers
-        await self.error_response(err)(scope, receive or _no_body, send)
+        await self.error_response(err, scope["path"])(scope, receive or _no_body, send)
 
 
 def _replay(messages: list[dict], receive):

@@ -219,7 +219,7 @@ def parse_tool_calls(text: str, tool_names: set[str],
             if candidate is None:
                 continue
             try:
-                obj = json.loads(candidate)
+                obj = _strict_json(candidate)
             except (ValueError, RecursionError):
                 continue
             items = obj if isinstance(obj, list) else [obj]
@@ -250,9 +250,19 @@ def _bare_body(text: str) -> str | None:
     return stripped if stripped.startswith(("{", "[")) else None
 
 
+def _strict_json(text: str):
+    """json.loads without NaN / Infinity (Python's extension): arguments must be JSON a
+    client can parse, and a JSON response cannot carry them."""
+    return json.loads(text, parse_constant=_no_constant)
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
 def _as_call(body: str, tool_names: set[str]) -> dict | None:
     try:
-        obj = json.loads(body)
+        obj = _strict_json(body)
     except (ValueError, RecursionError):
         return None
     if not isinstance(obj, dict) or obj.get("name") not in tool_names:
@@ -260,7 +270,7 @@ def _as_call(body: str, tool_names: set[str]) -> dict | None:
     args = obj.get("arguments", obj.get("parameters", {}))
     if isinstance(args, str):
         try:
-            args = json.loads(args)
+            args = _strict_json(args)
         except (ValueError, RecursionError):
             return None
     if not isinstance(args, dict):
