@@ -76,7 +76,9 @@ SPEC_FLAGS = {"speculative_method": "method", "speculative_model": "model",
 def speculative_config(args: argparse.Namespace) -> dict | None:
     """--speculative-config's JSON, or the --speculative-* flags as LLM's speculative_config
     (None: no speculation). A flag without a method or a draft is an error, not ignored."""
-    given = [f for f in SPEC_FLAGS if getattr(args, f) not in (None, False)]
+    # None: not given; False: a switch left off (0 is a value given: `0 in (None, False)`)
+    given = [f for f in SPEC_FLAGS if getattr(args, f) is not None
+             and getattr(args, f) is not False]
     flag = lambda f: "--" + f.replace("_", "-")  # noqa: E731
     if args.speculative_config is not None:
         if given:

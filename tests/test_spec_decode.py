@@ -1018,6 +1018,7 @@ def test_the_vllm_forms_of_the_speculative_config(monkeypatch, capsys):
     assert spec("--speculative-method", "ngram", "--speculative-fixed-k") == {
         "method": "ngram", "adaptive": False, "prompt_lookup_first": False}
     for flags, message in ((["--num-speculative-tokens", "3"], "needs --speculative-method"),
+                           (["--num-speculative-tokens", "0"], "needs --speculative-method"),
                            (["--speculative-config", "{"], "not JSON"),
                            (["--speculative-config", "[1]"], "a JSON object"),
                            (["--speculative-config", "{}", "--speculative-model", "d"],
