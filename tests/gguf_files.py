@@ -87,13 +87,14 @@ _TOP_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weig
               "lm_head.weight": "output.weight"}
 
 
-def gguf_name(hf_name: str) -> str:
-    """llama.cpp's name of a transformers parameter."""
+def gguf_name(hf_name: str, names: dict[str, str] | None = None) -> str:
+    """llama.cpp's name of a transformers parameter; names: a layer's module -> llama.cpp's
+    part, where an architecture's differ from Llama's."""
     if hf_name in _TOP_NAMES:
         return _TOP_NAMES[hf_name]
     _, _, layer, rest = hf_name.split(".", 3)
     module, kind = rest.rsplit(".", 1)
-    return f"blk.{layer}.{_BLOCK_NAMES[module]}.{kind}"
+    return f"blk.{layer}.{(names or _BLOCK_NAMES)[module]}.{kind}"
 
 
 def llama_cpp_permute(rows: np.ndarray, heads: int) -> np.ndarray:

@@ -15,7 +15,7 @@ from gguf import GGMLQuantizationType as Q
 from pagellm import LLM, SamplingParams
 from pagellm.kernels import native
 from pagellm.models.gemma import Gemma3ForCausalLM
-from tests.gguf_files import finish, gguf_writer, random_blocks
+from tests.gguf_files import finish, gguf_name, gguf_writer, random_blocks
 from tests.helpers import assert_greedy_close, fused_layer_diffs
 from tests.test_gguf_models import _hf_logits, _prefill_logits
 
@@ -182,8 +182,6 @@ _GEMMA_NAMES = {**_NAMES, "post_attention_layernorm": "post_attention_norm",
                 "pre_feedforward_layernorm": "ffn_norm",
                 "post_feedforward_layernorm": "post_ffw_norm"}
 _QWEN_NAMES = {**_NAMES, "post_attention_layernorm": "ffn_norm"}
-_TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-        "lm_head.weight": "output.weight"}
 
 
 def write_gguf(path, arch: str, key_length: int | None = None):
@@ -216,12 +214,7 @@ def write_gguf(path, arch: str, key_length: int | None = None):
     for seed, (name, tensor) in enumerate(model.state_dict().items()):
         if name == "lm_head.weight" and config.tie_word_embeddings:  # the embedding is the head
             continue
-        if name in _TOP:
-            gname = _TOP[name]
-        else:
-            _, _, layer, rest = name.split(".", 3)
-            module, kind = rest.rsplit(".", 1)
-            gname = f"blk.{layer}.{names[module]}.{kind}"
+        gname = gguf_name(name, names)
         part = name.split(".")[-2]
         qtype = (_TYPES.get(part) if ".layers." in name
                  else Q.Q8_0 if name == "model.embed_tokens.weight" else Q.Q6_K if name == "lm_head.weight"

@@ -18,7 +18,7 @@ from pagellm import LLM, SamplingParams
 from pagellm.kernels import native
 from pagellm.lora import LoRARequest
 from pagellm.models.moe import SparseMoE
-from tests.gguf_files import finish, gguf_writer, llama_cpp_permute, random_blocks
+from tests.gguf_files import finish, gguf_name, gguf_writer, llama_cpp_permute, random_blocks
 from tests.helpers import assert_greedy_close, fused_layer_diffs, hf_greedy
 from tests.test_gguf_models import _hf_logits, _prefill_logits
 
@@ -162,8 +162,6 @@ _NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn
           "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
           "mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",
           "mlp.shared_expert.down_proj": "ffn_down_shexp"}
-_TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-        "lm_head.weight": "output.weight"}
 _GGUF_ARCH = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama"}
 
 
@@ -216,12 +214,7 @@ def write_gguf(path, arch: str, gating: int | None = None, widths: bool = True,
     for name, tensor in model.state_dict().items():
         if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
             continue
-        if name in _TOP:
-            gname = _TOP[name]
-        else:
-            _, _, layer, rest = name.split(".", 3)
-            module, kind = rest.rsplit(".", 1)
-            gname = f"blk.{layer}.{_NAMES[module]}.{kind}"
+        gname = gguf_name(name, _NAMES)
         part = name.split(".")[-2]
         qtype = (_TYPES.get(part) if ".layers." in name and name.endswith(".weight")
                  else Q.Q8_0 if name == "model.embed_tokens.weight" else Q.Q6_K if name == "lm_head.weight"

@@ -15,7 +15,7 @@ from gguf import GGMLQuantizationType as Q
 
 from pagellm import LLM, SamplingParams
 from pagellm.kernels import native
-from tests.gguf_files import finish, gguf_writer, random_blocks
+from tests.gguf_files import finish, gguf_name, gguf_writer, random_blocks
 from tests.helpers import assert_greedy_close
 
 HEAD_DIM = 32
@@ -100,8 +100,6 @@ _TYPES = {"qkv_proj": Q.Q4_K, "o_proj": Q.Q5_0, "gate_up_proj": Q.Q4_K, "down_pr
 _NAMES = {"self_attn.qkv_proj": "attn_qkv", "self_attn.o_proj": "attn_output",
           "mlp.gate_up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
           "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
-_TOP = {"model.embed_tokens.weight": "token_embd.weight",
-        "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
 
 
 def write_phi3_gguf(path, rope: dict | None = None):
@@ -126,12 +124,7 @@ def write_phi3_gguf(path, rope: dict | None = None):
                               np.asarray(rope[f"{kind}_factor"], dtype=np.float32))
     state = {}
     for seed, (name, tensor) in enumerate(hf.state_dict().items()):
-        if name in _TOP:
-            gname = _TOP[name]
-        else:
-            _, _, layer, rest = name.split(".", 3)
-            module, kind = rest.rsplit(".", 1)
-            gname = f"blk.{layer}.{_NAMES[module]}.{kind}"
+        gname = gguf_name(name, _NAMES)
         qtype = (_TYPES.get(name.split(".")[-2]) if ".layers." in name
                  else Q.Q8_0 if "embed" in name or "lm_head" in name else None)
         if qtype is None:  # norms

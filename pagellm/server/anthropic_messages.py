@@ -30,7 +30,7 @@ from fastapi.responses import JSONResponse
 
 from pagellm.server.chat import chat_completion
 from pagellm.server.errors import APIError, anthropic_error_body, parse_request
-from pagellm.server.protocol import ChatCompletionRequest, MessagesRequest
+from pagellm.server.protocol import ChatCompletionRequest, MessagesRequest, joined_text
 from pagellm.server.routes import chat_prompt_ids
 from pagellm.server.state import OpenAIServer
 from pagellm.server.streaming import EventStream
@@ -49,19 +49,7 @@ STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_
 # ---- request -> chat ---------------------------------------------------------------------------
 def _text(content, at: str) -> str:
     """A string, or text blocks joined (a tool_result's content, the system prompt)."""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise APIError(400, f"{at}: must be a string or a list of text blocks", param=at)
-    texts = []
-    for j, block in enumerate(content):
-        kind = block.get("type") if isinstance(block, dict) else None
-        if kind != "text" or not isinstance(block.get("text"), str):
-            raise APIError(400, f"{at}[{j}]: only text blocks ({{'type': 'text', 'text': ...}}) "
-                           f"are supported, got {kind or type(block).__name__!r}",
-                           param=f"{at}[{j}]")
-        texts.append(block["text"])
-    return "\n".join(texts)
+    return joined_text(content, at, ("text",), noun="blocks", sep="\n")
 
 
 def chat_messages(req: MessagesRequest) -> list[dict]:

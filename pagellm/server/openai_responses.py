@@ -31,7 +31,7 @@ from pydantic import ValidationError
 
 from pagellm.engine.async_engine import RequestError
 from pagellm.server.errors import APIError, parse_request, sampling_error
-from pagellm.server.protocol import ResponsesRequest, Tool
+from pagellm.server.protocol import ResponsesRequest, Tool, joined_text
 from pagellm.server.reasoning import (CLOSE, ReasoningStream, prompt_opens_thinking,
                                       split_reasoning)
 from pagellm.server.responses import chat_logprobs
@@ -49,19 +49,7 @@ TEXT_PARTS = ("input_text", "output_text", "text")
 # ---- request -> chat ---------------------------------------------------------------------------
 def _text(content, at: str) -> str:
     """A message's content: a string, or text parts (input_text / output_text) joined."""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise APIError(400, f"{at}: must be a string or a list of content parts", param=at)
-    texts = []
-    for j, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in TEXT_PARTS or not isinstance(part.get("text"), str):
-            raise APIError(400, f"{at}[{j}]: only text parts ({{'type': 'input_text', 'text': "
-                           f"...}}) are supported, got {kind or type(part).__name__!r}",
-                           param=f"{at}[{j}]")
-        texts.append(part["text"])
-    return "".join(texts)
+    return joined_text(content, at, TEXT_PARTS)
 
 
 def _arguments(value, at: str) -> dict:

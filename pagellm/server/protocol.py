@@ -428,6 +428,25 @@ class TokenizeRequest(_TemplateKwargs):
     tools: list[Tool] | None = None  # vLLM's: messages rendered as a chat with these tools
 
 
+def joined_text(content, at: str, kinds: tuple[str, ...], noun: str = "parts",
+                sep: str = "") -> str:
+    """A request's content: a string, or a list of text items (each {"type": one of kinds,
+    "text": ...}) joined by sep; anything else a 400 naming the item (`at`: where it lies)."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise APIError(400, f"{at}: must be a string or a list of content {noun}", param=at)
+    texts = []
+    for j, item in enumerate(content):
+        kind = item.get("type") if isinstance(item, dict) else None
+        if kind not in kinds or not isinstance(item.get("text"), str):
+            raise APIError(400, f"{at}[{j}]: only text {noun} ({{'type': '{kinds[0]}', 'text': "
+                           f"...}}) are supported, got {kind or type(item).__name__!r}",
+                           param=f"{at}[{j}]")
+        texts.append(item["text"])
+    return sep.join(texts)
+
+
 class MessagesRequest(BaseModel):
     """POST /v1/messages (Anthropic's Messages API; server/anthropic_messages.py turns it into
     a chat completion request, whose checks then apply). max_tokens is required there, and
