@@ -2,7 +2,7 @@
 as their parts, from a transformers folder and from a GGUF file (attn_qkv, and ffn_up holding
 gate and up, in blocks), equal to transformers on the same weights; LongRoPE's short factors
 within the trained context and its long ones past it, as transformers picks them for a
-sequence of that length; a model that rotates part of each head refused."""
+sequence of that length; Phi-4-mini's partly rotating heads (refused elsewhere)."""
 from __future__ import annotations
 
 import math
@@ -29,8 +29,8 @@ def phi3_config(hidden: int = 128, ff: int = 192, **kw) -> transformers.Phi3Conf
         pad_token_id=0, **kw)
 
 
-def longrope(original: int = 64) -> dict:
-    half = HEAD_DIM // 2
+def longrope(original: int = 64, rotated: int = HEAD_DIM) -> dict:
+    half = rotated // 2
     return {"rope_type": "longrope", "rope_theta": 10000.0,
             "short_factor": [1.0 + 0.1 * i for i in range(half)],
             "long_factor": [1.0 + 2.0 * i for i in range(half)],
@@ -88,11 +88,29 @@ def test_longrope_short_within_the_trained_context_and_long_past_it(tmp_path):
         assert_matches(long, hf, list(range(3, 43)))
 
 
-def test_partial_rotation_is_refused(tmp_path):
-    config = phi3_config(rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
-                                          "partial_rotary_factor": 0.75})
-    random_phi3(config).save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match="partial_rotary_factor 0.75"):
+@pytest.mark.parametrize("rope", [{"rope_type": "default", "rope_theta": 10000.0},
+                                  longrope(rotated=24)], ids=["default", "longrope"])
+def test_a_partly_rotating_head(tmp_path, rope):
+    """Phi-4-mini rotates 3/4 of each head (its q / k rows laid out for a whole-head
+    rotation at load): transformers' scores, short and long factors alike."""
+    config = phi3_config(rope_parameters={**rope, "partial_rotary_factor": 0.75},
+                         original_max_position_embeddings=64)
+    hf = random_phi3(config)
+    hf.save_pretrained(tmp_path)
+    llm = LLM(str(tmp_path), dtype="float32", kv_cache_memory=2**22)
+    assert_matches(llm, hf, [(7 * i) % 250 + 3 for i in range(100)])
+    short = LLM(str(tmp_path), dtype="float32", kv_cache_memory=2**22, max_model_len=64)
+    assert_matches(short, hf, list(range(3, 43)))
+
+
+def test_partial_rotation_is_refused_elsewhere(tmp_path):
+    config = transformers.LlamaConfig(
+        vocab_size=256, hidden_size=128, intermediate_size=192, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                         "partial_rotary_factor": 0.5})
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="partial_rotary_factor 0.5"):
         LLM(str(tmp_path), dtype="float32", kv_cache_memory=2**22)
 
 
@@ -102,18 +120,19 @@ _NAMES = {"self_attn.qkv_proj": "attn_qkv", "self_attn.o_proj": "attn_output",
           "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
 
 
-def write_phi3_gguf(path, rope: dict | None = None):
+def write_phi3_gguf(path, rope: dict | None = None, rotated: int = HEAD_DIM):
     """A random Phi-3 in llama.cpp's form (fused attn_qkv and ffn_up in K-quant blocks,
     LongRoPE as two factor tensors and the trained context); returns transformers' model
     holding exactly the values the file means."""
-    config = phi3_config(hidden=256, ff=256, **({"rope_parameters": rope,
-                                                 "original_max_position_embeddings":
-                                                 rope["original_max_position_embeddings"]}
-                                                if rope else {}))
+    fraction = {"partial_rotary_factor": rotated / HEAD_DIM}
+    rope = {**(rope or {"rope_type": "default", "rope_theta": 10000.0}), **fraction}
+    config = phi3_config(hidden=256, ff=256, rope_parameters=rope,
+                         original_max_position_embeddings=rope.get(
+                             "original_max_position_embeddings", 256))
     hf = random_phi3(config)
     writer = gguf_writer(path, config, "phi3", eos_token_id=2)
-    writer.add_rope_dimension_count(HEAD_DIM)
-    if rope:
+    writer.add_rope_dimension_count(rotated)
+    if rope["rope_type"] == "longrope":
         original = rope["original_max_position_embeddings"]
         scale = config.max_position_embeddings / original
         writer.add_uint32("phi3.rope.scaling.original_context_length", original)
@@ -139,10 +158,12 @@ def write_phi3_gguf(path, rope: dict | None = None):
     return hf
 
 
-@pytest.mark.parametrize("rope", [None, longrope(original=128)])
-def test_a_gguf_file_matches(tmp_path, rope):
+@pytest.mark.parametrize("rope, rotated", [(None, HEAD_DIM), (longrope(original=128), HEAD_DIM),
+                                           (longrope(original=128, rotated=24), 24)],
+                         ids=["default", "longrope", "longrope-partial"])
+def test_a_gguf_file_matches(tmp_path, rope, rotated):
     path = tmp_path / "phi3.gguf"
-    hf = write_phi3_gguf(path, rope)
+    hf = write_phi3_gguf(path, rope, rotated)
     llm = LLM(str(path), dtype="float32", kv_cache_memory=2**22)
     config = llm.engine.hf_config
     assert config.architectures == ["Phi3ForCausalLM"] and config.num_key_value_heads == 4

@@ -6,8 +6,32 @@ scaling as per-frequency divisors (rope_freqs, config.rope_freq_factors).
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import nn
+
+
+def rotary_fraction(config) -> float:
+    """The share of each head's dimensions that rotates (Phi-4-mini: 0.75), transformers'
+    partial_rotary_factor (an attribute, or in rope_parameters since transformers 5)."""
+    rope = getattr(config, "rope_parameters", None) or {}
+    return float(getattr(config, "partial_rotary_factor", None)
+                 or (rope.get("partial_rotary_factor") if isinstance(rope, dict) else None) or 1.0)
+
+
+def partial_rotary_order(heads: int, head_dim: int, rotary_dim: int) -> np.ndarray:
+    """Rows of q or k (heads x head_dim) in the order that makes a head rotating only its
+    first rotary_dim dimensions (transformers' pairs i, i + rotary_dim / 2) a whole-head
+    rotation (pairs i, i + head_dim / 2): each half of the head holds half of the rotated
+    pairs and then half of the dimensions that pass through, which the tables leave alone
+    (cos 1, sin 0). Dot products of q and k are the same in any common order, so every
+    path (modules, the one-call layers) rotates whole heads and gives transformers' scores."""
+    r, half = rotary_dim // 2, head_dim // 2
+    rest = (head_dim - rotary_dim) // 2
+    one = np.concatenate([np.arange(r), rotary_dim + np.arange(rest),
+                          r + np.arange(r), rotary_dim + rest + np.arange(rest)])
+    assert len(one) == head_dim and half == r + rest
+    return (np.arange(heads)[:, None] * head_dim + one[None, :]).reshape(-1)
 
 
 def _inv_freq(config, head_dim: int, max_position: int) -> tuple[torch.Tensor, float]:
@@ -24,7 +48,8 @@ def _inv_freq(config, head_dim: int, max_position: int) -> tuple[torch.Tensor, f
         inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"), **kw)
         return inv_freq.float(), float(scaling)
     theta = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    dim = int(head_dim * rotary_fraction(config))  # the rotated dimensions
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
     factors = getattr(config, "rope_freq_factors", None)
     if factors is not None:  # a Llama 3 GGUF's rope_freqs: llama.cpp divides each angle by one
         if len(factors) != inv_freq.numel():
@@ -45,9 +70,13 @@ class RotaryEmbedding(nn.Module):
             with torch.device("cpu"):
                 inv_freq, scaling = _inv_freq(config, head_dim, max_position)
                 t = torch.arange(max_position, dtype=torch.float32)
-                freqs = torch.outer(t, inv_freq.float())  # [max_position, head_dim / 2]
-                sin = freqs.sin() * scaling
-                cos = torch.cat((freqs.cos(), freqs.cos()), dim=-1) * scaling
+                freqs = torch.outer(t, inv_freq.float())  # [max_position, rotated / 2]
+                cos, sin = freqs.cos() * scaling, freqs.sin() * scaling
+                pad = head_dim // 2 - inv_freq.numel()
+                if pad:  # a partial rotation: the rest passes through (partial_rotary_order)
+                    cos = torch.cat((cos, torch.ones(max_position, pad)), dim=-1)
+                    sin = torch.cat((sin, torch.zeros(max_position, pad)), dim=-1)
+                cos = torch.cat((cos, cos), dim=-1)  # [max_position, head_dim]
         finally:
             torch.set_default_dtype(dtype)
         self.register_buffer("cos", cos.to(device), persistent=False)

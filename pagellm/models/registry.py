@@ -12,6 +12,7 @@ from pagellm import parallel
 from pagellm.kernels import native
 from pagellm.layers import q32_smooth
 from pagellm.layers.linear import float32_biases, keep_float32, prepack_bf16, upcast
+from pagellm.layers.rotary import rotary_fraction
 from pagellm.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from pagellm.models.llama import LlamaForCausalLM
 
@@ -44,11 +45,11 @@ _MODEL_TYPES = {"llama": LlamaForCausalLM, "mistral": LlamaForCausalLM, "qwen2":
 
 
 def model_class(config):
-    rope = getattr(config, "rope_parameters", None) or {}
-    rotated = getattr(config, "partial_rotary_factor", None) or rope.get("partial_rotary_factor")
-    if rotated is not None and rotated != 1.0:
-        raise ValueError(f"partial_rotary_factor {rotated}: rotating part of each head "
-                         "(Phi-4-mini) is not supported; every head dimension must rotate")
+    rotated = rotary_fraction(config)
+    if rotated != 1.0 and getattr(config, "model_type", None) != "phi3":
+        # Phi-3's q / k rows are laid out for it at load (layers/rotary.partial_rotary_order)
+        raise ValueError(f"partial_rotary_factor {rotated}: rotating part of each head is "
+                         f"supported for Phi-3 models (Phi-4-mini), not {config.model_type}")
     for arch in getattr(config, "architectures", None) or []:
         if arch in MODEL_CLASSES:
             return MODEL_CLASSES[arch]
