@@ -5,7 +5,8 @@ An adapter is a PEFT folder (adapter_config.json and adapter_model.safetensors),
 LoRA file (llama.cpp's convert_lora_to_gguf.py: general.type "adapter", tensors
 blk.N.<proj>.weight.lora_a / .lora_b, q and k's lora_b rows in llama.cpp's order for the
 architectures whose weights are so written), whose targets are among the decoder's
-projections (q/k/v/o_proj, gate/up/down_proj). For a
+projections (q/k/v/o_proj, gate/up/down_proj; Phi-3's fused qkv_proj and gate_up_proj, split
+into their parts). For a
 request with an adapter, each targeted projection adds scale * (x A^T) B^T to the base
 model's output (scale = lora_alpha / r, or / sqrt(r) with use_rslora): what transformers gives
 with the adapter merged into the weights, without touching them. A step holding such rows
@@ -30,6 +31,9 @@ PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 _FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
           "o_proj": ("o_proj", 0), "gate_proj": ("gate_up_proj", 0),
           "up_proj": ("gate_up_proj", 1), "down_proj": ("down_proj", 0)}
+# Phi-3's fused projections: an adapter on one has one A, and B's rows for each part
+FUSED_TARGETS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"),
+                 "gate_up_proj": ("gate_proj", "up_proj")}
 _KEY = re.compile(r"(?:base_model\.model\.)?(?:model\.)?layers\.(\d+)\.(?:self_attn|mlp)\."
                   r"(\w+)\.lora_([AB])(?:\.weight)?")
 
@@ -64,7 +68,40 @@ def load_adapter(request: LoRARequest, model) -> LoRAAdapter:
         pairs = _read_gguf(request.lora_path, model)
     else:
         pairs = _read_peft(request.lora_path)
-    return _fit(request, pairs, model)
+    return _fit(request, _unfuse(pairs, model), model)
+
+
+def _unfuse(pairs: dict, model) -> dict:
+    """Adapters on fused projections (Phi-3's qkv_proj, gate_up_proj) as their parts' (the
+    one A; B's rows split as the loader splits the weight), and q / k's B rows in the order
+    the loader lays a partly rotating head's rows out (models/loader.partial_rotary)."""
+    from pagellm.layers.rotary import partial_rotary_order
+    from pagellm.models.loader import fused_parts, partial_rotary
+
+    sizes = {module.rpartition(".")[2]: [rows for _, rows in parts]
+             for module, parts in fused_parts(model.config).items()}
+    out = {}
+    for (layer, proj), ab in pairs.items():
+        if proj not in FUSED_TARGETS:
+            out[(layer, proj)] = ab
+            continue
+        if proj not in sizes:
+            raise ValueError(f"lora_path: layer {layer} {proj}: the model has no fused {proj}")
+        if "B" in ab and ab["B"].shape[0] != sum(sizes[proj]):
+            raise ValueError(f"lora_path: layer {layer} {proj}: lora_B has {ab['B'].shape[0]} "
+                             f"rows; the model's {proj} has {sum(sizes[proj])}")
+        rows = ab["B"].split(sizes[proj]) if "B" in ab else [None] * len(sizes[proj])
+        for part, b in zip(FUSED_TARGETS[proj], rows):
+            out[(layer, part)] = {**{k: v for k, v in ab.items() if k != "B"},
+                                  **({} if b is None else {"B": b})}
+    partial = partial_rotary(model.config)
+    if partial is not None:
+        head_dim, rotated = partial
+        for (_, proj), ab in out.items():
+            if proj in ("q_proj", "k_proj") and "B" in ab:
+                order = partial_rotary_order(ab["B"].shape[0] // head_dim, head_dim, rotated)
+                ab["B"] = ab["B"][torch.from_numpy(order)]
+    return out
 
 
 def _read_peft(folder: str) -> dict:
@@ -96,9 +133,9 @@ def _read_peft(folder: str) -> dict:
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for name, t in tensors.items():
         m = _KEY.fullmatch(name)
-        if m is None or m.group(2) not in PROJECTIONS:
+        if m is None or (m.group(2) not in PROJECTIONS and m.group(2) not in FUSED_TARGETS):
             raise ValueError(f"lora_path: tensor {name!r} is not a LoRA weight of a decoder "
-                             f"projection ({', '.join(PROJECTIONS)})")
+                             f"projection ({', '.join(PROJECTIONS + tuple(FUSED_TARGETS))})")
         pairs.setdefault((int(m.group(1)), m.group(2)), {"scale": scale})[m.group(3)] = t
     return pairs
 
@@ -138,12 +175,14 @@ def _read_gguf(path: str, model) -> dict:
         raise ValueError(f"lora_path: the adapter is for architecture {arch!r}, the model is "
                          f"{base!r}")
     alpha = meta("adapter.lora.alpha")
+    names = _GGUF_NAMES if arch != "phi3" else {  # its fused projections (_unfuse splits them)
+        **_GGUF_NAMES, "attn_qkv": "qkv_proj", "ffn_up": "gate_up_proj"}
     pairs: dict[tuple[int, str], dict] = {}
     for t in reader.tensors:
         m = _GGUF_KEY.fullmatch(t.name)
-        if m is None or m.group(2) not in _GGUF_NAMES:
+        if m is None or m.group(2) not in names:
             raise ValueError(f"lora_path: tensor {t.name!r} is not a LoRA weight of a decoder "
-                             f"projection ({', '.join(_GGUF_NAMES)})")
+                             f"projection ({', '.join(names)})")
         shape = tuple(int(n) for n in reversed(t.shape))  # ggml's dims, reversed: torch's
         data = np.asarray(t.data)
         if t.tensor_type not in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16,
@@ -152,7 +191,7 @@ def _read_gguf(path: str, model) -> dict:
         elif t.tensor_type == gguf.GGMLQuantizationType.BF16:
             data = (data.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
         data = np.ascontiguousarray(data, dtype=np.float32).reshape(shape)
-        layer, proj, kind = int(m.group(1)), _GGUF_NAMES[m.group(2)], m.group(3).upper()
+        layer, proj, kind = int(m.group(1)), names[m.group(2)], m.group(3).upper()
         attn = model.layers[0].self_attn  # every layer's head counts
         if kind == "B" and arch in PERMUTED_ARCHITECTURES and proj in ("q_proj", "k_proj"):
             data = undo_rope_permute(data, attn.num_heads if proj == "q_proj"

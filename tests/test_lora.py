@@ -21,7 +21,7 @@ from tests.helpers import assert_greedy_close, assert_no_leaks, hf_greedy, make_
 from tests.test_server import running_server, tiny_path, wait_idle  # noqa: F401
 
 PROMPTS = [[5, 17, 33, 4, 90, 12, 7], list(range(10, 51)), [3, 3, 3, 60, 61, 62]]
-ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
+ATTN = ("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj")
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 
 

@@ -176,3 +176,28 @@ def test_a_gguf_file_matches(tmp_path, rope, rotated):
         want = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
         assert_greedy_close(want, packed.generate([prompt], params, use_tqdm=False)[0].outputs[0],
                             0.1)
+
+
+def test_a_lora_adapter_on_the_fused_projections(tmp_path):
+    """A PEFT adapter on Phi-3's qkv_proj and gate_up_proj (one A, B's rows split as the
+    weight's; q / k's laid out for a partly rotating head): the merged model's outputs."""
+    from pagellm import LoRARequest
+    from tests.test_lora import write_adapter
+
+    config = phi3_config(rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                          "partial_rotary_factor": 0.75})
+    hf = random_phi3(config)
+    hf.save_pretrained(tmp_path / "base")
+    merged = write_adapter(tmp_path / "lora", hf, ("qkv_proj", "o_proj", "gate_up_proj",
+                                                    "down_proj"))
+    llm = LLM(str(tmp_path / "base"), dtype="float32", kv_cache_memory=2**22)
+    adapter = LoRARequest("phi", 1, str(tmp_path / "lora"))
+    prompt = list(range(3, 43))
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True,
+                                                prompt_logprobs=0), use_tqdm=False,
+                       lora_request=adapter)[0]
+    ref = hf_logprobs(merged, prompt)
+    got = [entry[t] for entry, t in zip(out.prompt_logprobs[1:], prompt[1:])]
+    assert max(abs(a - float(ref[i, t])) for i, (a, t) in enumerate(zip(got, prompt[1:]))) < 2e-4
+    base = hf_logprobs(hf, prompt)  # the adapter changes the scores
+    assert max(abs(a - float(base[i, t])) for i, (a, t) in enumerate(zip(got, prompt[1:]))) > 1e-2
