@@ -120,18 +120,21 @@ _NAMES = {"self_attn.qkv_proj": "attn_qkv", "self_attn.o_proj": "attn_output",
           "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
 
 
-def write_phi3_gguf(path, rope: dict | None = None, rotated: int = HEAD_DIM):
+def write_phi3_gguf(path, rope: dict | None = None, rotated: int = HEAD_DIM,
+                    window: int | None = None):
     """A random Phi-3 in llama.cpp's form (fused attn_qkv and ffn_up in K-quant blocks,
     LongRoPE as two factor tensors and the trained context); returns transformers' model
-    holding exactly the values the file means."""
+    holding exactly the values the file means. window: its attention's sliding window."""
     fraction = {"partial_rotary_factor": rotated / HEAD_DIM}
     rope = {**(rope or {"rope_type": "default", "rope_theta": 10000.0}), **fraction}
-    config = phi3_config(hidden=256, ff=256, rope_parameters=rope,
+    config = phi3_config(hidden=256, ff=256, rope_parameters=rope, sliding_window=window,
                          original_max_position_embeddings=rope.get(
                              "original_max_position_embeddings", 256))
     hf = random_phi3(config)
     writer = gguf_writer(path, config, "phi3", eos_token_id=2)
     writer.add_rope_dimension_count(rotated)
+    if window is not None:
+        writer.add_sliding_window(window)
     if rope["rope_type"] == "longrope":
         original = rope["original_max_position_embeddings"]
         scale = config.max_position_embeddings / original

@@ -105,6 +105,7 @@ class WideLayer:
         # the K/V writes go straight into the CPU backend's head-major pool: only there
         return (native.available() and parallel.tp_size() == 1
                 and getattr(layer, "llama_form", False) and qk_ok
+                and attn.window is None  # its attention sees every key (a window: modules)
                 and isinstance(attn.backend, TorchPagedAttention)
                 and all(m.bf16_wide is not None and m.int8 is None for m in (qkv, o, gu, down))
                 and (qkv.bias is None or qkv.bias.dtype == torch.float32)

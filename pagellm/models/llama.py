@@ -67,6 +67,22 @@ class MLP(nn.Module):
         return down(F.silu(gate) * up)
 
 
+# Llama-form model types whose every layer attends over the config's sliding window, as
+# transformers' attention does (Mistral 7B v0.1: 4,096; Phi-3-mini-4k: 2,047)
+WINDOWED_TYPES = frozenset({"mistral", "phi3"})
+
+
+def layer_window(config) -> int | None:
+    """The window every layer attends over (each row its last `window` positions), or None
+    (also where the window spans every position the model has: full attention)."""
+    window = getattr(config, "sliding_window", None)
+    if (config.model_type in WINDOWED_TYPES and window
+            and getattr(config, "use_sliding_window", True)
+            and window < getattr(config, "max_position_embeddings", window + 1)):
+        return int(window)
+    return None
+
+
 def has_qk_norm(config) -> bool:
     """q and k normalized per head before the rotation (Qwen3, Qwen3-MoE)."""
     return config.model_type in ("qwen3", "qwen3_moe")
@@ -85,7 +101,8 @@ class DecoderLayer(nn.Module):
         self.self_attn = PagedSelfAttention(
             config.hidden_size, config.num_attention_heads, config.num_key_value_heads, head_dim,
             qkv_bias, rotary, backend,
-            qk_norm_eps=config.rms_norm_eps if has_qk_norm(config) else None)
+            qk_norm_eps=config.rms_norm_eps if has_qk_norm(config) else None,
+            window=layer_window(config))
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         # a mixture of experts (models/moe.py) where the config makes this layer sparse
         self.mlp = (SparseMoE(config, MLP) if is_sparse_layer(config, index) else

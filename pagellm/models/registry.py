@@ -14,7 +14,7 @@ from pagellm.layers import q32_smooth
 from pagellm.layers.linear import float32_biases, keep_float32, prepack_bf16, upcast
 from pagellm.layers.rotary import rotary_fraction
 from pagellm.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
-from pagellm.models.llama import LlamaForCausalLM
+from pagellm.models.llama import WINDOWED_TYPES, LlamaForCausalLM, layer_window
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +35,7 @@ MODEL_CLASSES = {
 }
 # model types whose sliding windows the model attends over as such (elsewhere a config's
 # sliding_window caps the context: full attention is exact up to it)
-WINDOWED_MODEL_TYPES = frozenset({"gemma3_text", "gemma2"})
+WINDOWED_MODEL_TYPES = frozenset({"gemma3_text", "gemma2"}) | WINDOWED_TYPES
 # model_type -> class, for configs that name no architecture
 _MODEL_TYPES = {"llama": LlamaForCausalLM, "mistral": LlamaForCausalLM, "qwen2": LlamaForCausalLM,
                 "qwen3": LlamaForCausalLM, "smollm3": LlamaForCausalLM, "phi3": LlamaForCausalLM,
@@ -111,7 +111,8 @@ def build_model(files, dtype: torch.dtype, device: torch.device, max_position: i
     with materialised_in(dtype, device):
         # windows and soft-capped scores: not in the Triton kernels
         sliding = ("sliding_attention" in (getattr(files.config, "layer_types", None) or ())
-                   or getattr(files.config, "attn_logit_softcapping", None) is not None)
+                   or getattr(files.config, "attn_logit_softcapping", None) is not None
+                   or layer_window(files.config) is not None)
         model = cls(files.config, get_attention_backend(device, sliding), max_position)
     packed = use_packed(quantization, files, dtype, device)
     # the head kernels are native only; they follow the packing decision of the projections

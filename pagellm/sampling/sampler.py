@@ -248,7 +248,7 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SampleResult:
 def logprobs_of(row_logprobs: torch.Tensor, token_ids: list[int], num_tops: list[int | None]
                 ) -> list[tuple[Logprob, dict[int, Logprob]] | None]:
     """[rows, vocab] log-probabilities -> per row (its token's, its top-N dict), or None where
-    num_tops[i] is None, each with its rank (1: the most likely); all rows in at most four
+    num_tops[i] is None, each with its rank (1: the most likely); all rows in at most three
     host transfers."""
     want = [i for i, n in enumerate(num_tops) if n is not None]
     result: list[tuple[Logprob, dict[int, Logprob]] | None] = [None] * len(token_ids)
@@ -258,8 +258,10 @@ def logprobs_of(row_logprobs: torch.Tensor, token_ids: list[int], num_tops: list
     idx = torch.tensor(want, device=dev)
     rows = row_logprobs[idx]
     chosen_t = rows.gather(1, torch.tensor([[token_ids[i]] for i in want], device=dev))
-    ranks = ((rows > chosen_t).sum(dim=1) + 1).tolist()
-    chosen = chosen_t.squeeze(1).tolist()
+    # each value and its rank in one read (float64 holds both exactly)
+    pairs = torch.cat((chosen_t.double(), (rows > chosen_t).sum(dim=1, keepdim=True).double()),
+                      dim=1).tolist()
+    chosen, ranks = [v for v, _ in pairs], [int(r) + 1 for _, r in pairs]
     most = max(num_tops[i] for i in want)
     top_values = top_ids = None
     if most > 0:
