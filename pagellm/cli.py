@@ -11,6 +11,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--model", dest="model_opt", default=None,
                    help="HF model folder or .gguf file (default: SmolLM2-135M-Instruct GGUF)")
+    g.add_argument("--tokenizer", default=None,
+                   help="a tokenizer folder used instead of the model's own")
     g.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"],
                    help="auto: bfloat16 on GPUs and CPUs with bf16 units, else float32")
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
@@ -27,6 +29,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="auto: the model's dtype, but float32 for bfloat16 models on CPUs "
                         "without bf16 units (faster attention, twice the bytes per token); "
                         "int8 (CPU): codes and a scale per head row, ~half bf16's bytes")
+    g.add_argument("--gpu-memory-utilization", type=float, default=None,
+                   help="on a GPU: its memory's share for the engine (default 0.9)")
     g.add_argument("--kv-cache-fraction", type=float, default=None,
                    help="KV budget as a fraction of available memory")
     g.add_argument("--max-num-seqs", type=int, default=128)
@@ -106,7 +110,8 @@ def speculative_config(args: argparse.Namespace) -> dict | None:
 def engine_kwargs(args: argparse.Namespace) -> dict:
     spec = speculative_config(args)
     return dict(
-        model=getattr(args, "model", None) or args.model_opt, dtype=args.dtype,
+        model=getattr(args, "model", None) or args.model_opt, tokenizer=args.tokenizer,
+        gpu_memory_utilization=args.gpu_memory_utilization, dtype=args.dtype,
         device=args.device, block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
         kv_cache_fraction=args.kv_cache_fraction, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,

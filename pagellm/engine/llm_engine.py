@@ -1,6 +1,7 @@
 """LLMEngine: add_request / abort_request / step. Single-threaded; the async server drives it."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -18,7 +19,7 @@ from pagellm.kernels.malloc import keep_freed_memory, release_freed_memory
 from pagellm.engine.memory import (num_kv_blocks, resolve_device,
                                    resolve_dtype, resolve_kv_dtype)
 from pagellm.layers.linear import packed_row_limit
-from pagellm.models.loader import load_model_files
+from pagellm.models.loader import load_model_files, load_tokenizer
 from pagellm.models.registry import WINDOWED_MODEL_TYPES, build_model, may_pack
 from pagellm import lora
 from pagellm.lora import LoRARequest
@@ -55,6 +56,12 @@ class LLMEngine:
         if self.device.type == "cpu":
             keep_freed_memory()
         files = load_model_files(config.model)
+        if config.tokenizer is not None:  # every use of the tokenizer (EOS too) takes it
+            files = dataclasses.replace(files, tokenizer=load_tokenizer(config.tokenizer,
+                                                                        files.config))
+        if self.device.type != "cuda" and config.cache.gpu_memory_utilization is not None:
+            logger.info("gpu_memory_utilization applies on a GPU; here the KV budget is "
+                        "kv_cache_memory or kv_cache_fraction (default: engine/memory.py)")
         self.dtype = resolve_dtype(config.dtype, self.device,
                                    may_pack(files, config.quantization))
         self.model_path = files.path

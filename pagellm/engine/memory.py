@@ -99,7 +99,8 @@ def kv_budget_bytes(cache: CacheConfig, device: torch.device, activation_peak: i
         return int(max(0, available_memory(device) - activation_peak) * cache.kv_cache_fraction)
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
-        return int(total * GPU_MEMORY_UTILIZATION) - (total - free) - activation_peak
+        share = cache.gpu_memory_utilization or GPU_MEMORY_UTILIZATION
+        return int(total * share) - (total - free) - activation_peak
     return min(DEFAULT_KV_CACHE_BYTES, available_memory(device) // 4)
 
 
@@ -116,7 +117,8 @@ def num_kv_blocks(config, cache: CacheConfig, dtype: torch.dtype, device: torch.
             raise ValueError(f"kv_cache_memory {budget} bytes holds no block of {per_block} bytes")
         source = (f"kv_cache_fraction {cache.kv_cache_fraction} of available memory"
                   if cache.kv_cache_fraction is not None else
-                  f"{GPU_MEMORY_UTILIZATION} of the GPU's memory less what is in use"
+                  f"{cache.gpu_memory_utilization or GPU_MEMORY_UTILIZATION} of the GPU's "
+                  "memory less what is in use"
                   if device.type == "cuda" else "a quarter of available memory")
         raise ValueError(f"the KV budget ({source}, after loading the weights"
                          f"{f' and {activation_peak} bytes of activations' if activation_peak else ''})"

@@ -233,6 +233,22 @@ def _iter_parts(files: list[str], tied: bool, fused: dict[str, list[tuple[str, i
                     start += rows
 
 
+def load_tokenizer(folder: str, config) -> transformers.PreTrainedTokenizerBase:
+    """A tokenizer folder used instead of the model file's own (vLLM's `tokenizer`: a GGUF
+    whose vocabulary transformers converts poorly, or a better chat template); its ids must
+    lie within the model's vocabulary."""
+    path = os.path.abspath(os.path.expanduser(folder))
+    if not os.path.isdir(path):
+        raise ValueError(f"tokenizer: {folder} is not a folder")
+    tokenizer = _hf_tokenizer(path)
+    if tokenizer is None:
+        raise ValueError(f"tokenizer: {folder} has none of {', '.join(_TOKENIZER_FILES)}")
+    if len(tokenizer) > config.vocab_size:
+        raise ValueError(f"tokenizer: {folder} has {len(tokenizer)} tokens; the model's "
+                         f"vocabulary has {config.vocab_size}")
+    return tokenizer
+
+
 def _hf_tokenizer(folder: str) -> transformers.PreTrainedTokenizerBase | None:
     if not any(os.path.isfile(os.path.join(folder, name)) for name in _TOKENIZER_FILES):
         return None
