@@ -91,6 +91,9 @@ def _unfuse(pairs: dict, model) -> dict:
             raise ValueError(f"lora_path: layer {layer} {proj}: lora_B has {ab['B'].shape[0]} "
                              f"rows; the model's {proj} has {sum(sizes[proj])}")
         rows = ab["B"].split(sizes[proj]) if "B" in ab else [None] * len(sizes[proj])
+        both = [part for part in FUSED_TARGETS[proj] if (layer, part) in pairs]
+        if both:
+            raise ValueError(f"lora_path: layer {layer} has both {proj} and {both[0]}")
         for part, b in zip(FUSED_TARGETS[proj], rows):
             out[(layer, part)] = {**{k: v for k, v in ab.items() if k != "B"},
                                   **({} if b is None else {"B": b})}

@@ -47,6 +47,10 @@ def test_a_folder_attends_over_its_window(tmp_path, kind):
         llm = LLM(str(tmp_path), dtype="float32", kv_cache_memory=2**22, **kw)
         assert llm.engine.max_model_len == 256  # not capped at the window
         assert_windowed(llm, hf)
+    # built for no more positions than the window: full attention, the window's paths not
+    # taken (the many-row one-call layers stay open to it)
+    within = LLM(str(tmp_path), dtype="float32", kv_cache_memory=2**22, max_model_len=WINDOW)
+    assert all(layer.self_attn.window is None for layer in within.engine.model.layers)
     # the window matters here: transformers without it scores the prompt otherwise
     hf.config.sliding_window = None
     full = hf_logprobs(hf, PROMPT)

@@ -55,13 +55,18 @@ class LLMEngine:
         self.device = resolve_device(config.device)
         if self.device.type == "cpu":
             keep_freed_memory()
-        files = load_model_files(config.model)
+        # a tokenizer given instead of the file's: the file's is not even converted
+        files = load_model_files(config.model, load_tokenizer=config.tokenizer is None)
         if config.tokenizer is not None:  # every use of the tokenizer (EOS too) takes it
             files = dataclasses.replace(files, tokenizer=load_tokenizer(config.tokenizer,
                                                                         files.config))
-        if self.device.type != "cuda" and config.cache.gpu_memory_utilization is not None:
-            logger.info("gpu_memory_utilization applies on a GPU; here the KV budget is "
-                        "kv_cache_memory or kv_cache_fraction (default: engine/memory.py)")
+        cc = config.cache
+        if cc.gpu_memory_utilization is not None and (
+                self.device.type != "cuda" or cc.kv_cache_memory or cc.kv_cache_fraction):
+            logger.info("gpu_memory_utilization is not read: %s",
+                        "kv_cache_memory / kv_cache_fraction set the KV budget"
+                        if self.device.type == "cuda" else "it applies on a GPU; here the KV "
+                        "budget is kv_cache_memory or kv_cache_fraction (engine/memory.py)")
         self.dtype = resolve_dtype(config.dtype, self.device,
                                    may_pack(files, config.quantization))
         self.model_path = files.path
@@ -89,7 +94,6 @@ class LLMEngine:
                                                    [cfg_eos])} - {None}
         self.vocab_size = files.config.vocab_size
         self.structured = GrammarBackend(self.tokenizer, self.vocab_size, self.eos_token_ids)
-        cc = config.cache
         self.kv_dtype = resolve_kv_dtype(cc.kv_cache_dtype, self.dtype, self.device,
                                          self.model.act_dtype)
         # Every model is loaded, and the largest step profiled, before the KV budget is read:
@@ -100,7 +104,8 @@ class LLMEngine:
 
             if needs_draft_model(config.speculative, self.dtype, self.device):
                 draft = load_draft(config.speculative, files, self.dtype, self.device,
-                                   self.max_model_len, config.quantization)
+                                   self.max_model_len, config.quantization,
+                                   shared_tokenizer=config.tokenizer is not None)
         self.warmup = (config.warmup if config.warmup is not None
                        else self.device.type == "cuda") and self._tp_procs is None
         activation_peak = self._profile(draft) if self.warmup else 0

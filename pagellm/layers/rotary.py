@@ -19,6 +19,12 @@ def rotary_fraction(config) -> float:
                  or (rope.get("partial_rotary_factor") if isinstance(rope, dict) else None) or 1.0)
 
 
+def rotated_dims(head_dim: int, fraction: float) -> int:
+    """transformers' int(head_dim * partial_rotary_factor), robust to a factor a GGUF's
+    rotated count divided out (30 / 44 * 44 = 29.999...)."""
+    return int(head_dim * fraction + 1e-6)
+
+
 def partial_rotary_order(heads: int, head_dim: int, rotary_dim: int) -> np.ndarray:
     """Rows of q or k (heads x head_dim) in the order that makes a head rotating only its
     first rotary_dim dimensions (transformers' pairs i, i + rotary_dim / 2) a whole-head
@@ -48,7 +54,7 @@ def _inv_freq(config, head_dim: int, max_position: int) -> tuple[torch.Tensor, f
         inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"), **kw)
         return inv_freq.float(), float(scaling)
     theta = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
-    dim = int(head_dim * rotary_fraction(config))  # the rotated dimensions
+    dim = rotated_dims(head_dim, rotary_fraction(config))
     inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
     factors = getattr(config, "rope_freq_factors", None)
     if factors is not None:  # a Llama 3 GGUF's rope_freqs: llama.cpp divides each angle by one

@@ -72,13 +72,13 @@ class MLP(nn.Module):
 WINDOWED_TYPES = frozenset({"mistral", "phi3"})
 
 
-def layer_window(config) -> int | None:
+def layer_window(config, max_position: int) -> int | None:
     """The window every layer attends over (each row its last `window` positions), or None
-    (also where the window spans every position the model has: full attention)."""
+    (also where the window spans every position the model is built for, max_position: full
+    attention, and the paths that take no window)."""
     window = getattr(config, "sliding_window", None)
     if (config.model_type in WINDOWED_TYPES and window
-            and getattr(config, "use_sliding_window", True)
-            and window < getattr(config, "max_position_embeddings", window + 1)):
+            and getattr(config, "use_sliding_window", True) and window < max_position):
         return int(window)
     return None
 
@@ -94,7 +94,7 @@ class DecoderLayer(nn.Module):
     llama_form = True
 
     def __init__(self, config, rotary: RotaryEmbedding, backend: AttentionBackend, qkv_bias: bool,
-                 index: int = 0):
+                 index: int = 0, window: int | None = None):
         super().__init__()
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -102,7 +102,7 @@ class DecoderLayer(nn.Module):
             config.hidden_size, config.num_attention_heads, config.num_key_value_heads, head_dim,
             qkv_bias, rotary, backend,
             qk_norm_eps=config.rms_norm_eps if has_qk_norm(config) else None,
-            window=layer_window(config))
+            window=window)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         # a mixture of experts (models/moe.py) where the config makes this layer sparse
         self.mlp = (SparseMoE(config, MLP) if is_sparse_layer(config, index) else
@@ -170,8 +170,9 @@ class LlamaForCausalLM(nn.Module):
         # SmolLM3: layers whose flag is 0 rotate nothing (one shared identity rotary)
         uses_rope = getattr(config, "no_rope_layers", None) or [1] * config.num_hidden_layers
         nope = NoRotation(head_dim, max_position) if not all(uses_rope) else None
-        return [DecoderLayer(config, self.rotary if uses_rope[i] else nope, backend, qkv_bias, i)
-                for i in range(config.num_hidden_layers)]
+        window = layer_window(config, max_position)
+        return [DecoderLayer(config, self.rotary if uses_rope[i] else nope, backend, qkv_bias, i,
+                             window) for i in range(config.num_hidden_layers)]
 
     # what the embedding's rows are multiplied by (Gemma: sqrt(hidden_size)); None: nothing
     embed_scale: float | None = None

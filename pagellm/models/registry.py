@@ -112,7 +112,7 @@ def build_model(files, dtype: torch.dtype, device: torch.device, max_position: i
         # windows and soft-capped scores: not in the Triton kernels
         sliding = ("sliding_attention" in (getattr(files.config, "layer_types", None) or ())
                    or getattr(files.config, "attn_logit_softcapping", None) is not None
-                   or layer_window(files.config) is not None)
+                   or layer_window(files.config, max_position) is not None)
         model = cls(files.config, get_attention_backend(device, sliding), max_position)
     packed = use_packed(quantization, files, dtype, device)
     # the head kernels are native only; they follow the packing decision of the projections

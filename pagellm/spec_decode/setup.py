@@ -24,10 +24,14 @@ logger = logging.getLogger("pagellm")
 
 
 def load_draft(spec: SpeculativeConfig, target_files, target_dtype: torch.dtype,
-               device: torch.device, max_model_len: int, quantization: str | None = None):
+               device: torch.device, max_model_len: int, quantization: str | None = None,
+               shared_tokenizer: bool = False):
     """Load the draft model (default: the target's own files, in a cheaper form) and refuse one
-    whose vocabulary or tokenizer differs from the target's."""
-    files = load_model_files(spec.model) if spec.model else target_files
+    whose vocabulary or tokenizer differs from the target's. shared_tokenizer: a tokenizer
+    given for the engine (LLM's `tokenizer`) serves both, as in vLLM: the draft's own is
+    neither read nor compared (its vocabulary's size still is)."""
+    files = (load_model_files(spec.model, load_tokenizer=not shared_tokenizer) if spec.model
+             else target_files)
     if files.config.vocab_size != target_files.config.vocab_size:
         raise ValueError(f"speculative_config.model: draft vocab size {files.config.vocab_size} "
                          f"differs from the target's {target_files.config.vocab_size}")
