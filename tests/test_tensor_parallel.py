@@ -157,3 +157,17 @@ def test_a_worker_dying_while_starting_fails_at_once(tiny_models):
     with LLM(tiny_models["llama"], dtype="float32", kv_cache_memory=2**20,
              tensor_parallel_size=2) as llm:  # and the process can start one again
         assert _tokens(llm, PROMPTS[:1])
+
+
+def test_tp2_phi3_partial_rotation_and_window(tmp_path):
+    """Phi-3's fused projections split per rank after their rows are laid out for a partly
+    rotating head, and a window in every layer: each rank's heads as one process has them."""
+    from tests.test_phi3 import phi3_config, random_phi3
+
+    config = phi3_config(rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                          "partial_rotary_factor": 0.75}, sliding_window=12)
+    random_phi3(config).save_pretrained(tmp_path)
+    kw = {"dtype": "float32", "kv_cache_memory": 2**20, "block_size": 4}
+    want = _tokens(LLM(str(tmp_path), **kw))
+    with LLM(str(tmp_path), tensor_parallel_size=2, **kw) as llm:
+        assert _tokens(llm) == want
