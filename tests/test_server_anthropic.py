@@ -129,6 +129,8 @@ def test_a_last_assistant_message_is_continued(srv):
     assert u.input_tokens + u.cache_read_input_tokens == chat["usage"]["prompt_tokens"]
     assert chat["usage"]["prompt_tokens"] != plain.usage.input_tokens + \
         plain.usage.cache_read_input_tokens
+    assert c.messages.count_tokens(model=MODEL, system=SYSTEM, messages=turns).input_tokens \
+        == chat["usage"]["prompt_tokens"]  # the same prompt, counted
     r = post(srv, "/v1/messages", {"model": MODEL, "max_tokens": 4, "messages": ASK + [
         {"role": "assistant", "content": "The answer is "}]})
     assert r.status_code == 400 and "trailing whitespace" in r.json()["error"]["message"]

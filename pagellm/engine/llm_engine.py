@@ -24,8 +24,8 @@ from pagellm.models.registry import WINDOWED_MODEL_TYPES, build_model, may_pack
 from pagellm import lora
 from pagellm.lora import LoRARequest
 from pagellm.pooling_params import PoolingParams
-from pagellm.outputs import CompletionOutput, Logprob, Prefix, RequestMetrics, RequestOutput
-from pagellm.sampling.sampler import SamplingRow, sample
+from pagellm.outputs import CompletionOutput, Prefix, RequestMetrics, RequestOutput
+from pagellm.sampling.sampler import SamplingRow, logprobs_of, sample
 from pagellm.sampling_params import SamplingParams
 from pagellm.sequence import Sequence, SequenceStatus
 from pagellm.structured import GrammarBackend, mask_rows
@@ -510,17 +510,11 @@ class LLMEngine:
         for a in range(0, logits.shape[0], self._PROMPT_SLICE):
             lps = torch.log_softmax(logits[a:a + self._PROMPT_SLICE].float(), dim=-1)
             first = lo + a + 1  # the prompt token these rows score
-            nxt = torch.tensor(seq.prompt_token_ids[first:first + lps.shape[0]],
-                               device=lps.device)
-            own_t = lps.gather(1, nxt.unsqueeze(1))
-            ranks = ((lps > own_t).sum(dim=1) + 1).tolist()
-            top_v, top_i = (lps.topk(k, dim=-1) if k else (lps[:, :0], lps[:, :0].long()))
-            for tok, lp, rank, tv, ti in zip(nxt.tolist(), own_t.squeeze(1).tolist(), ranks,
-                                             top_v.tolist(), top_i.tolist()):
-                entry = {tok: Logprob(lp, rank)}
-                entry.update((t, Logprob(v, r)) for r, (t, v) in enumerate(zip(ti, tv), start=1)
-                             if t != tok)
-                seq.prompt_logprobs.append(entry)
+            tokens = seq.prompt_token_ids[first:first + lps.shape[0]]  # the last row may
+            # score the first generated token instead: not a prompt row
+            scored = logprobs_of(lps[:len(tokens)], tokens, [k] * len(tokens))
+            for tok, (lp, top) in zip(tokens, scored):
+                seq.prompt_logprobs.append({tok: lp, **{t: v for t, v in top.items() if t != tok}})
 
     def _process_samples(self, owners: list[tuple[Sequence, int]], logits: torch.Tensor,
                          pooled: dict[int, torch.Tensor] | None = None) -> set[str]:

@@ -255,8 +255,9 @@ def logprobs_of(row_logprobs: torch.Tensor, token_ids: list[int], num_tops: list
     if not want:
         return result
     dev = row_logprobs.device
-    idx = torch.tensor(want, device=dev)
-    rows = row_logprobs[idx]
+    # every row wanted (a prompt's rows, a batch of logprobs requests): no [rows, vocab] copy
+    rows = (row_logprobs if len(want) == row_logprobs.shape[0]
+            else row_logprobs[torch.tensor(want, device=dev)])
     chosen_t = rows.gather(1, torch.tensor([[token_ids[i]] for i in want], device=dev))
     # each value and its rank in one read (float64 holds both exactly)
     pairs = torch.cat((chosen_t.double(), (rows > chosen_t).sum(dim=1, keepdim=True).double()),

@@ -31,7 +31,6 @@ from fastapi.responses import JSONResponse
 from pagellm.server.chat import chat_completion
 from pagellm.server.errors import APIError, anthropic_error_body, parse_request
 from pagellm.server.protocol import ChatCompletionRequest, MessagesRequest, joined_text
-from pagellm.server.routes import chat_prompt_ids
 from pagellm.server.state import OpenAIServer
 from pagellm.server.streaming import EventStream
 
@@ -299,5 +298,6 @@ async def count_tokens(request: Request):
     chat = chat_request(parse_request(MessagesRequest, await request.body()))
     api.check_model(chat.model)
     api.need_tokenizer("messages")
-    ids = await chat_prompt_ids(api, chat.messages, chat.tools, True, chat.chat_template_kwargs)
+    ids = await api.chat_prompt_ids(chat.messages, chat.tools, chat.add_generation_prompt,
+                                    chat.chat_template_kwargs, chat.continue_final_message)
     return JSONResponse({"input_tokens": len(ids)})

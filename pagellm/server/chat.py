@@ -16,7 +16,6 @@ from pagellm.server.reasoning import (ReasoningStream, message_fields, prompt_op
 from pagellm.server.responses import chat_logprobs, usage
 from pagellm.server.state import OpenAIServer
 from pagellm.server.streaming import ChoiceStream, EventStream, chunk_of, finish, stream_events
-from pagellm.server.routes import chat_prompt_ids
 from pagellm.server.tools import (TOOL_CLOSE, TOOL_OPEN, ToolStream, auto_grammar, call_grammar,
                                   has_strict, parse_tool_calls, resolve_tool_choice, tool_dicts)
 
@@ -39,8 +38,8 @@ async def chat_completion(request: Request, req: ChatCompletionRequest,
     api.limits.check_sequences(1, req.n)
     api.limits.check_stop(req.stop)
     api.limits.check_logprobs(req.top_logprobs, "top_logprobs")
-    ids = await chat_prompt_ids(api, req.messages, req.tools, req.add_generation_prompt,
-                                req.chat_template_kwargs, req.continue_final_message)
+    ids = await api.chat_prompt_ids(req.messages, req.tools, req.add_generation_prompt,
+                                    req.chat_template_kwargs, req.continue_final_message)
     api.limits.check_prompt_tokens(len(ids), "messages")
     parser = api.reasoning_parser
     opened = parser is not None and prompt_opens_thinking(

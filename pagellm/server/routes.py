@@ -8,7 +8,6 @@ from fastapi.responses import Response
 from pagellm.server.errors import APIError, parse_request
 from pagellm.server.protocol import DetokenizeRequest, TokenizeRequest
 from pagellm.server.state import OpenAIServer
-from pagellm.server.tools import prompt_messages, template_knows_tools, tool_dicts
 
 
 async def list_models(request: Request):
@@ -35,8 +34,8 @@ async def tokenize(request: Request):
         raise APIError(400, "tools: only with `messages`", param="tools")
     api.need_tokenizer("prompt" if req.messages is None else "messages")
     if req.messages is not None:
-        ids = await chat_prompt_ids(api, req.messages, req.tools, req.add_generation_prompt,
-                                    req.chat_template_kwargs, req.continue_final_message)
+        ids = await api.chat_prompt_ids(req.messages, req.tools, req.add_generation_prompt,
+                                        req.chat_template_kwargs, req.continue_final_message)
     else:
         special = (req.add_special if req.add_special is not None  # llama.cpp: default false
                    else False if req.content is not None else req.add_special_tokens)
@@ -44,18 +43,6 @@ async def tokenize(request: Request):
     tokens = ([{"id": t, "piece": api.token_str(t)} for t in ids] if req.with_pieces
               else ids)
     return {"tokens": tokens, "count": len(ids), "max_model_len": api.max_model_len}
-
-
-async def chat_prompt_ids(api: OpenAIServer, messages, tools, add_generation_prompt: bool,
-                          template_kwargs: dict | None = None,
-                          continue_final_message: bool = False) -> list[int]:
-    """The prompt a chat completion with these messages (ChatMessage models) and tools (Tool
-    models, or None) gets."""
-    tools = tool_dicts(tools)
-    native = template_knows_tools(api.tokenizer)
-    turns = prompt_messages([m.as_dict() for m in messages], tools, native)
-    return await api.off_loop(api.encode_chat, turns, add_generation_prompt,
-                              tools if native else None, template_kwargs, continue_final_message)
 
 
 async def detokenize(request: Request):

@@ -19,6 +19,7 @@ from pagellm.metrics import ServerMetrics
 from pagellm.outputs import RequestOutput
 from pagellm.server.limits import Limits
 from pagellm.server.errors import APIError, sampling_error
+from pagellm.server.tools import prompt_messages, template_knows_tools, tool_dicts
 from pagellm.structured import StructuredOutputError
 
 
@@ -153,6 +154,19 @@ class OpenAIServer:
         ids = infill_prompt(self.tokenizer, self.infill_tokens("suffix"), prefix, suffix)
         self.limits.check_prompt_tokens(len(ids), "prompt")
         return None, ids
+
+    async def chat_prompt_ids(self, messages, tools, add_generation_prompt: bool,
+                              template_kwargs: dict | None = None,
+                              continue_final_message: bool = False) -> list[int]:
+        """The prompt a chat completion with these messages (ChatMessage models) and tools
+        (Tool models, or None) gets: chat completions, /tokenize and Anthropic's count_tokens
+        build it here alike."""
+        tools = tool_dicts(tools)
+        native = template_knows_tools(self.tokenizer)
+        turns = prompt_messages([m.as_dict() for m in messages], tools, native)
+        return await self.off_loop(self.encode_chat, turns, add_generation_prompt,
+                                   tools if native else None, template_kwargs,
+                                   continue_final_message)
 
     def encode_chat(self, messages, add_generation_prompt: bool,
                     tools: list[dict] | None = None,
