@@ -436,8 +436,9 @@ def test_continuous_usage_stats(srv):
     the usage so far (the prompt's tokens, the tokens generated up to it), the last the whole;
     without it (or without include_usage) the chunks carry none."""
     c = srv.client
-    for make in (lambda **kw: c.chat.completions.create(model=MODEL, messages=CHAT, **kw),
-                 lambda **kw: c.completions.create(model=MODEL, prompt="Hello there", **kw)):
+    for chat, make in (
+            (True, lambda **kw: c.chat.completions.create(model=MODEL, messages=CHAT, **kw)),
+            (False, lambda **kw: c.completions.create(model=MODEL, prompt="Hello there", **kw))):
         chunks = list(make(max_tokens=8, stream=True, extra_body={
             "ignore_eos": True,
             "stream_options": {"include_usage": True, "continuous_usage_stats": True}}))
@@ -445,7 +446,9 @@ def test_continuous_usage_stats(srv):
         assert not chunks[-1].choices and final.completion_tokens == 8
         counts = [ch.usage.completion_tokens for ch in chunks[:-1]]
         assert all(ch.usage.prompt_tokens == final.prompt_tokens for ch in chunks)
-        assert counts == sorted(counts) and counts[-1] == 8 and counts[0] <= 1
+        # chat's first chunk is the role, before any token; a completion's first chunk may
+        # already hold several tokens (a loaded machine coalesces steps into one chunk)
+        assert counts == sorted(counts) and counts[-1] == 8 and (counts[0] == 0 or not chat)
         assert all(ch.usage.total_tokens == ch.usage.prompt_tokens + ch.usage.completion_tokens
                    for ch in chunks)
         for options in ({"include_usage": True}, {"continuous_usage_stats": True}):
