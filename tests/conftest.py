@@ -56,6 +56,25 @@ def exact_q32_blocks(monkeypatch):
     monkeypatch.delenv("PAGELLM_Q32_BLOCK", raising=False)
 
 
+@pytest.fixture(scope="session")
+def avx2_kernels(tmp_path_factory):
+    """The native kernels built for AVX2 alone (no AVX-512: the 8-wide paths and the AVX2
+    q32 tiles that a 16-wide CPU never runs), on any CPU with AVX2."""
+    from pagellm.kernels import native
+
+    if not native.available():
+        pytest.skip("no C compiler on this machine")
+    if "avx2" not in native.cpu_flags():
+        pytest.skip("this CPU has no AVX2")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("PAGELLM_CACHE_DIR", str(tmp_path_factory.mktemp("avx2")))
+    try:
+        flags = [f for f in native.FLAGS if f != "-march=native"] + ["-mavx2", "-mfma", "-mf16c"]
+        return native.load(native.build("cc", flags))
+    finally:
+        mp.undo()
+
+
 @pytest.fixture(autouse=True)
 def leak_check():
     """After every test, every engine still alive is checked: those the test made and those a

@@ -32,23 +32,10 @@ def portable(portable_lib, monkeypatch):
     assert native.library() is portable_lib and native.available()
 
 
-@pytest.fixture(scope="module")
-def avx2_lib(tmp_path_factory):
-    if "avx2" not in native.cpu_flags():
-        pytest.skip("this CPU has no AVX2")
-    mp = pytest.MonkeyPatch()
-    mp.setenv("PAGELLM_CACHE_DIR", str(tmp_path_factory.mktemp("avx2")))
-    try:
-        flags = [f for f in native.FLAGS if f != "-march=native"] + ["-mavx2", "-mfma", "-mf16c"]
-        return native.load(native.build("cc", flags))
-    finally:
-        mp.undo()
-
-
 @pytest.fixture
-def avx2(avx2_lib, monkeypatch):
-    """Every kernel call of this test goes to the AVX2 library."""
-    monkeypatch.setattr(native, "library", lambda: avx2_lib)
+def avx2(avx2_kernels, monkeypatch):
+    """Every kernel call of this test goes to the AVX2 library (conftest.avx2_kernels)."""
+    monkeypatch.setattr(native, "library", lambda: avx2_kernels)
 
 
 KV_DTYPES = test_cpu_attention.KV_DTYPES

@@ -15,9 +15,24 @@ from tests.gguf_files import random_blocks
 from tests.helpers import outputs_on_one_and_two_threads
 
 pytestmark = pytest.mark.skipif(not q32.available(),
-                                reason="needs AVX-512 VNNI and bf16 units (and a C compiler)")
+                                reason="needs AVX-512 VNNI or AVX2 (and a C compiler)")
 TYPES = sorted(q32.Q32_TYPES, key=lambda t: t.name)
 K_QUANTS = (Q.Q4_K, Q.Q5_K)  # 32-value sub-blocks of 256-value super-blocks
+# Codes of 32 and more (Q8_0, the i-quants, requantized blocks) need the AVX-512 VNNI tiles;
+# the AVX2 ones take the 4- and 5-bit types (tests/test_q32_avx2.py runs these tests on that
+# build wherever the CPU has AVX2)
+needs_byte_codes = pytest.mark.skipif(q32.max_code() < 255,
+                                      reason="codes of 32 and more: AVX-512 VNNI tiles")
+
+
+def _takes(qtype) -> bool:
+    """Whether the tiles of the library in use take this type's codes."""
+    return q32.CODE_MAX[qtype] <= q32.max_code()
+
+
+def _wide_part():
+    """The type of the fused tests' wider part: Q8_0 where the tiles take bytes, else Q5_0."""
+    return Q.Q8_0 if _takes(Q.Q8_0) else Q.Q5_0
 
 
 def _cols(qtype, blocks: int) -> int:
@@ -68,9 +83,17 @@ def test_the_int4_loader_form_gives_its_own_weights():
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_every_tile_shape_is_within_the_int8_bound(qtype):
+    """A type whose codes the tiles do not take (AVX2: 32 and more) has no form, and a
+    form made anyway is refused rather than run into int16 sums that would wrap."""
     k = _cols(qtype, 5)
     blocks = random_blocks(qtype, 45, k, seed=int(qtype))  # a partial panel; 5 or 8 blocks
     product = q32.Q32Linear([blocks])
+    if not _takes(qtype):
+        assert q32.Q32Linear.from_parts([blocks]) is None and not q32.fits(blocks)
+        with pytest.raises(ValueError, match="codes up to"):
+            product(torch.zeros(2, k))
+        return
+    assert q32.fits(blocks) and q32.Q32Linear.from_parts([blocks]) is not None
     w = blocks.dequantize()
     g = torch.Generator().manual_seed(int(qtype))
     for rows in [1, 2, 3, 5, 6, 7, 11, 12, 13, 197]:
@@ -82,7 +105,7 @@ def test_every_tile_shape_is_within_the_int8_bound(qtype):
 
 
 def test_fused_parts_of_different_types_on_one_and_two_threads():
-    parts = [random_blocks(Q.Q4_1, 40, 128, seed=1), random_blocks(Q.Q8_0, 24, 128, seed=2),
+    parts = [random_blocks(Q.Q4_1, 40, 128, seed=1), random_blocks(_wide_part(), 24, 128, seed=2),
              quant.Int4Blocks(torch.randint(0, 16, (8, 128), dtype=torch.uint8),
                               torch.rand(8, 4) / 20, torch.randn(8, 4) / 20)]
     product = q32.Q32Linear(parts)
@@ -113,10 +136,12 @@ def test_panels_whose_min_is_a_fixed_multiple_of_d_fold_it_into_the_integer_sum(
     or not, a product is the same sum: the same bf16 outputs but for float32's roundings (at
     most one step of bf16 apart), and within the int8 bound."""
     parts = [random_blocks(Q.Q4_1, 64, 128, seed=21), random_blocks(Q.Q4_0, 32, 128, seed=22),
-             random_blocks(Q.Q5_0, 32, 128, seed=23), random_blocks(Q.Q8_0, 40, 128, seed=24)]
+             random_blocks(Q.Q5_0, 32, 128, seed=23)]
+    if _takes(Q.Q8_0):
+        parts.append(random_blocks(Q.Q8_0, 40, 128, seed=24))
     product = q32.Q32Linear(parts)
     # panels: two of Q4_1, one of Q4_0, one of Q5_0, then Q8_0 and its padding
-    assert product.zeros.tolist() == [0, 0, 8, 16, 128, 128]
+    assert product.zeros.tolist() == [0, 0, 8, 16, 128, 128][:len(product.zeros)]
     assert q32.Q32Linear([random_blocks(Q.Q5_1, 32, 128, seed=25)]).zeros is None
     unfolded = q32.Q32Linear(parts)
     unfolded.zeros = None
@@ -198,7 +223,8 @@ def test_a_projection_with_a_q32_form_keeps_no_dense_weight():
     take the packed kernel, many the q32 one; a Q6_K part keeps the whole weight dense."""
     from pagellm.layers import linear
 
-    parts = [random_blocks(t, 32, 256, seed=s) for s, t in enumerate((Q.Q4_1, Q.Q4_1, Q.Q8_0))]
+    parts = [random_blocks(t, 32, 256, seed=s)
+             for s, t in enumerate((Q.Q4_1, Q.Q4_1, _wide_part()))]
     layer = linear.ColumnParallelLinear(256, ((32, 1), (32, 1), (32, 1)), bias=False)
     for shard, part in enumerate(parts):
         layer.load("weight", part, shard)
@@ -264,7 +290,7 @@ def test_the_gated_products_quantized_output_is_its_output_quantized():
     give the codes and scales q32_quantize gives from the gated product's bf16 output."""
     from pagellm.kernels import native
 
-    parts = [random_blocks(Q.Q4_1, 64, 96, seed=7), random_blocks(Q.Q8_0, 64, 96, seed=8)]
+    parts = [random_blocks(Q.Q4_1, 64, 96, seed=7), random_blocks(_wide_part(), 64, 96, seed=8)]
     product = q32.Q32Linear(parts)
     g = torch.Generator().manual_seed(9)
     for rows in [1, 6, 7, 197]:
@@ -289,6 +315,7 @@ def test_the_gated_products_quantized_output_is_its_output_quantized():
 WIDE = (64, 128, 192, 256)
 
 
+@needs_byte_codes
 def test_requantized_blocks_are_opt_in_and_the_longest_that_divides_the_inputs(monkeypatch):
     parts = [random_blocks(Q.Q4_1, 32, 576, seed=1), random_blocks(Q.Q8_0, 32, 576, seed=2)]
     exact = q32.Q32Linear.from_parts(parts)  # the default: the file's blocks, exactly
@@ -345,9 +372,11 @@ def test_requantized_codes_hold_each_weight_within_half_a_step(qtype, block):
                             torch.ones(32, k // 32), torch.zeros(32, k // 32))  # w = 0 exactly
     z = q32.Q32Linear([zero], block=block)
     assert bool((z.d == 0).all()) and bool((z.dequantize() == 0).all())
-    assert bool((z(torch.randn(3, k)) == 0).all())
+    if _takes(Q.Q8_0):  # requantized codes are bytes: AVX-512 VNNI tiles
+        assert bool((z(torch.randn(3, k)) == 0).all())
 
 
+@needs_byte_codes
 @pytest.mark.parametrize("block", WIDE)
 def test_requantized_products_of_every_tile_shape_are_within_the_int8_bound(block):
     """The products against the requantized weights (activations rounded per the same
@@ -420,6 +449,7 @@ def test_a_block_too_small_for_a_finite_code_factor_quantizes_to_zeros(block):
         assert xq[1, :block].any() and xq[1, 2 * block:].any()
 
 
+@needs_byte_codes
 @pytest.mark.parametrize("own", (32, 128))
 @pytest.mark.parametrize("block", (64, 192))
 def test_the_gated_product_quantized_in_longer_blocks_is_its_output_quantized(block, own):

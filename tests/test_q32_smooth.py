@@ -14,7 +14,10 @@ from tests.gguf_files import random_blocks
 from tests.helpers import outputs_on_one_and_two_threads
 
 pytestmark = pytest.mark.skipif(not q32.available(),
-                                reason="needs AVX-512 VNNI and bf16 units (and a C compiler)")
+                                reason="needs AVX-512 VNNI or AVX2 (and a C compiler)")
+# requantized codes are bytes: their products need the AVX-512 VNNI tiles
+needs_byte_codes = pytest.mark.skipif(q32.max_code() < 255,
+                                      reason="requantized blocks: AVX-512 VNNI tiles")
 
 
 def _factors(k: int, seed: int) -> torch.Tensor:
@@ -47,6 +50,7 @@ def test_the_quantizer_scales_each_channel_before_rounding(block):
         q32.quantize(xb, block, inv[:-1])
 
 
+@needs_byte_codes
 @pytest.mark.parametrize("block", (64, 192))
 def test_a_smoothed_product_is_the_files_product_within_its_bound(block):
     """from_blocks(..., block, s): weights w_ij s_j requantized, activations x_j / s_j rounded per
@@ -155,6 +159,7 @@ def _prompt_logprobs(monkeypatch, env: dict, prompt: list[int]) -> tuple[torch.T
     return lps, forms
 
 
+@needs_byte_codes
 def test_smoothing_brings_the_default_models_requantized_products_back_to_its_accuracy(
         monkeypatch):
     """The default model on 900 tokens of this repository's README, each token's
@@ -191,6 +196,7 @@ def test_smoothing_brings_the_default_models_requantized_products_back_to_its_ac
     assert d_smooth <= 1.15 * d_own and d_smooth <= 0.85 * d_plain, (d_own, d_plain, d_smooth)
 
 
+@needs_byte_codes
 def test_a_block_that_divides_no_products_inputs_is_said_at_load(monkeypatch, caplog):
     """PAGELLM_Q32_BLOCK=224 on the default model (inputs 576 and 1,536, neither a multiple
     of 224): every product keeps the file's blocks, and the load log says so, where it said

@@ -41,7 +41,7 @@ SIGNATURES = {
     "write_kv": ([_P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I32], None),
     "quantize_i8": ([_P, _I64, _I64, _P, _P, _P, _P], None),
     "i8_linear": ([_P, _P, _P, _I64, _I64, _P, _P, _P, _I64, _P, _I64, _I32], None),
-    "q32_available": ([], ctypes.c_int),
+    "q32_max_code": ([], ctypes.c_int),
     "q32_quantize": ([_P, _I64, _I64, _I64, _P, _P, _P, _P, _I32], None),
     "q32_linear": ([_P, _P, _P, _I64, _I64, _I64, _P, _P, _P, _P, _I32, _I64, _P, _I32],
                    ctypes.c_int),

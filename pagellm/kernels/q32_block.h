@@ -1,8 +1,10 @@
-/* One 32-input block of a 6 x 32 vpdpbusd tile, shared by cpu_q32.c and cpu_greedy_head.c.
- * Included after <immintrin.h> and <string.h>, inside their AVX-512 VNNI sections. */
+/* One 32-input block of a 6 x 32 vpdpbusd tile, shared by cpu_q32.c and cpu_greedy_head.c,
+ * and the next panel's prefetch shares (cpu_q32.c's AVX2 tiles too). Included after
+ * <immintrin.h> and <string.h>. */
 #ifndef PAGELLM_Q32_BLOCK_H
 #define PAGELLM_Q32_BLOCK_H
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 /* s[r][0..1] += block g's byte products for rows [0, RB) (x: their bytes, row stride K) x a
  * panel's 32 outputs (cb: the block's codes, [8][32][4] bytes: 4 consecutive inputs of an
  * output a lane; NIB: 4-bit codes two a byte, [8][16][4], outputs o and o + 16 in a byte's
@@ -39,6 +41,8 @@ static inline __attribute__((always_inline)) void block_products(
         }
     }
 }
+
+#endif
 
 /* The next panel's codes (`bytes`: 32 K, or 16 K in nibbles) go into L1 while a panel's
  * rows [0, rows) pass in tiles of TR: tile r / TR sends its share, lines [*first, *first +

@@ -92,13 +92,13 @@ def keep_float32(model: nn.Module) -> int:
     """On CPUs without bf16 units, store the dense weights of packed 4-bit projections in
     float32: those weights serve only products of MAX_ROWS+ rows, which run in float32 there,
     and upcasting every weight at every batched step cost ~12% of a batch-64 decode step.
-    A projection with an int8 form has no dense weight (_Packed); its bias goes to float32
-    too. Returns the number of projections converted."""
+    A projection with an integer form (int8, q32) has no dense weight (_Packed); its bias
+    goes to float32 too. Returns the number of projections converted."""
     if not UPCAST_BF16:
         return 0
     n = 0
     for m in model.modules():
-        if isinstance(m, _Packed) and m.int8 is not None:
+        if isinstance(m, _Packed) and (m.int8 is not None or m.q32 is not None):
             if m.bias is not None:
                 m.bias.data = m.bias.data.float()
             n += 1
@@ -132,18 +132,18 @@ _BLOCKS = (quant.Int4Blocks, quant.GGUFBlocks)
 
 
 def _use_q32() -> bool:
-    """CPUs with bf16 units and AVX-512 VNNI: 32-value block projections (and Q4_K / Q5_K ones,
-    by their 32-value sub-blocks) multiply many rows in
-    int8 (layers/q32.py), faster than the bf16 product of a dense copy, which is not made. One
-    process only, as prepack_bf16 (MLP.forward's bf16 shortcut has no all-reduce)."""
-    return not UPCAST_BF16 and parallel.tp_size() == 1 and q32.available()
+    """CPUs with AVX-512 VNNI (every 32-value block type) or AVX2 (the 4- and 5-bit ones):
+    32-value block projections (and Q4_K / Q5_K ones, by their 32-value sub-blocks) multiply
+    many rows in int8 (layers/q32.py), faster than the bf16 (or float32) product of a dense
+    copy, which is not made. One process only, as prepack_bf16 (MLP.forward's bf16 shortcut
+    has no all-reduce)."""
+    return parallel.tp_size() == 1 and q32.available()
 
 
 def _integer_form(part) -> bool:
     """Whether this part will have an integer many-row form (int8 / q32): its dense copy
     then waits until every part of the projection is known to have one."""
-    return ((USE_INT8 and int8.int8_form(part))
-            or (q32.unsigned_blocks_kind(part) and _use_q32()))
+    return (q32.fits(part) and _use_q32()) or (USE_INT8 and int8.int8_form(part))
 
 
 class _Packed:
@@ -205,10 +205,14 @@ class _Packed:
             self.packed = quant.pack_parts(ordered)
             if self.packed_only and self.packed is not None:
                 pass  # the packed form alone, for products of any number of rows
-            elif USE_INT8 and self.packed is not None:
-                self.int8 = int8.NativeInt8.from_blocks(ordered)
-            elif self.packed is not None and _use_q32():
-                self.q32 = q32.Q32Linear.from_parts(ordered)
+            elif self.packed is not None:
+                # q32 where every part fits its tiles (Q4_K / Q5_K too: its tile is the
+                # faster), else the K-quants' int8 codes (a Q6_K part) on CPUs without bf16
+                # units
+                if _use_q32():
+                    self.q32 = q32.Q32Linear.from_parts(ordered)
+                if self.q32 is None and USE_INT8:
+                    self.int8 = int8.NativeInt8.from_blocks(ordered)
             if (self.int8 is not None or self.q32 is not None
                     or (self.packed_only and self.packed is not None)):
                 self.weight = nn.Parameter(torch.empty(self.weight.shape, device="meta"),

@@ -22,6 +22,13 @@ def available() -> bool:
             and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
 
+def bf16_runs() -> bool:
+    """Whether oneDNN takes bf16 products on this CPU at all (its reorder needs AVX-512
+    BW/VL/DQ or AVX-NE-CONVERT; slowly, without bf16 units): tests that emulate a CPU with
+    bf16 units need it."""
+    return available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 class OneDNNLinear:
     """y = x W^T from W [N, K] bf16 in oneDNN's blocked layout; bf16 outputs."""
 

@@ -201,8 +201,9 @@ class LlamaForCausalLM(nn.Module):
     def enable_wide_layers(self) -> int:
         """Steps of many rows on CPUs with bf16 units run each layer as its four prepacked
         bf16 products with native steps between them (kernels/cpu_wide_layer.py), where the
-        layer allows it (float32 activations, prepacked projections, one process). Returns the
-        number of layers that do."""
+        layer allows it (float32 activations, prepacked projections, one process); on CPUs
+        without them, where all four are q32 products (AVX2: the 4- and 5-bit types), as one
+        native call. Returns the number of layers that do."""
         n = self._give_layers("wide_layer", WideLayer)
         self.wide_stack = WideStack.of(self.layers)
         return n

@@ -151,7 +151,9 @@ def build_model(files, dtype: torch.dtype, device: torch.device, max_position: i
     q32_smooth.requantize_model(model, files.tokenizer, files.config.vocab_size, max_position,
                                 dtype, device)
     if device.type == "cpu" and dtype == torch.bfloat16:
-        prepack_bf16(model)  # bf16 units: dense products from oneDNN's layout, made once
+        # bf16 units: dense products from oneDNN's layout, made once; the one-call many-row
+        # layers where the products allow them (without bf16 units: all four q32 ones)
+        prepack_bf16(model)
         if parallel.tp_size() == 1:
             model.prepack_head()
             if model.act_dtype == torch.float32:
