@@ -15,15 +15,22 @@ CPU = torch.device("cpu")
 PROMPTS = [[5, 9, 17, 33, 2, 40], [7] * 19, list(range(3, 40))]
 
 
+@pytest.mark.parametrize("native_on", [True, False])
 @pytest.mark.parametrize("upcast_bf16", [True, False])
-def test_auto_kv_dtype(monkeypatch, upcast_bf16):
+def test_auto_kv_dtype(monkeypatch, upcast_bf16, native_on):
+    from pagellm.kernels import native
+
     monkeypatch.setattr(lin, "UPCAST_BF16", upcast_bf16)
-    want = torch.float32 if upcast_bf16 else torch.bfloat16
+    monkeypatch.setattr(native, "available", lambda: native_on)
+    # float32 KV only where the PyTorch attention would widen a bf16 pool at every step (no
+    # native kernels, no bf16 units); the native kernel reads bf16 rows on every CPU
+    want = torch.float32 if upcast_bf16 and not native_on else torch.bfloat16
     assert resolve_kv_dtype("auto", torch.bfloat16, CPU) == want
     assert resolve_kv_dtype("auto", torch.float32, CPU) == torch.float32
     assert resolve_kv_dtype("auto", torch.float16, CPU) == torch.float16
-    # float32 activations (packed weights + fused layer): float32 KV where bf16 products are
-    # emulated; a bf16 pool that the native attention kernel widens as it reads elsewhere
+    # float32 activations (packed weights + fused layer): without the native kernels a
+    # float32 pool; with them a bf16 pool that the native attention kernel widens as it reads
+    want = torch.float32 if not native_on else torch.bfloat16
     assert resolve_kv_dtype("auto", torch.bfloat16, CPU, torch.float32) == want
     assert resolve_kv_dtype("bfloat16", torch.bfloat16, CPU, torch.float32) == torch.bfloat16
     assert resolve_kv_dtype("bfloat16", torch.bfloat16, CPU) == torch.bfloat16
