@@ -76,8 +76,10 @@ def test_fused_layer_matches_module_path():
         for a, b in zip(f.outputs[0].logprobs, p.outputs[0].logprobs):
             for tok, lp in b.items():
                 # float32 rounding (fused multiply-adds, expf), amplified through 30 layers
-                # where it moves an activation across an int16 rounding step
-                assert tok in a and abs(a[tok] - lp) < 3e-2, (tok, a, b)
+                # where it moves an activation across an int16 rounding step; a token missing
+                # from the other list is a near-tie at its edge (2nd and 3rd 0.005 apart)
+                assert (abs(a[tok] - lp) < 3e-2 if tok in a
+                        else lp < min(a.values()) + 3e-2), (tok, a, b)
 
 
 @pytest.mark.parametrize("panels_on,kv", [(True, "auto"), (False, "auto"), (True, "int8")],
