@@ -148,7 +148,6 @@ void q32_quantize_row(const uint16_t *x, int64_t K, int64_t B, const float *inv,
     }
 }
 
-
 /* One row of K float32 values, rounded to bf16 as they are read (q32_quantize_f32) */
 static void quantize_f32_row(const float *x, int64_t K, int64_t B, const float *inv,
                              int8_t *xq, float *dx, float *sx) {
@@ -500,7 +499,6 @@ void q32_quantize(const uint16_t *x, int64_t R, int64_t K, int64_t B, const floa
         q32_quantize_row(x + r * K, K, B, inv, xq + r * K, dx + r * G, sx + r * G);
 }
 
-/* x [R, K] float32 -> the same as q32_quantize of x rounded to bf16 first (no bf16 copy) */
 /* x [R, K] float32 -> the same as q32_quantize of x rounded to bf16 first (no bf16 copy) */
 void q32_quantize_f32(const float *x, int64_t R, int64_t K, int64_t B, const float *inv,
                       int8_t *xq, float *dx, float *sx, int threads) {

@@ -62,7 +62,13 @@ def max_code() -> int:
     AVX2 alone (vpmaddubsw pair sums gathered in int16, kernels/cpu_q32.c), 0 without
     either (or without the native kernels)."""
     lib = native.library()
-    return int(lib.q32_max_code()) if lib is not None else 0
+    return _max_code_of(lib) if lib is not None else 0
+
+
+@functools.lru_cache(maxsize=4)
+def _max_code_of(lib) -> int:
+    """Asked once per library (every product checks its codes against it)."""
+    return int(lib.q32_max_code())
 
 
 def available() -> bool:
